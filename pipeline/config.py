@@ -1,0 +1,102 @@
+"""Typed, frozen configuration per stage. Validation collects every problem and raises one ConfigError."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenizeConfig:
+    inputs: tuple[str, ...]
+    """Files, directories or globs of .jsonl/.txt/.parquet (optionally .gz/.zst) or save_to_disk folders."""
+    output_prefix: str
+    """Writes PREFIX.bin, PREFIX.idx, PREFIX.manifest.json (and PREFIX.tokenizer.model when training)."""
+    tokenizer: str | None = None
+    """An existing sentencepiece .model or a local Hugging Face tokenizer folder."""
+    train_tokenizer: bool = False
+    """Train a sentencepiece model on a sample of the input documents."""
+    vocab_size: int = 32000
+    model_type: str = "bpe"
+    sample_docs: int = 100_000
+    """How many documents (a seeded reservoir sample) the tokenizer is trained on."""
+    seed: int = 1234
+    text_key: str = "text"
+    workers: int = 1
+    append_eos: bool = True
+    on_error: str = "skip"
+    """skip: count and report bad records; fail: stop at the first one (exit code 2)."""
+    progress: bool | None = None
+    """None: a progress bar only when stderr is a terminal."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.inputs:
+            problems.append("INPUT: give at least one file, directory or glob")
+        if self.train_tokenizer == (self.tokenizer is not None):
+            problems.append("give exactly one of --tokenizer PATH or --train-tokenizer")
+        if self.train_tokenizer and not 300 <= self.vocab_size <= 1_000_000:
+            problems.append(f"--vocab-size {self.vocab_size}: expected 300..1,000,000 (byte fallback needs 260+)")
+        if self.model_type not in ("bpe", "unigram"):
+            problems.append(f"--model-type {self.model_type}: expected bpe or unigram")
+        if self.sample_docs < 1:
+            problems.append(f"--sample-docs {self.sample_docs}: expected a positive count")
+        if self.workers < 1:
+            problems.append(f"--workers {self.workers}: expected 1 or more")
+        if self.on_error not in ("skip", "fail"):
+            problems.append(f"--on-error {self.on_error}: expected skip or fail")
+        if problems:
+            raise ConfigError(problems, "tokenize options")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardConfig:
+    sources: tuple[tuple[str, float], ...]
+    """(tokenize output prefix, blend weight) pairs."""
+    output: str
+    seq_len: int
+    split: tuple[float, float, float] = (98.0, 1.0, 1.0)
+    """train, val, test ratios; normalised to sum 1."""
+    seed: int = 1234
+    num_shards: int | None = None
+    shard_size_bytes: int = 512 * 2**20
+    cross_document: bool = True
+    """False: no sample crosses a document boundary (padding + loss mask)."""
+    overwrite: bool = False
+    progress: bool | None = None
+    weights_given: bool = field(default=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.sources:
+            problems.append("PREFIX: give at least one output of `pipeline tokenize`")
+        for prefix, w in self.sources:
+            if not w > 0:
+                problems.append(f"{prefix}:{w}: a blend weight must be positive")
+        if self.seq_len < 8:
+            problems.append(f"--seq-len {self.seq_len}: expected 8 or more")
+        if len(self.split) != 3 or any(r < 0 for r in self.split) or sum(self.split) <= 0 or self.split[0] <= 0:
+            problems.append(f"--split {','.join(map(str, self.split))}: expected three non-negative ratios "
+                            "train,val,test with train > 0, e.g. 98,1,1")
+        if self.num_shards is not None and self.num_shards < 1:
+            problems.append(f"--num-shards {self.num_shards}: expected 1 or more")
+        if self.shard_size_bytes < 1:
+            problems.append("--shard-size: expected a positive size such as 512MB")
+        if problems:
+            raise ConfigError(problems, "shard options")
+
+
+def parse_size(text: str) -> int:
+    """'512MB' -> bytes (decimal units, and KiB/MiB/GiB binary ones)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    s = text.strip().upper().replace(" ", "")
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num):]
+    try:
+        if unit not in units:
+            raise ValueError
+        return int(float(num) * units[unit])
+    except ValueError:
+        raise ValueError(f"'{text}': expected a size such as 512MB, 2GB or 64GiB") from None

@@ -1,0 +1,184 @@
+"""Streaming document readers: .jsonl, .txt, .parquet (each optionally .gz / .zst) and `save_to_disk` datasets.
+
+Every reader yields `Record(line, text, error)`: exactly one of `text` / `error` is set, so bad records are
+counted and reported by the caller with their file and line, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from pipeline.errors import PipelineError
+
+TEXT_SUFFIXES = (".jsonl", ".txt", ".parquet")
+COMPRESSIONS = ("", ".gz", ".zst")
+SUPPORTED = tuple(s + c for s in TEXT_SUFFIXES for c in COMPRESSIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    line: int            # 1-based line for jsonl, row for parquet / datasets, 1 for txt
+    text: str | None
+    error: str | None = None
+    reason: str | None = None  # short category for counting: malformed_json, missing_field, ...
+    nbytes: int = 0            # raw bytes this record took in the input, for progress
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    path: Path
+    kind: str            # "jsonl" | "txt" | "parquet" | "hf"
+
+
+def _is_hf_dataset_dir(p: Path) -> bool:
+    return p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists())
+
+
+def _kind(p: Path) -> str | None:
+    name = p.name
+    for c in (".gz", ".zst"):
+        if name.endswith(c):
+            name = name[: -len(c)]
+    for s in TEXT_SUFFIXES:
+        if name.endswith(s):
+            return s[1:]
+    return None
+
+
+def resolve_inputs(inputs: list[str]) -> list[Source]:
+    """Expand files, directories and globs into an ordered list of sources (input order, then sorted names)."""
+    out: list[Source] = []
+    for spec in inputs:
+        matches = sorted(glob.glob(spec, recursive=True)) if glob.has_magic(spec) else [spec]
+        if not matches or not all(os.path.exists(m) for m in matches):
+            raise PipelineError(f"{spec}: no such file or directory")
+        for m in matches:
+            p = Path(m)
+            if _is_hf_dataset_dir(p):
+                out.append(Source(p, "hf"))
+            elif p.is_dir():
+                found = [Source(f, k) for f in sorted(p.rglob("*")) if f.is_file() and (k := _kind(f))]
+                if not found:
+                    raise PipelineError(f"{p}: directory holds no {', '.join(TEXT_SUFFIXES)} files "
+                                        "(optionally .gz/.zst) and is not a datasets save_to_disk folder")
+                out.extend(found)
+            else:
+                k = _kind(p)
+                if k is None:
+                    raise PipelineError(f"{p}: unsupported input type; expected one of {', '.join(SUPPORTED)} "
+                                        "or a datasets save_to_disk folder")
+                out.append(Source(p, k))
+    return out
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return open(path, "rb")
+
+
+def _jsonl(path: Path, text_key: str) -> Iterator[Record]:
+    with _open_binary(path) as raw:
+        reader = io.BufferedReader(raw) if not isinstance(raw, io.BufferedReader) else raw  # type: ignore[arg-type]
+        for n, line in enumerate(reader, start=1):
+            if not line.strip():
+                continue  # blank lines separate nothing in JSONL; not a document
+            try:
+                s = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Record(n, None, f"invalid UTF-8 at byte {e.start}", "invalid_utf8", len(line))
+                continue
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError as e:
+                yield Record(n, None, f"malformed JSON ({e.msg} at column {e.colno})", "malformed_json", len(line))
+                continue
+            yield _check_text(n, obj.get(text_key) if isinstance(obj, dict) else None, text_key,
+                              isinstance(obj, dict) and text_key in obj, len(line))
+
+
+def _check_text(n: int, text: object, text_key: str, present: bool, nbytes: int = -1) -> Record:
+    if nbytes < 0:
+        nbytes = len(text) if isinstance(text, str) else 0
+    if not present:
+        return Record(n, None, f"missing field '{text_key}' (set --text-key)", "missing_field", nbytes)
+    if not isinstance(text, str):
+        return Record(n, None, f"field '{text_key}' is {type(text).__name__}, not a string", "not_a_string", nbytes)
+    if not text.strip():
+        return Record(n, None, "empty document", "empty_document", nbytes)
+    return Record(n, text, None, None, nbytes)
+
+
+def _txt(path: Path) -> Iterator[Record]:
+    with _open_binary(path) as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        yield Record(line, None, f"invalid UTF-8 at byte {e.start}", "invalid_utf8", len(data))
+        return
+    yield _check_text(1, text, "text", True, len(data))
+
+
+def _parquet(path: Path, text_key: str) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    with _open_binary(path) as f:
+        pf = pq.ParquetFile(f)
+        if text_key not in pf.schema_arrow.names:
+            raise PipelineError(f"{path}: no column '{text_key}' (columns: {', '.join(pf.schema_arrow.names)}); "
+                                "set --text-key")
+        row = 0
+        for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                yield _check_text(row, value, text_key, True)
+
+
+def _hf(path: Path, text_key: str) -> Iterator[Record]:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        parts = [ds[k] for k in sorted(ds.keys())]
+    else:
+        parts = [ds]
+    row = 0
+    for part in parts:
+        if text_key not in part.column_names:
+            raise PipelineError(f"{path}: no column '{text_key}' (columns: {', '.join(part.column_names)}); "
+                                "set --text-key")
+        for batch in part.select_columns([text_key]).iter(batch_size=1024):
+            for value in batch[text_key]:
+                row += 1
+                yield _check_text(row, value, text_key, True)
+
+
+def read_records(src: Source, text_key: str = "text") -> Iterator[Record]:
+    try:
+        if src.kind == "jsonl":
+            yield from _jsonl(src.path, text_key)
+        elif src.kind == "txt":
+            yield from _txt(src.path)
+        elif src.kind == "parquet":
+            yield from _parquet(src.path, text_key)
+        else:
+            yield from _hf(src.path, text_key)
+    except PipelineError:
+        raise
+    except (OSError, EOFError, ValueError) as e:
+        # gzip/zstd/parquet corruption surfaces here; name the file, keep it one line.
+        raise PipelineError(f"{src.path}: cannot read ({type(e).__name__}: {e})") from None

@@ -1,0 +1,314 @@
+"""Stage 2: token ids -> packed, shuffled, split, blended fixed-length training shards plus `DIR/manifest.json`.
+
+Order of work, all deterministic from the seed:
+  1. each source's documents are shuffled and split by document into train/val/test (`split_documents`);
+  2. each split's documents are packed into samples of seq_len + 1 tokens (`pack`), source by source;
+  3. the train split is blended: source s contributes round(w_s x total) samples, repeating a small source
+     (`blend_counts`); then every split's samples are shuffled and written as shards of fixed-size rows.
+Work happens in DIR/.tmp-*; shards are moved into DIR and manifest.json, written last, marks completion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline import __version__
+from pipeline.atomic import sha256_file, write_json
+from pipeline.config import ShardConfig
+from pipeline.errors import PipelineError
+from pipeline.indexed import IndexedReader
+from pipeline.progress import Progress
+from pipeline.tokenizing import load_manifest
+
+SPLITS = ("train", "val", "test")
+_GATHER_ROWS = 8192
+
+
+def split_documents(n_docs: int, ratios: tuple[float, float, float], seed: int, source: int) -> dict[str, np.ndarray]:
+    """Pure: document ids per split; a seeded permutation cut at the cumulative ratios. Disjoint and complete."""
+    perm = np.random.default_rng([seed, source, 0]).permutation(n_docs)
+    total = sum(ratios)
+    cuts = [0] + [round(n_docs * sum(ratios[: k + 1]) / total) for k in range(3)]
+    return {name: perm[cuts[k]:cuts[k + 1]] for k, name in enumerate(SPLITS)}
+
+
+def pack(docs: Iterable[np.ndarray], seq_len: int, cross_document: bool, pad_id: int,
+         dtype: np.dtype) -> Iterator[tuple[np.ndarray, np.ndarray | None, int]]:
+    """Pure: yields (rows (k, seq_len+1), valid lengths or None, tokens dropped) blocks.
+
+    cross_document: documents are concatenated and cut every seq_len+1 tokens; the final tail is dropped.
+    Otherwise each document is cut on its own, its last piece padded with `pad_id` (valid length recorded so
+    the loss mask excludes the padding); a 1-token piece has no label and is dropped.
+    """
+    width = seq_len + 1
+    if cross_document:
+        carry = np.zeros(0, dtype)
+        batch: list[np.ndarray] = []
+        size = 0
+        for doc in docs:
+            batch.append(np.asarray(doc))
+            size += len(doc)
+            if size >= width * 1024:
+                stream = np.concatenate([carry, *batch]).astype(dtype, copy=False)
+                n = len(stream) // width
+                yield stream[: n * width].reshape(n, width), None, 0
+                carry, batch, size = stream[n * width:].copy(), [], 0
+        stream = np.concatenate([carry, *batch]).astype(dtype, copy=False) if batch or len(carry) else carry
+        n = len(stream) // width
+        if n:
+            yield stream[: n * width].reshape(n, width), None, 0
+        yield np.zeros((0, width), dtype), None, len(stream) - n * width
+        return
+    rows: list[np.ndarray] = []
+    lens: list[int] = []
+    dropped = 0
+    for doc in docs:
+        doc = np.asarray(doc)
+        for start in range(0, len(doc), width):
+            piece = doc[start:start + width]
+            if len(piece) < 2:
+                dropped += len(piece)
+                continue
+            row = np.full(width, pad_id, dtype)
+            row[: len(piece)] = piece
+            rows.append(row)
+            lens.append(len(piece))
+        if len(rows) >= 1024:
+            yield np.stack(rows), np.asarray(lens, np.int32), dropped
+            rows, lens, dropped = [], [], 0
+    yield (np.stack(rows) if rows else np.zeros((0, width), dtype)), np.asarray(lens, np.int32), dropped
+
+
+def blend_counts(available: list[int], weights: list[float] | None) -> list[int]:
+    """Pure: samples drawn per source. Without weights, each source as it is; with weights, the total is kept
+    and split in proportion, so a small heavily-weighted source repeats."""
+    if weights is None:
+        return list(available)
+    total = sum(available)
+    wsum = sum(weights)
+    counts = [int(round(total * w / wsum)) for w in weights]
+    for i, (c, a) in enumerate(zip(counts, available, strict=True)):
+        if c and not a:
+            raise PipelineError(f"source {i} has weight {weights[i]} but no training samples at this --seq-len")
+    return counts
+
+
+def draw(n_available: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """Pure: `count` sample ids out of `n_available`: whole passes, then a random subset for the remainder."""
+    if count == 0:
+        return np.zeros(0, np.int64)
+    full, rest = divmod(count, n_available)
+    parts = [np.arange(n_available)] * full + [np.sort(rng.permutation(n_available)[:rest])]
+    return np.concatenate(parts).astype(np.int64)
+
+
+@dataclass
+class ShardResult:
+    output: Path
+    manifest: dict[str, Any]
+    skipped: bool = False
+
+
+def _fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _row_dtype(manifests: list[dict[str, Any]]) -> np.dtype:
+    return np.dtype(manifests[0]["dtype"])
+
+
+def _shard_ranges(n: int, row_bytes: int, cfg: ShardConfig) -> list[tuple[int, int]]:
+    k = cfg.num_shards if cfg.num_shards else max(1, -(-n * row_bytes // cfg.shard_size_bytes))
+    k = max(1, min(k, n)) if n else 1
+    cuts = [n * i // k for i in range(k + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(k)]
+
+
+def run(cfg: ShardConfig) -> ShardResult:
+    t0 = time.perf_counter()
+    out = Path(cfg.output)
+    manifests = [load_manifest(p) for p, _ in cfg.sources]
+    shas = {m["tokenizer"]["sha256"] for m in manifests}
+    if len(shas) > 1:
+        listing = "; ".join(f"{p}: {m['tokenizer']['path']} ({m['tokenizer']['sha256'][:12]})"
+                            for (p, _), m in zip(cfg.sources, manifests, strict=True))
+        raise PipelineError(f"inputs were tokenized with different tokenizers ({listing}); "
+                            "re-tokenize them with one --tokenizer")
+    tok = manifests[0]["tokenizer"]
+    dtype = _row_dtype(manifests)
+    pad_id = tok["pad_id"] if tok["pad_id"] >= 0 else tok["eos_id"]
+    weights = [w for _, w in cfg.sources] if cfg.weights_given else None
+    args = {"sources": [{"prefix": str(Path(p).resolve()), "manifest_sha256": sha256_file(str(p) + ".manifest.json"),
+                         "weight": w} for p, w in cfg.sources],
+            "seq_len": cfg.seq_len, "split": list(cfg.split), "seed": cfg.seed, "weights_given": cfg.weights_given,
+            "cross_document": cfg.cross_document, "num_shards": cfg.num_shards,
+            "shard_size_bytes": None if cfg.num_shards else cfg.shard_size_bytes, "dtype": dtype.name}
+    fingerprint = _fingerprint(args)
+    if (out / "manifest.json").exists():
+        old = json.loads((out / "manifest.json").read_text())
+        if old.get("fingerprint") == fingerprint and _shards_intact(out, old):
+            return ShardResult(out, old, skipped=True)
+        if not cfg.overwrite:
+            raise PipelineError(f"{out} already holds shards made with other arguments or inputs "
+                                f"(fingerprint {old.get('fingerprint')} vs {fingerprint}); "
+                                "pass --overwrite to replace them, or choose another --output")
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out))
+    try:
+        result = _build(cfg, out, work, manifests, dtype, pad_id, weights, args, fingerprint, t0)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _build(cfg: ShardConfig, out: Path, work: Path, manifests: list[dict[str, Any]], dtype: np.dtype, pad_id: int,
+           weights: list[float] | None, args: dict[str, Any], fingerprint: str, t0: float) -> ShardResult:
+    width = cfg.seq_len + 1
+    readers = [IndexedReader(p) for p, _ in cfg.sources]
+    progress = Progress(sum(int(r.lengths.sum()) for r in readers) * dtype.itemsize, "shard", cfg.progress)
+    packed: dict[str, list[tuple[np.memmap, np.memmap | None]]] = {s: [] for s in SPLITS}
+    split_stats: dict[str, dict[str, Any]] = {s: {"documents": 0, "tokens_in": 0, "dropped_tokens": 0,
+                                                  "per_source_samples": []} for s in SPLITS}
+    for si, reader in enumerate(readers):
+        for split, doc_ids in split_documents(len(reader), cfg.split, cfg.seed, si).items():
+            rows_path, lens_path = work / f"src{si}-{split}.rows", work / f"src{si}-{split}.lens"
+            n_rows = 0
+            with open(rows_path, "wb") as fr, open(lens_path, "wb") as fl:
+                for rows, lens, dropped in pack((reader[int(d)] for d in doc_ids), cfg.seq_len,
+                                                cfg.cross_document, pad_id, dtype):
+                    fr.write(rows.tobytes())
+                    if lens is not None:
+                        fl.write(lens.tobytes())
+                    n_rows += len(rows)
+                    split_stats[split]["dropped_tokens"] += dropped
+                    progress.update(rows.nbytes, tok=rows.size)
+            st = split_stats[split]
+            st["documents"] += len(doc_ids)
+            st["tokens_in"] += int(reader.lengths[doc_ids].sum()) if len(doc_ids) else 0
+            st["per_source_samples"].append(n_rows)
+            rows_mm = np.memmap(rows_path, dtype, "r", shape=(n_rows, width)) if n_rows else None
+            lens_mm = (np.memmap(lens_path, np.int32, "r", shape=(n_rows,))
+                       if n_rows and not cfg.cross_document else None)
+            packed[split].append((rows_mm, lens_mm))  # type: ignore[arg-type]
+    progress.close()
+
+    shards: dict[str, Any] = {}
+    for si_split, split in enumerate(SPLITS):
+        available = split_stats[split]["per_source_samples"]
+        counts = blend_counts(available, weights) if split == "train" else list(available)
+        rng = np.random.default_rng([cfg.seed, 1, si_split])
+        picks = [(s, i) for s in range(len(available)) for i in draw(available[s], counts[s], rng)]
+        order = rng.permutation(len(picks)) if picks else np.zeros(0, np.int64)
+        src_ids = np.array([p[0] for p in picks], np.int64)[order] if picks else np.zeros(0, np.int64)
+        row_ids = np.array([p[1] for p in picks], np.int64)[order] if picks else np.zeros(0, np.int64)
+        files = []
+        for k, (a, b) in enumerate(_shard_ranges(len(order), width * dtype.itemsize, cfg)):
+            name = f"{split}-{k:05d}"
+            with open(work / f"{name}.bin", "wb") as fb, open(work / f"{name}.len", "wb") as fl:
+                for c in range(a, b, _GATHER_ROWS):
+                    s_ids, r_ids = src_ids[c:min(b, c + _GATHER_ROWS)], row_ids[c:min(b, c + _GATHER_ROWS)]
+                    block = np.empty((len(s_ids), width), dtype)
+                    lens = np.empty(len(s_ids), np.int32)
+                    for s in np.unique(s_ids):
+                        sel = s_ids == s
+                        rows_mm, lens_mm = packed[split][s]
+                        block[sel] = rows_mm[r_ids[sel]]
+                        lens[sel] = lens_mm[r_ids[sel]] if lens_mm is not None else width
+                    fb.write(block.tobytes())
+                    if not cfg.cross_document:
+                        fl.write(lens.tobytes())
+            entry = {"file": f"{name}.bin", "samples": b - a, "bytes": (b - a) * width * dtype.itemsize,
+                     "sha256": sha256_file(work / f"{name}.bin")}
+            if cfg.cross_document:
+                (work / f"{name}.len").unlink()
+            else:
+                entry["lengths_file"] = f"{name}.len"
+                entry["lengths_sha256"] = sha256_file(work / f"{name}.len")
+            files.append(entry)
+        n = len(order)
+        st = split_stats[split]
+        shards[split] = {
+            "samples": n, "tokens": n * width, "documents": st["documents"], "input_tokens": st["tokens_in"],
+            "dropped_tokens": st["dropped_tokens"],
+            "sources": [{"prefix": cfg.sources[s][0], "available_samples": available[s], "drawn_samples": counts[s],
+                         "effective_epochs": round(counts[s] / available[s], 4) if available[s] else 0.0,
+                         "weight": weights[s] if weights else None} for s in range(len(available))],
+            "shards": files,
+        }
+
+    tok = dict(manifests[0]["tokenizer"])
+    tokenizer_copy = None
+    if tok["kind"] == "sentencepiece" and Path(tok["path"]).exists():
+        shutil.copyfile(tok["path"], work / "tokenizer.model")
+        tokenizer_copy = "tokenizer.model"
+    # Replace: drop the old manifest first so a crash mid-move never leaves a manifest vouching for new files.
+    (out / "manifest.json").unlink(missing_ok=True)
+    for old in out.glob("*-[0-9][0-9][0-9][0-9][0-9].*"):
+        old.unlink()
+    for f in work.iterdir():
+        if f.name.split("-")[0] in SPLITS or f.name == "tokenizer.model":
+            os.replace(f, out / f.name)
+    wall = time.perf_counter() - t0
+    total_tokens = sum(int(m["totals"]["tokens"]) for m in manifests)
+    manifest = {
+        "tool": "pipeline shard", "version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "fingerprint": fingerprint, "args": args,
+        "seq_len": cfg.seq_len, "sample_width": width, "dtype": dtype.name, "cross_document": cfg.cross_document,
+        "pad_id": pad_id, "seed": cfg.seed, "split_ratios": list(cfg.split),
+        "tokenizer": {**tok, "copy": tokenizer_copy},
+        "source_manifests": [{"prefix": p, "sha256": a["manifest_sha256"], "documents": m["totals"]["documents"],
+                              "tokens": m["totals"]["tokens"]}
+                             for (p, _), a, m in zip(cfg.sources, args["sources"], manifests, strict=True)],
+        "splits": shards,
+        "wall_time_s": round(wall, 3),
+        "throughput_mb_per_s": round(total_tokens * dtype.itemsize / 1e6 / wall, 2),
+    }
+    write_json(out / "manifest.json", manifest)
+    return ShardResult(out, manifest)
+
+
+def _shards_intact(out: Path, manifest: dict[str, Any]) -> bool:
+    for split in manifest.get("splits", {}).values():
+        for f in split["shards"]:
+            p = out / f["file"]
+            if not p.exists() or p.stat().st_size != f["bytes"]:
+                return False
+    return True
+
+
+def describe(path: str | Path) -> str:
+    """`pipeline shard --inspect`: the manifest as a readable summary."""
+    m = read_manifest(path)
+    lines = [f"{path}: shards by pipeline {m['version']}, fingerprint {m['fingerprint']}",
+             f"  seq_len {m['seq_len']} ({m['dtype']}), seed {m['seed']}, split {m['split_ratios']}, "
+             f"{'cross-document packing' if m['cross_document'] else 'no cross-document samples (padded, masked)'}",
+             f"  tokenizer {m['tokenizer']['path']} (vocab {m['tokenizer']['vocab_size']}, "
+             f"sha256 {m['tokenizer']['sha256'][:12]})"]
+    for name, s in m["splits"].items():
+        lines.append(f"  {name:5s}: {s['samples']:>10,} samples {s['tokens']:>14,} tokens in {len(s['shards'])} "
+                     f"shard(s); {s['documents']:,} documents, {s['dropped_tokens']:,} tail tokens dropped")
+        for src in s["sources"]:
+            w = f", weight {src['weight']}" if src["weight"] is not None else ""
+            lines.append(f"         {src['prefix']}: {src['drawn_samples']:,} of {src['available_samples']:,} "
+                         f"samples ({src['effective_epochs']} epochs{w})")
+    return "\n".join(lines)
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    p = Path(path) / "manifest.json"
+    if not p.exists():
+        raise PipelineError(f"{path}: no manifest.json; not a finished `pipeline shard` output "
+                            "(run `pipeline shard ... --output DIR`)")
+    return json.loads(p.read_text())
