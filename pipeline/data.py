@@ -168,6 +168,11 @@ class _WithMask:
         return len(self.ds)
 
 
+def collate_samples(ds: ShardedDataset, sample_ids: list[int]) -> dict[str, Any]:
+    """The same batch the loader would give for these sample ids, without a DataLoader."""
+    return _Collate(ds)([_WithMask(ds)[i] for i in sample_ids])
+
+
 def build_loader(ds: ShardedDataset, *, seed: int, micro_batch_size: int, data_parallel_size: int, rank: int,
                  consumed_samples: int = 0, num_workers: int = 1, pin_memory: bool | None = None) -> Any:
     """A PyTorch DataLoader over this rank's micro-batches, from `consumed_samples` on (endless)."""

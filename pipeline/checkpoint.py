@@ -1,0 +1,76 @@
+"""Checkpoint layout in a run folder: DeepSpeed tags `step{N:08d}`, a completion marker per tag, our own
+`latest` file (same format as DeepSpeed's, written only after the marker), and keep-last-K pruning."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pipeline.atomic import write_json, write_text
+from pipeline.errors import PipelineError
+
+MARKER = "pipeline_complete.json"
+_TAG = re.compile(r"^step(\d{8})$")
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def complete_tags(run_dir: str | Path) -> list[str]:
+    """Tags with a completion marker, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    tags = [p.name for p in run_dir.iterdir() if _TAG.match(p.name) and (p / MARKER).exists()]
+    return sorted(tags)
+
+
+def latest_complete(run_dir: str | Path) -> str | None:
+    tags = complete_tags(run_dir)
+    return tags[-1] if tags else None
+
+
+def mark_complete(run_dir: Path, tag: str, info: dict[str, Any]) -> None:
+    """Rank 0, after every rank has written its shards (the caller holds a barrier)."""
+    write_json(run_dir / tag / MARKER, info)
+    write_text(run_dir / "latest", tag)
+
+
+def read_marker(run_dir: str | Path, tag: str) -> dict[str, Any]:
+    return json.loads((Path(run_dir) / tag / MARKER).read_text())
+
+
+def prune(run_dir: Path, keep_last: int) -> list[str]:
+    """Delete complete checkpoints beyond the newest `keep_last` and incomplete ones older than the newest
+    complete one. The latest complete checkpoint is never deleted."""
+    tags = complete_tags(run_dir)
+    latest = tags[-1] if tags else None
+    doomed = tags[: max(0, len(tags) - max(1, keep_last))]
+    if latest:
+        doomed += [p.name for p in run_dir.iterdir()
+                   if _TAG.match(p.name) and not (p / MARKER).exists() and p.name < latest]
+    for t in doomed:
+        if t != latest:
+            shutil.rmtree(run_dir / t, ignore_errors=True)
+    return doomed
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
+    """RUN_DIR or RUN_DIR/TAG -> (run_dir, tag), refusing paths that are not complete checkpoints."""
+    path = Path(path)
+    if _TAG.match(path.name) and path.is_dir():
+        if not (path / MARKER).exists():
+            raise PipelineError(f"{path}: checkpoint is incomplete (still being written, or its save crashed); "
+                                f"use an earlier tag or the run folder {path.parent}")
+        return path.parent, path.name
+    if not path.is_dir():
+        raise PipelineError(f"{path}: no such run folder or checkpoint")
+    tag = latest_complete(path)
+    if tag is None:
+        raise PipelineError(f"{path}: holds no complete checkpoint (expected folders step00000100/ with {MARKER}); "
+                            "is it a run folder of `pipeline pretrain`?")
+    return path, tag

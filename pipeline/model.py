@@ -1,0 +1,120 @@
+"""Model presets and construction from transformers' Llama classes (RoPE, SwiGLU, GQA, SDPA). No distributed code."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from pipeline.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    hidden_size: int
+    """Model width h."""
+    num_layers: int
+    ffn_hidden_size: int
+    """SwiGLU inner width."""
+    num_heads: int
+    num_kv_heads: int
+    """Grouped-query attention: key/value heads (== num_heads for plain multi-head attention)."""
+    vocab_size: int = 32000
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+
+    def check(self) -> list[str]:
+        p = []
+        if self.hidden_size % self.num_heads:
+            p.append(f"model.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            p.append(f"model.num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        if min(self.hidden_size, self.num_layers, self.ffn_hidden_size, self.num_heads, self.vocab_size) < 1:
+            p.append("model sizes must be positive")
+        return p
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def layer_params(self) -> int:
+        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.num_kv_heads * self.head_dim
+        return h * h + 2 * h * kv + h * h + 3 * h * f + 2 * h  # q, k, v, o, gate/up/down, two RMSNorms
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def num_params(self) -> int:
+        head = 0 if self.tie_embeddings else self.embedding_params()
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.hidden_size + head
+
+    def largest_layer_params(self) -> int:
+        return max(self.embedding_params(), self.layer_params())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, PaLM appendix B: 6 N (non-embedding-input params) + 12 L H Q T attention."""
+        n = self.num_params() - self.embedding_params()
+        return 6.0 * n + 12.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PRESETS: dict[str, ModelShape] = {
+    # ~1M parameters with a small vocabulary: for tests and CPU demos.
+    "tiny": ModelShape(hidden_size=64, num_layers=2, ffn_hidden_size=172, num_heads=4, num_kv_heads=2,
+                       max_seq_len=1024),
+    "125m": ModelShape(hidden_size=768, num_layers=12, ffn_hidden_size=2048, num_heads=12, num_kv_heads=12,
+                       max_seq_len=2048),
+    "350m": ModelShape(hidden_size=1024, num_layers=24, ffn_hidden_size=2816, num_heads=16, num_kv_heads=16,
+                       max_seq_len=2048),
+    # TinyLlama-1.1B geometry.
+    "1b": ModelShape(hidden_size=2048, num_layers=22, ffn_hidden_size=5632, num_heads=32, num_kv_heads=4,
+                     max_seq_len=2048),
+    "7b": ModelShape(hidden_size=4096, num_layers=32, ffn_hidden_size=11008, num_heads=32, num_kv_heads=32),
+    "13b": ModelShape(hidden_size=5120, num_layers=40, ffn_hidden_size=13824, num_heads=40, num_kv_heads=40),
+    # Llama-2-70B geometry.
+    "70b": ModelShape(hidden_size=8192, num_layers=80, ffn_hidden_size=28672, num_heads=64, num_kv_heads=8),
+}
+
+
+def resolve_shape(preset: str | None, overrides: dict[str, Any], vocab_size: int | None) -> ModelShape:
+    """A preset (or explicit fields), with overrides such as num_layers=2, and the tokenizer's vocabulary."""
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError([f"model.preset '{preset}': expected one of {', '.join(PRESETS)}"])
+    fields = set(ModelShape.__dataclass_fields__)
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ConfigError([f"model.{k}: unknown field (known: {', '.join(sorted(fields))})" for k in unknown])
+    try:
+        shape = replace(PRESETS[preset], **overrides) if preset else ModelShape(**overrides)
+    except TypeError as e:
+        raise ConfigError([f"model: give a preset or all of hidden_size, num_layers, ffn_hidden_size, num_heads, "
+                           f"num_kv_heads ({e})"]) from None
+    if vocab_size is not None:
+        shape = replace(shape, vocab_size=vocab_size)
+    if problems := shape.check():
+        raise ConfigError(problems)
+    return shape
+
+
+def llama_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id: int | None = 3) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_seq_len,
+        rms_norm_eps=shape.norm_eps, rope_theta=shape.rope_theta, tie_word_embeddings=shape.tie_embeddings,
+        hidden_act="silu", attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=False,
+        attn_implementation="sdpa", initializer_range=0.02,
+    )
+
+
+def build_model(shape: ModelShape, **ids: Any) -> Any:
+    """A freshly initialised LlamaForCausalLM (fp32). Seed torch first for a reproducible init."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(llama_config(shape, **ids))

@@ -1,0 +1,225 @@
+"""Pretrain config: YAML -> typed, frozen dataclasses; every problem is reported at once, before any process
+group starts. `--set section.key=value` overrides any field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSection:
+    preset: str | None = "tiny"
+    """tiny | 125m | 350m | 1b | 7b | 13b | 70b, or null with explicit shape fields in `shape`."""
+    shape: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the preset's shape, e.g. {num_layers: 2} (see pipeline.model.ModelShape)."""
+    init_from: str | None = None
+    """A safetensors file or Hugging Face model folder to start from (continued pretraining)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataSection:
+    path: str = "data/shards"
+    """Output folder of `pipeline shard`; its seq_len is the training sequence length."""
+    num_workers: int = 1
+    verify: bool = True
+    """Check shard checksums against the manifest at start (reads the data once)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchSection:
+    micro_batch_size: int = 1
+    """Sequences per rank per forward pass."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all ranks; gradient accumulation = global / (micro x world)."""
+    global_batch_tokens: int | None = None
+    """Alternative to global_batch_size: tokens per optimizer step (must be a multiple of seq_len)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimSection:
+    name: str = "adamw"
+    """adamw (DeepSpeed's: FusedAdam on GPU, CPUAdam when offloading) | adamw8bit (bitsandbytes, ZeRO 0-2, no offload)."""
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 100
+    decay_steps: int | None = None
+    """Cosine decay length after warmup; default: until max_steps."""
+    weight_decay: float = 0.1
+    """Not applied to norms and biases."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSection:
+    max_steps: int | None = 1000
+    max_tokens: int | None = None
+    """Alternative to max_steps: stop after this many training tokens."""
+    seed: int = 1234
+    precision: str = "bf16"
+    """bf16 | fp16 (dynamic loss scaling) | fp32."""
+    activation_checkpointing: bool = False
+    deepspeed_config: str = "ds_configs/zero1.json"
+    """A DeepSpeed JSON with "auto" batch/precision fields, or `auto` to let the planner choose."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalSection:
+    interval: int = 100
+    batches: int = 10
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointSection:
+    interval: int = 500
+    keep_last: int = 3
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint in run_dir; never: start fresh (refuses a run_dir
+    that holds checkpoints); or a tag such as step00000100."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LogSection:
+    interval: int = 10
+    tensorboard: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PretrainConfig:
+    run_dir: str = "runs/default"
+    """Checkpoints, metrics.jsonl, TensorBoard events and the resolved config go here."""
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    batch: BatchSection = field(default_factory=BatchSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(PretrainConfig)}
+
+
+def _section_class(name: str) -> Any:
+    return {"model": ModelSection, "data": DataSection, "batch": BatchSection, "optim": OptimSection,
+            "train": TrainSection, "eval": EvalSection, "checkpoint": CheckpointSection, "log": LogSection}[name]
+
+
+def apply_overrides(raw: dict[str, Any], sets: list[str]) -> dict[str, Any]:
+    """`section.key=value` (value parsed as YAML) into the raw mapping."""
+    raw = json.loads(json.dumps(raw))
+    for s in sets:
+        key, sep, value = s.partition("=")
+        if not sep or not key:
+            raise ConfigError([f"--set {s}: expected section.key=value, e.g. optim.lr=1e-3"])
+        node = raw
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(value)
+    return raw
+
+
+def from_dict(raw: dict[str, Any], source: str = "config") -> PretrainConfig:
+    problems: list[str] = []
+    kwargs: dict[str, Any] = {}
+    for key, value in (raw or {}).items():
+        if key == "run_dir":
+            kwargs[key] = str(value)
+            continue
+        if key not in _SECTIONS:
+            problems.append(f"{key}: unknown section (known: run_dir, {', '.join(s for s in _SECTIONS if s != 'run_dir')})")
+            continue
+        cls = _section_class(key)
+        if not isinstance(value, dict):
+            problems.append(f"{key}: expected a mapping of fields")
+            continue
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {}
+        for k, v in value.items():
+            if k not in known:
+                problems.append(f"{key}.{k}: unknown field (known: {', '.join(known)})")
+            else:
+                fields[k] = _coerce(v, known[k].type)
+        try:
+            kwargs[key] = cls(**fields)
+        except (TypeError, ValueError) as e:
+            problems.append(f"{key}: {e}")
+    if problems:
+        raise ConfigError(problems, source)
+    cfg = PretrainConfig(**kwargs)
+    if problems := check(cfg):
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def _coerce(value: Any, typ: Any) -> Any:
+    # YAML reads 3e-4 as a string; numbers written that way are still numbers.
+    if isinstance(value, str) and "float" in str(typ):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def check(cfg: PretrainConfig) -> list[str]:
+    """Field-level checks that need no files; batch arithmetic against the world size is in `batch_plan`."""
+    p = []
+    b, o, t = cfg.batch, cfg.optim, cfg.train
+    if b.micro_batch_size < 1:
+        p.append(f"batch.micro_batch_size {b.micro_batch_size}: expected 1 or more")
+    if (b.global_batch_size is None) == (b.global_batch_tokens is None):
+        p.append("batch: give exactly one of global_batch_size (sequences) or global_batch_tokens")
+    if not 0 < o.lr < 1:
+        p.append(f"optim.lr {o.lr}: expected 0 < lr < 1")
+    if not 0 <= o.min_lr <= o.lr:
+        p.append(f"optim.min_lr {o.min_lr}: expected 0 <= min_lr <= lr ({o.lr})")
+    if o.warmup_steps < 0:
+        p.append("optim.warmup_steps: expected 0 or more")
+    if o.name not in ("adamw", "adamw8bit"):
+        p.append(f"optim.name {o.name}: expected adamw or adamw8bit")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        p.append("optim.beta1/beta2: expected values in [0, 1)")
+    if o.grad_clip < 0:
+        p.append("optim.grad_clip: expected 0 (off) or a positive norm")
+    if t.precision not in ("bf16", "fp16", "fp32"):
+        p.append(f"train.precision {t.precision}: expected bf16, fp16 or fp32")
+    if (t.max_steps is None) == (t.max_tokens is None):
+        p.append("train: give exactly one of max_steps or max_tokens")
+    if cfg.eval.interval < 1 or cfg.eval.batches < 0:
+        p.append("eval.interval must be >= 1 and eval.batches >= 0")
+    if cfg.checkpoint.interval < 1 or cfg.checkpoint.keep_last < 1:
+        p.append("checkpoint.interval and checkpoint.keep_last must be >= 1")
+    if cfg.log.interval < 1:
+        p.append("log.interval must be >= 1")
+    return p
+
+
+def load(path: str | Path, sets: list[str] | None = None) -> PretrainConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError([f"{path}: no such config file (see configs/ for examples)"], str(path))
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([f"not valid YAML: {e}"], str(path)) from None
+    return from_dict(apply_overrides(raw, sets or []), str(path))
+
+
+def dump(cfg: PretrainConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
