@@ -133,5 +133,46 @@ def shard(sources: tuple[str, ...], output: str | None, seq_len: int | None, spl
         click.echo(shard_stage.describe(output))
 
 
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_path", required=True, help="Pretrain YAML config (see configs/).")
+@click.option("--hostfile", default=None, help="DeepSpeed hostfile (multi-node; DeepSpeed reaches hosts by ssh).")
+@click.option("--num-gpus", type=int, default=None, help="Ranks on this machine when no hostfile is given "
+              "(CPU runs: processes).")
+@click.option("--master-port", type=int, default=None, help="Rendezvous port (default: DeepSpeed's 29500).")
+@click.option("--set", "sets", multiple=True, help="Override a config field: section.key=value (repeatable).")
+@click.option("--dry-run", is_flag=True, help="Resolve and print the config, batch plan and DeepSpeed JSON; no training.")
+@_user_errors
+def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, master_port: int | None,
+             sets: tuple[str, ...], dry_run: bool) -> None:
+    """Build the `deepspeed ... pipeline/pretrain.py` command line, print it, and run it."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import pipeline
+
+    script = Path(pipeline.__file__).parent / "pretrain.py"
+    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
+    if launcher is None:
+        raise PipelineError("the `deepspeed` launcher is not installed in this environment (pip install deepspeed)")
+    cmd = [launcher]
+    if hostfile:
+        if not Path(hostfile).exists():
+            raise PipelineError(f"--hostfile {hostfile}: no such file (see hostfiles/)")
+        cmd += ["--hostfile", hostfile]
+    elif num_gpus:
+        cmd += ["--num_gpus", str(num_gpus)]
+    if master_port:
+        cmd += ["--master_port", str(master_port)]
+    cmd += [str(script), "--config", config_path]
+    for s in sets:
+        cmd += ["--set", s]
+    if dry_run:
+        cmd.append("--dry-run")
+    click.echo("+ " + " ".join(cmd), err=True)
+    sys.exit(subprocess.call(cmd, env=os.environ.copy()))
+
+
 if __name__ == "__main__":
     main()

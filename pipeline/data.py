@@ -168,6 +168,15 @@ class _WithMask:
         return len(self.ds)
 
 
+def _worker_init(_: int) -> None:
+    # A launcher's SIGTERM reaches the whole process tree; workers must outlive it until the rank has saved its
+    # checkpoint, so they ignore it and exit with their parent.
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def collate_samples(ds: ShardedDataset, sample_ids: list[int]) -> dict[str, Any]:
     """The same batch the loader would give for these sample ids, without a DataLoader."""
     return _Collate(ds)([_WithMask(ds)[i] for i in sample_ids])
@@ -184,5 +193,6 @@ def build_loader(ds: ShardedDataset, *, seed: int, micro_batch_size: int, data_p
                             data_parallel_size=data_parallel_size, rank=rank, consumed_samples=consumed_samples)
     return torch.utils.data.DataLoader(_WithMask(ds), batch_sampler=sampler, collate_fn=_Collate(ds),  # type: ignore[arg-type]
                                        num_workers=num_workers, pin_memory=pin_memory,
+                                       worker_init_fn=_worker_init if num_workers > 0 else None,
                                        persistent_workers=num_workers > 0,
                                        prefetch_factor=4 if num_workers > 0 else None)

@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
         print(dump(cfg))
         print(f"# batch: micro {plan.micro_batch_size} x data-parallel {plan.data_parallel_size} x grad-accum "
               f"{plan.grad_accum} = {plan.global_batch_size} sequences of {plan.seq_len} tokens")

@@ -1,0 +1,35 @@
+"""Shared fixtures: a real sentencepiece tokenizer trained on the fixture corpus, and real shards built from it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pipeline import shard as shard_stage
+from pipeline import tokenizing
+from pipeline.config import ShardConfig, TokenizeConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+CORPUS = FIXTURES / "corpus.jsonl"
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="session")
+def tokenized(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PREFIX of the fixture corpus tokenized with a freshly trained 600-piece BPE model."""
+    prefix = tmp_path_factory.mktemp("tok") / "corpus"
+    tokenizing.run(TokenizeConfig(inputs=(str(CORPUS),), output_prefix=str(prefix), train_tokenizer=True,
+                                  vocab_size=600, workers=1, progress=False))
+    return prefix
+
+
+@pytest.fixture(scope="session")
+def shards(tokenized: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "seq64"
+    shard_stage.run(ShardConfig(sources=((str(tokenized), 1.0),), output=str(out), seq_len=64,
+                                split=(80.0, 10.0, 10.0), progress=False))
+    return out
