@@ -88,18 +88,30 @@ def load_initial_weights(model: torch.nn.Module, path: str, rank: int, stage3: b
 def build_model(shape: ModelShape, ds: dict[str, Any], cfg: PretrainConfig, tok: dict[str, Any],
                 rank: int) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
-    from transformers.integrations import HfDeepSpeedConfig
 
     stage3 = zero_stage(ds) == 3
     lcfg = llama_config(shape, bos_id=max(tok.get("bos_id", 1), 0), eos_id=tok["eos_id"],
                         pad_id=tok["pad_id"] if tok.get("pad_id", -1) >= 0 else None)
     torch.manual_seed(cfg.train.seed)
     if stage3:
-        # transformers' own zero.Init path: partitions at construction (no rank holds the whole model) and keeps
-        # RoPE buffers in fp32. The HfDeepSpeedConfig object must stay alive while it is used.
-        hf_ds = HfDeepSpeedConfig(ds)
-        model = LlamaForCausalLM._from_config(lcfg)
-        del hf_ds
+        import contextlib
+
+        import deepspeed
+
+        with contextlib.ExitStack() as stack:
+            # As transformers' own zero.Init path does: skip the throwaway default init (we init below) and keep
+            # RoPE's arange in fp32; both helpers are transformers internals, so degrade gracefully without them.
+            try:
+                from transformers.initialization import no_init_weights
+                from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+                stack.enter_context(no_init_weights())
+                stack.enter_context(prevent_arange_dtype_change())
+            except ImportError:
+                log.warning("transformers lacks its zero.Init helpers; RoPE buffers may be built in bf16")
+            # Partitions each parameter as it is created: no rank ever holds the whole model.
+            stack.enter_context(deepspeed.zero.Init(config_dict_or_path=ds))
+            model = LlamaForCausalLM(lcfg)
     else:
         model = LlamaForCausalLM(lcfg)
     if cfg.model.init_from:

@@ -1,0 +1,97 @@
+"""Helpers to run pipeline/pretrain.py through the real `deepspeed` launcher with CPU ranks (gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "pipeline" / "pretrain.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict[str, str]:
+    e = os.environ.copy()
+    e["DS_ACCELERATOR"] = "cpu"
+    # The venv's ninja first: two ninja versions rebuild each other's JIT ops otherwise.
+    e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")
+    e.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions_pipeline"))
+    e["PYTHONUNBUFFERED"] = "1"
+    e.setdefault("OMP_NUM_THREADS", "1")
+    return e
+
+
+def write_config(path: Path, *, run_dir: Path, shards: Path, ds_config: str, steps: int = 20, micro: int = 2,
+                 global_batch: int = 8, ckpt_interval: int = 5, extra: str = "") -> Path:
+    path.write_text(f"""run_dir: {run_dir}
+model: {{preset: tiny}}
+data: {{path: {shards}, num_workers: 1, verify: true}}
+batch: {{micro_batch_size: {micro}, global_batch_size: {global_batch}}}
+optim: {{lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 3, weight_decay: 0.1, grad_clip: 1.0}}
+train: {{max_steps: {steps}, seed: 1234, precision: fp32, deepspeed_config: {ROOT / 'ds_configs' / ds_config}}}
+eval: {{interval: 10, batches: 2}}
+checkpoint: {{interval: {ckpt_interval}, keep_last: 2}}
+log: {{interval: 1, tensorboard: true}}
+{extra}""")
+    return path
+
+
+def command(config: Path, *, num_gpus: int = 2, port: int | None = None, sets: tuple[str, ...] = ()) -> list[str]:
+    deepspeed = str(Path(sys.executable).parent / "deepspeed")
+    cmd = [deepspeed, "--num_gpus", str(num_gpus), "--master_port", str(port or free_port()), str(SCRIPT),
+           "--config", str(config)]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def run(config: Path, timeout: int = 900, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(command(config, **kw), env=env(), capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+def start(config: Path, log: Path, **kw) -> subprocess.Popen:
+    f = open(log, "w")
+    return subprocess.Popen(command(config, **kw), env=env(), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                            start_new_session=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early with {proc.returncode}")
+        if max(losses(run_dir), default=0) >= step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    os.killpg(proc.pid, sig)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return out

@@ -1,0 +1,120 @@
+"""Pretrain config: validation lists every problem; batch arithmetic; refused combinations; the schedule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.dsconfig import batch_plan, load_ds_config, resolve
+from pipeline.errors import ConfigError
+from pipeline.pretrain import lr_at
+from pipeline.train_config import from_dict, load
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = {"batch": {"micro_batch_size": 2, "global_batch_size": 16}, "train": {"max_steps": 100, "precision": "fp32"}}
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as e:
+        from_dict({"batch": {"micro_batch_size": 0, "global_batch_size": 8, "global_batch_tokens": 4096},
+                   "optim": {"lr": 2.0, "nme": "x"}, "train": {"precision": "fp8"}, "bogus": {}})
+    msg = str(e.value)
+    for fragment in ("optim.nme: unknown field", "bogus: unknown section"):
+        assert fragment in msg
+    with pytest.raises(ConfigError) as e:
+        from_dict({"batch": {"micro_batch_size": 0, "global_batch_size": 8, "global_batch_tokens": 4096},
+                   "optim": {"lr": 2.0}, "train": {"precision": "fp8", "max_steps": 1}})
+    msg = str(e.value)
+    for fragment in ("micro_batch_size 0", "exactly one of global_batch_size", "optim.lr 2.0",
+                     "train.precision fp8"):
+        assert fragment in msg
+    assert "4 problem(s)" in msg
+
+
+def test_batch_arithmetic() -> None:
+    cfg = from_dict(BASE)
+    plan = batch_plan(cfg, 2, 64)
+    assert (plan.grad_accum, plan.global_batch_size, plan.tokens_per_step) == (4, 16, 1024)
+    with pytest.raises(ConfigError, match=r"not divisible by micro_batch_size 2 x 3 data-parallel ranks = 6; use 12 or 18"):
+        batch_plan(cfg, 3, 64)
+    tok = from_dict({**BASE, "batch": {"micro_batch_size": 2, "global_batch_tokens": 1000}})
+    with pytest.raises(ConfigError, match="not a multiple of seq_len 64; use 1024"):
+        batch_plan(tok, 2, 64)
+
+
+def test_deepspeed_auto_fields_are_filled_and_conflicts_refused() -> None:
+    cfg = from_dict(BASE)
+    plan = batch_plan(cfg, 2, 64)
+    ds = resolve(cfg, load_ds_config(ROOT / "ds_configs/zero3_offload.json"), plan, accelerator="cpu")
+    assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 4 and ds["bf16"]["enabled"] is False
+    assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
+    raw = load_ds_config(ROOT / "ds_configs/zero1.json")
+    raw["train_batch_size"] = 32
+    with pytest.raises(ConfigError, match="train_batch_size is 32 in the DeepSpeed config but 16"):
+        resolve(cfg, raw, plan, accelerator="cpu")
+
+
+@pytest.mark.parametrize("overrides,ds_file,accel,message", [
+    ({"optim": {"name": "adamw8bit"}}, "zero3_offload.json", "cuda", "adamw8bit cannot run with ZeRO-3 and offload"),
+    ({"optim": {"name": "adamw8bit"}}, "zero1.json", "cpu", "adamw8bit needs a CUDA GPU"),
+    ({"train": {"max_steps": 100, "precision": "fp16"}}, "zero2.json", "cpu", "fp16 is not supported on the CPU"),
+])
+def test_unsupported_combinations_are_refused_with_the_matrix(overrides, ds_file, accel, message) -> None:
+    cfg = from_dict({**BASE, **overrides})
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, load_ds_config(ROOT / "ds_configs" / ds_file), batch_plan(cfg, 2, 64), accelerator=accel)
+    assert message in str(e.value) and "supported combinations" in str(e.value)
+
+
+def test_pipeline_parallel_is_refused() -> None:
+    cfg = from_dict(BASE)
+    raw = load_ds_config(ROOT / "ds_configs/zero2.json")
+    raw["pipeline"] = {"stages": 2}
+    with pytest.raises(ConfigError, match="pipeline parallelism is not supported"):
+        resolve(cfg, raw, batch_plan(cfg, 2, 64), accelerator="cpu")
+
+
+def test_lr_schedule_warmup_cosine_floor() -> None:
+    cfg = from_dict({**BASE, "optim": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 10}})
+    assert lr_at(0, cfg, 100) == pytest.approx(1e-4)
+    assert lr_at(9, cfg, 100) == pytest.approx(1e-3)
+    assert lr_at(55, cfg, 100) == pytest.approx(5.5e-4)
+    assert lr_at(100, cfg, 100) == pytest.approx(1e-4)
+    assert lr_at(500, cfg, 100) == pytest.approx(1e-4)
+    lrs = [lr_at(s, cfg, 100) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+def test_overrides_and_example_configs_load(tmp_path: Path) -> None:
+    for f in sorted((ROOT / "configs").glob("*.yaml")):
+        load(f)
+    cfg = load(ROOT / "configs/demo.yaml", ["optim.lr=1e-3", "train.max_steps=7"])
+    assert cfg.optim.lr == 1e-3 and cfg.train.max_steps == 7
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load(ROOT / "configs/demo.yaml", ["optim.lr"])
+
+
+def test_pretrain_script_help_runs_as_a_script() -> None:
+    # Runs the file as deepspeed does: its folder first on sys.path (the script-path trap).
+    out = subprocess.run([sys.executable, str(ROOT / "pipeline/pretrain.py"), "--help"], capture_output=True,
+                         text=True, cwd=ROOT / "pipeline", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--config" in out.stdout and "--dry-run" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_dry_run_prints_resolved_config(shards: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+                   "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n")
+    out = subprocess.run([sys.executable, str(ROOT / "pipeline/pretrain.py"), "--config", str(cfg), "--dry-run"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert '"train_batch_size": 8' in out.stdout and "grad-accum 4" in out.stdout
+    assert not (tmp_path / "run").exists()
+    bad = subprocess.run([sys.executable, str(ROOT / "pipeline/pretrain.py"), "--config", str(cfg), "--set",
+                          "batch.global_batch_size=7", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not divisible" in bad.stderr and "Traceback" not in bad.stderr
