@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,38 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
         raise PipelineError(f"{path}: holds no complete checkpoint (expected folders step00000100/ with {MARKER}); "
                             "is it a run folder of `pipeline pretrain`?")
     return path, tag
+
+
+def consolidated_tensors(run_dir: Path, tag: str) -> Iterator[tuple[str, Any]]:
+    """Full-precision weights of any ZeRO stage (0-3, offload or not), one tensor at a time.
+
+    ZeRO 1-3: DeepSpeed's own zero_to_fp32 reconstruction in lazy mode over mmap'd shards, so peak RAM stays
+    near one tensor, not the model. ZeRO-0: the module state in mp_rank_00_model_states.pt (mmap)."""
+    import contextlib
+    import io
+
+    import torch
+
+    ckpt_dir = Path(run_dir) / tag
+    if list(ckpt_dir.glob("*_optim_states.pt")) and _zero_stage_of(ckpt_dir) > 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(run_dir), tag=tag, lazy_mode=True)
+        for name, lazy in state.items():
+            yield name, lazy.contiguous() if hasattr(lazy, "contiguous") else lazy
+        return
+    files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise PipelineError(f"{ckpt_dir}: no DeepSpeed model states (mp_rank_00_model_states.pt)")
+    sd = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)["module"]
+    for name, t in sd.items():
+        yield name, t.float()
+
+
+def _zero_stage_of(ckpt_dir: Path) -> int:
+    import torch
+
+    f = next(ckpt_dir.glob("*_optim_states.pt"))
+    sd = torch.load(f, map_location="cpu", mmap=True, weights_only=False)
+    return int(sd.get("optimizer_state_dict", {}).get("zero_stage", 0))

@@ -174,5 +174,121 @@ def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, maste
     sys.exit(subprocess.call(cmd, env=os.environ.copy()))
 
 
+@main.command()
+@click.option("--checkpoint", required=True, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG.")
+@click.option("--data", default=None, help="Shard folder (default: the run's own data.path).")
+@click.option("--split", type=click.Choice(["val", "test", "train"]), default="val", show_default=True)
+@click.option("--max-batches", type=int, default=None, help="Evaluate at most this many batches (default: all).")
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--prompts", default=None, help="Text file, one prompt per line (\\n for a newline).")
+@click.option("--output", default=None, help="JSON results (default RUN_DIR/eval/TAG-SPLIT.json).")
+@click.option("--max-new-tokens", type=int, default=48, show_default=True)
+@click.option("--seed", type=int, default=1234, show_default=True, help="Seed of the sampled continuations.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto.")
+@_user_errors
+def evaluate(checkpoint: str, data: str | None, split: str, max_batches: int | None, batch_size: int,
+             prompts: str | None, output: str | None, max_new_tokens: int, seed: int, device: str) -> None:
+    """Held-out loss, perplexity and bits per byte of a checkpoint, sample continuations, and RUN_DIR/loss.png."""
+    from pipeline import evaluate as stage
+    from pipeline.evaluate import EvalConfig
+
+    result = stage.run(EvalConfig(checkpoint=checkpoint, data=data, split=split, max_batches=max_batches,
+                                  batch_size=batch_size, prompts=prompts, output=output,
+                                  max_new_tokens=max_new_tokens, seed=seed, device=device))
+    click.echo(stage.table(result))
+
+
+@main.command()
+@click.option("--checkpoint", required=True, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG.")
+@click.option("--output", required=True, help="Folder to write the Hugging Face model into.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--max-shard-size", default="2GB", show_default=True, help="Largest safetensors file.")
+@_user_errors
+def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> None:
+    """Export a checkpoint to a Hugging Face model folder (safetensors, config, tokenizer)."""
+    from pipeline import evaluate as stage
+    from pipeline.config import parse_size
+
+    try:
+        size = parse_size(max_shard_size)
+    except ValueError as e:
+        raise PipelineError(f"--max-shard-size: {e}") from None
+    out = stage.export(checkpoint, output, dtype=dtype, max_shard_bytes=size)
+    click.echo(f"exported {checkpoint} to {out} ({dtype}); load it with "
+               f"AutoModelForCausalLM.from_pretrained('{out}') and AutoTokenizer.from_pretrained('{out}')")
+
+
+@main.command()
+@click.option("--model", "preset", default="7b", show_default=True, help="Preset: tiny, 125m, 350m, 1b, 7b, 13b, 70b.")
+@click.option("--layers", type=int, default=None, help="Override the preset's layer count (e.g. for test slices).")
+@click.option("--vocab-size", type=int, default=32000, show_default=True)
+@click.option("--seq-len", type=int, default=4096, show_default=True)
+@click.option("--hostfile", default=None, help="DeepSpeed hostfile: nodes and GPUs per node from its slots.")
+@click.option("--nodes", type=int, default=1, show_default=True)
+@click.option("--gpus-per-node", type=int, default=1, show_default=True)
+@click.option("--gpu", default="4090d", show_default=True, help="3090, 4090, 4090d, a100-40gb, a100-80gb, h100, h200.")
+@click.option("--gpu-mem", default=None, help="Cap the card's memory, e.g. 24GiB (emulating a smaller card).")
+@click.option("--cpu-mem", default="512GB", show_default=True, help="Host RAM per node.")
+@click.option("--nvme", default=None, help="NVMe capacity per node for ZeRO-Infinity, e.g. 4TB (or a mounted path).")
+@click.option("--network", default="100Gbps", show_default=True, help="Inter-node bandwidth per node.")
+@click.option("--global-batch-tokens", default="4M", show_default=True, help="Tokens per optimizer step.")
+@click.option("--micro-batch-size", type=int, default=None, help="Fix the micro-batch instead of searching it.")
+@click.option("--mfu", type=float, default=0.45, show_default=True, help="Assumed MFU of the compute itself.")
+@click.option("--tokens", default="1B", show_default=True, help="Token budget for the time estimate.")
+@click.option("--write-ds-config", default=None, help="Write the chosen DeepSpeed JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@_user_errors
+def plan(preset: str, layers: int | None, vocab_size: int, seq_len: int, hostfile: str | None, nodes: int,
+         gpus_per_node: int, gpu: str, gpu_mem: str | None, cpu_mem: str, nvme: str | None, network: str,
+         global_batch_tokens: str, micro_batch_size: int | None, mfu: float, tokens: str,
+         write_ds_config: str | None, as_json: bool) -> None:
+    """Will MODEL fit the cluster, how fast will it train, and which DeepSpeed config gets there."""
+    import json as jsonlib
+    import os
+    import shutil
+    from dataclasses import replace
+
+    from pipeline import plan as planner
+    from pipeline.atomic import write_json
+    from pipeline.config import parse_size
+    from pipeline.gpus import lookup
+    from pipeline.model import resolve_shape
+
+    try:
+        card = lookup(gpu)
+    except KeyError as e:
+        raise PipelineError(str(e.args[0])) from None
+    try:
+        if gpu_mem:
+            card = replace(card, memory_gib=parse_size(gpu_mem) / 2**30)
+        ram = parse_size(cpu_mem)
+        gbt = int(parse_size(global_batch_tokens.upper().replace("M", "MB").replace("K", "KB")))
+        budget = float(parse_size(tokens.upper().replace("B", "G") if tokens[-1:].upper() == "B" else tokens))
+        net = float(network.lower().replace("gbps", "").replace("gb/s", "")) if network else 0.0
+        nvme_bytes = 0
+        if nvme:
+            nvme_bytes = shutil.disk_usage(nvme).free if os.path.isdir(nvme) else parse_size(nvme)
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
+    if hostfile:
+        nodes, gpus_per_node = planner.parse_hostfile(hostfile)
+    shape = resolve_shape(preset, {"num_layers": layers} if layers else {}, vocab_size)
+    cluster = planner.Cluster(nodes, gpus_per_node, card, ram, nvme_bytes, net)
+    p = planner.search(shape, seq_len, cluster, gbt, mfu, fixed_micro=micro_batch_size)
+    if write_ds_config and p.best is not None:
+        write_json(write_ds_config, planner.ds_config(p.best, nvme if nvme and os.path.isdir(nvme) else "/local_nvme"))
+    if as_json:
+        click.echo(jsonlib.dumps(p.to_dict(), indent=2))
+    else:
+        click.echo(planner.render(p, budget))
+        if write_ds_config and p.best is not None:
+            b = p.best.candidate
+            click.echo(f"\nwrote {write_ds_config}; in the pretrain config set batch.micro_batch_size: "
+                       f"{b.micro_batch_size}, batch.global_batch_size: {b.micro_batch_size * b.grad_accum * cluster.world}"
+                       f", train.activation_checkpointing: {str(b.activation_checkpointing).lower()}")
+    if p.best is None:
+        sys.exit(3)
+
+
 if __name__ == "__main__":
     main()

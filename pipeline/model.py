@@ -50,7 +50,9 @@ class ModelShape:
         return self.embedding_params() + self.num_layers * self.layer_params() + self.hidden_size + head
 
     def largest_layer_params(self) -> int:
-        return max(self.embedding_params(), self.layer_params())
+        """The largest single module (DeepSpeed's "largest layer"): the embedding or an MLP projection."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        return max(self.embedding_params(), h * f, h * h)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, PaLM appendix B: 6 N (non-embedding-input params) + 12 L H Q T attention."""

@@ -124,6 +124,26 @@ def build_model(shape: ModelShape, ds: dict[str, Any], cfg: PretrainConfig, tok:
     return model
 
 
+def build_engine(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, manifest: dict[str, Any],
+                 rank: int) -> Any:
+    """The one place a DeepSpeed engine is made: model (under zero.Init for ZeRO-3), optimizer, engine."""
+    import deepspeed
+
+    model = build_model(shape, ds, cfg, manifest["tokenizer"], rank)
+    client_optimizer = None
+    if cfg.optim.name == "adamw8bit":
+        import bitsandbytes as bnb
+
+        client_optimizer = bnb.optim.AdamW8bit(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                               betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+    _check_aio(ds)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=client_optimizer,
+        model_parameters=None if client_optimizer else param_groups(model, cfg.optim.weight_decay),  # type: ignore[arg-type]
+        config=ds)
+    return engine
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only; norms and biases (1-D) get none."""
     decay, no_decay = [], []
@@ -221,18 +241,7 @@ def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: Model
             raise PipelineError(f"cannot resume {run_dir}/{resume_tag}: " + "; ".join(problems) +
                                 " (use a new run_dir to start fresh)")
 
-    model = build_model(shape, ds, cfg, manifest["tokenizer"], rank)
-    client_optimizer = None
-    if cfg.optim.name == "adamw8bit":
-        import bitsandbytes as bnb
-
-        client_optimizer = bnb.optim.AdamW8bit(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                                               betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
-    _check_aio(ds)
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=client_optimizer,
-        model_parameters=None if client_optimizer else param_groups(model, cfg.optim.weight_decay),  # type: ignore[arg-type]
-        config=ds)
+    engine = build_engine(cfg, ds, shape, manifest, rank)
 
     step, consumed = 0, 0
     if resume_tag:
@@ -267,6 +276,7 @@ def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: Model
         nonlocal last_saved
         tag = ckpt.tag_for(at)
         client = {"step": at, "consumed_samples": consumed, "data_fingerprint": train_ds.fingerprint,
+                  "seq_len": plan.seq_len, "tokenizer_sha256": manifest["tokenizer"]["sha256"],
                   "model_shape": shape_dict, "world_size": world, "config": cfg.to_dict()}
         engine.save_checkpoint(str(run_dir), tag=tag, client_state=client, save_latest=False)
         dist.barrier()

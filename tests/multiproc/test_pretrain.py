@@ -18,22 +18,7 @@ from pipeline.train_config import load
 from tests.multiproc import launch
 
 pytestmark = pytest.mark.slow
-STEPS = 20
-
-
-@pytest.fixture(scope="module")
-def zero_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """One 20-step 2-rank run per ZeRO stage (fp32), shared by the tests below."""
-    runs = {}
-    base = tmp_path_factory.mktemp("zero")
-    for stage in (1, 2, 3):
-        run_dir = base / f"zero{stage}"
-        cfg = launch.write_config(base / f"zero{stage}.yaml", run_dir=run_dir, shards=shards,
-                                  ds_config=f"zero{stage}.json", steps=STEPS)
-        out = launch.run(cfg)
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-        runs[stage] = run_dir
-    return runs
+from tests.conftest import STEPS
 
 
 def reference_losses(config: Path, shards: Path) -> list[float]:

@@ -1,0 +1,251 @@
+"""Stage 4: evaluate a saved checkpoint (held-out loss, perplexity, bits per byte, samples, loss plot) and export
+it to a Hugging Face model folder. Runs in one process, CPU or GPU, on a checkpoint of any ZeRO stage."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from pipeline import checkpoint as ckpt
+from pipeline.atomic import tmp_path_for, write_json
+from pipeline.data import ShardedDataset, collate_samples
+from pipeline.errors import PipelineError
+from pipeline.model import ModelShape, llama_config
+from pipeline.shard import read_manifest
+from pipeline.vocab import Tokenizer
+
+DEFAULT_PROMPTS = ["ROMEO:\n", "To be, or not to be", "The king is", "春天来了，"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalConfig:
+    checkpoint: str
+    """RUN_DIR (latest complete tag) or RUN_DIR/TAG."""
+    data: str | None = None
+    """Shard folder; default: the run's own data.path."""
+    split: str = "val"
+    max_batches: int | None = None
+    batch_size: int = 8
+    prompts: str | None = None
+    """A text file, one prompt per line."""
+    output: str | None = None
+    """JSON results; default RUN_DIR/eval/TAG-SPLIT.json."""
+    max_new_tokens: int = 48
+    seed: int = 1234
+    device: str = "auto"
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    tag: str
+    config: dict[str, Any]
+    marker: dict[str, Any]
+    shape: ModelShape
+
+
+def open_run(checkpoint: str | Path) -> Run:
+    run_dir, tag = ckpt.resolve_checkpoint(checkpoint)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.exists():
+        raise PipelineError(f"{run_dir}: no config.yaml; not a run folder of `pipeline pretrain`")
+    marker = ckpt.read_marker(run_dir, tag)
+    return Run(run_dir, tag, yaml.safe_load(cfg_path.read_text()), marker, ModelShape(**marker["model_shape"]))
+
+
+def load_model(run: Run, device: torch.device, tok: dict[str, Any]) -> torch.nn.Module:
+    """The checkpoint's weights in a plain LlamaForCausalLM (fp32), filled tensor by tensor."""
+    from transformers import LlamaForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            model = LlamaForCausalLM(llama_config(run.shape, **_ids(tok)))
+    except ImportError:
+        model = LlamaForCausalLM(llama_config(run.shape, **_ids(tok)))
+    params = dict(model.named_parameters())
+    seen = set()
+    with torch.no_grad():
+        for name, t in ckpt.consolidated_tensors(run.run_dir, run.tag):
+            if name not in params:
+                raise PipelineError(f"{run.run_dir}/{run.tag}: unexpected tensor {name}; the checkpoint's model "
+                                    "differs from its recorded shape")
+            params[name].copy_(t)
+            seen.add(name)
+    if missing := sorted(set(params) - seen):
+        raise PipelineError(f"{run.run_dir}/{run.tag}: {len(missing)} tensors missing, e.g. {missing[:3]}")
+    return model.to(device).eval()
+
+
+def _ids(tok: dict[str, Any]) -> dict[str, Any]:
+    return {"bos_id": max(tok.get("bos_id", 1), 0), "eos_id": tok["eos_id"],
+            "pad_id": tok["pad_id"] if tok.get("pad_id", -1) >= 0 else None}
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, ds: ShardedDataset, tokenizer: Tokenizer, *, batch_size: int = 8,
+               max_batches: int | None = None, device: torch.device | None = None) -> dict[str, float]:
+    """Loss (nats/token), perplexity and bits per byte over the split's samples in order; bytes are those of
+    the decoded label tokens, so the figure is comparable across tokenizers."""
+    device = device or torch.device("cpu")
+    nats, tokens, nbytes = 0.0, 0, 0
+    n = len(ds)
+    batches = math.ceil(n / batch_size) if max_batches is None else min(max_batches, math.ceil(n / batch_size))
+    for b in range(batches):
+        ids = list(range(b * batch_size, min(n, (b + 1) * batch_size)))
+        batch = collate_samples(ds, ids)
+        labels = batch["labels"].to(device)
+        logits = model(input_ids=batch["input_ids"].to(device)).logits
+        nats += torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                                  ignore_index=-100, reduction="sum").item()
+        tokens += int((labels != -100).sum())
+        for row in labels.tolist():
+            nbytes += len(tokenizer.decode([t for t in row if t >= 0]).encode("utf-8"))
+    loss = nats / max(tokens, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "bits_per_byte": nats / math.log(2) / max(nbytes, 1),
+            "tokens": tokens, "bytes": nbytes, "samples": min(n, batches * batch_size)}
+
+
+@torch.no_grad()
+def generate(model: Any, tokenizer: Tokenizer, prompts: list[str], *, seed: int, max_new_tokens: int,
+             device: torch.device) -> list[dict[str, str]]:
+    out = []
+    for p in prompts:
+        ids = torch.tensor([tokenizer.encode(p)], device=device)
+        greedy = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_id)
+        torch.manual_seed(seed)
+        sampled = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_k=50,
+                                 pad_token_id=tokenizer.eos_id)
+        out.append({"prompt": p, "greedy": tokenizer.decode(greedy[0, ids.shape[1]:].tolist()),
+                    "sampled": tokenizer.decode(sampled[0, ids.shape[1]:].tolist())})
+    return out
+
+
+def plot_losses(run_dir: Path) -> Path | None:
+    """RUN_DIR/loss.png: train and validation loss against step, from metrics.jsonl."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(run_dir.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    target = run_dir / "loss.png"
+    tmp = tmp_path_for(target)
+    fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    tmp.replace(target)
+    return target
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
+    path = Path(data or run.config["data"]["path"])
+    if not (path / "manifest.json").exists():
+        raise PipelineError(f"{path}: no shards there (the run's data folder moved?); pass --data DIR")
+    theirs = read_manifest(path)
+    if data:
+        ours_path = Path(run.config["data"]["path"])
+        if (ours_path / "manifest.json").exists():
+            ours = read_manifest(ours_path)
+            if ours["tokenizer"]["sha256"] != theirs["tokenizer"]["sha256"]:
+                raise PipelineError(f"--data {path}: tokenized with another tokenizer than the run's "
+                                    f"({theirs['tokenizer']['path']} vs {ours['tokenizer']['path']})")
+    if "tokenizer_sha256" in run.marker and theirs["tokenizer"]["sha256"] != run.marker["tokenizer_sha256"]:
+        raise PipelineError(f"--data {path}: tokenized with another tokenizer than the run "
+                            f"({theirs['tokenizer']['path']}); evaluate on shards of the run's tokenizer")
+    if "seq_len" in run.marker and theirs["seq_len"] != run.marker["seq_len"]:
+        raise PipelineError(f"--data {path}: seq_len {theirs['seq_len']} differs from the run's "
+                            f"{run.marker['seq_len']}; shard the held-out data with --seq-len {run.marker['seq_len']}")
+    if theirs["tokenizer"]["vocab_size"] != run.shape.vocab_size:
+        raise PipelineError(f"--data {path}: vocabulary {theirs['tokenizer']['vocab_size']} differs from the "
+                            f"model's {run.shape.vocab_size}; shards of another tokenizer")
+    return ShardedDataset(path, split)
+
+
+def run(cfg: EvalConfig) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    r = open_run(cfg.checkpoint)
+    ds = _dataset(r, cfg.data, cfg.split)
+    tok_path = ds.tokenizer_path
+    if tok_path is None:
+        raise PipelineError(f"{ds.path}: the tokenizer {ds.manifest['tokenizer']['path']} is gone; re-run shard")
+    tokenizer = Tokenizer(tok_path)
+    device = _device(cfg.device)
+    model = load_model(r, device, ds.manifest["tokenizer"])
+    metrics = perplexity(model, ds, tokenizer, batch_size=cfg.batch_size, max_batches=cfg.max_batches, device=device)
+    prompts = DEFAULT_PROMPTS
+    if cfg.prompts:
+        p = Path(cfg.prompts)
+        if not p.exists():
+            raise PipelineError(f"--prompts {p}: no such file")
+        prompts = [line.replace("\\n", "\n") for line in p.read_text().splitlines() if line.strip()]
+    samples = generate(model, tokenizer, prompts, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, device=device)
+    plot = plot_losses(r.run_dir)
+    result = {"checkpoint": str(r.run_dir / r.tag), "step": r.marker["step"],
+              "consumed_tokens": r.marker["consumed_samples"] * ds.seq_len, "split": cfg.split,
+              "data": str(ds.path), **metrics, "samples_generated": samples,
+              "loss_plot": str(plot) if plot else None, "wall_time_s": round(time.perf_counter() - t0, 2)}
+    out = Path(cfg.output) if cfg.output else r.run_dir / "eval" / f"{r.tag}-{cfg.split}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, result)
+    result["output"] = str(out)
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [("checkpoint", result["checkpoint"]), ("step", f"{result['step']:,}"),
+            ("consumed tokens", f"{result['consumed_tokens']:,}"), ("split", result["split"]),
+            ("tokens evaluated", f"{result['tokens']:,}"), ("loss (nats/token)", f"{result['loss']:.4f}"),
+            ("perplexity", f"{result['perplexity']:.2f}"), ("bits per byte", f"{result['bits_per_byte']:.4f}")]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    for s in result["samples_generated"]:
+        lines.append(f"\n--- prompt {s['prompt']!r}\n[greedy]  {s['greedy']!r}\n[sampled] {s['sampled']!r}")
+    if result.get("loss_plot"):
+        lines.append(f"\nloss plot: {result['loss_plot']}")
+    lines.append(f"results: {result['output']}")
+    return "\n".join(lines)
+
+
+def export(checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: int = 2 * 10**9) -> Path:
+    """RUN_DIR[/TAG] -> a Hugging Face folder that AutoModelForCausalLM / AutoTokenizer load offline."""
+    from pipeline.hf_export import write_hf_model
+
+    r = open_run(checkpoint)
+    data = Path(r.config["data"]["path"])
+    tok_path: Path | None = None
+    tok_ids = {"bos_id": 1, "eos_id": 2, "pad_id": 3}
+    if (data / "manifest.json").exists():
+        ds = ShardedDataset(data, "train")
+        tok_path = ds.tokenizer_path
+        tok_ids = _ids(ds.manifest["tokenizer"])
+    return write_hf_model(ckpt.consolidated_tensors(r.run_dir, r.tag), r.shape, tok_path, Path(output), dtype=dtype,
+                          tok_ids=tok_ids, max_shard_bytes=max_shard_bytes)

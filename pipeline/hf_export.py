@@ -1,0 +1,98 @@
+"""Export to a Hugging Face model folder: safetensors shards written tensor by tensor, config.json,
+generation_config.json, and a transformers tokenizer built from the run's sentencepiece model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.errors import PipelineError
+from pipeline.model import ModelShape, llama_config
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def hf_tokenizer(sp_model: Path) -> Any:
+    """A transformers fast tokenizer that encodes exactly like our sentencepiece model (normaliser, byte fallback,
+    split digits), with <unk> <s> </s> <pad> as special tokens. No BOS is added: training never saw one."""
+    from tokenizers import pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
+    proto = import_protobuf().ModelProto()
+    proto.ParseFromString(sp_model.read_bytes())
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    tk = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, None)
+    if tk is None:
+        raise PipelineError(f"{sp_model}: unsupported sentencepiece model type for conversion")
+    if proto.trainer_spec.split_digits:
+        pre = [tk.pre_tokenizer] if tk.pre_tokenizer is not None else []
+        tk.pre_tokenizer = pre_tokenizers.Sequence([*pre, pre_tokenizers.Digits(individual_digits=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", model_max_length=10**9, clean_up_tokenization_spaces=False)
+
+
+def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], shape: ModelShape, tokenizer: Path | None,
+                   output: Path, *, dtype: str = "bf16", tok_ids: dict[str, int] | None = None,
+                   max_shard_bytes: int = 2 * 10**9) -> Path:
+    """Stream `tensors` into safetensors shards in a temporary folder beside `output`, then rename it into place."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    if dtype not in DTYPES:
+        raise PipelineError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    ids = tok_ids or {"bos_id": 1, "eos_id": 2, "pad_id": 3}
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        shard: dict[str, torch.Tensor] = {}
+        size, files, weight_map = 0, [], {}
+        for name, t in tensors:
+            t = t.to(DTYPES[dtype]).contiguous()
+            if shard and size + t.numel() * t.element_size() > max_shard_bytes:
+                files.append(_flush(shard, work, len(files), save_file, weight_map))
+                shard, size = {}, 0
+            shard[name] = t
+            size += t.numel() * t.element_size()
+        files.append(_flush(shard, work, len(files), save_file, weight_map))
+        total = len(files)
+        final_names = {}
+        for i, f in enumerate(files):
+            new = "model.safetensors" if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+            os.replace(work / f, work / new)
+            final_names[f] = new
+        if total > 1:
+            index = {"metadata": {"total_size": sum((work / n).stat().st_size for n in final_names.values())},
+                     "weight_map": {k: final_names[v] for k, v in weight_map.items()}}
+            (work / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        cfg = llama_config(shape, bos_id=ids["bos_id"], eos_id=ids["eos_id"], pad_id=ids.get("pad_id"))
+        cfg.dtype = DTYPES[dtype]
+        cfg.architectures = ["LlamaForCausalLM"]
+        cfg.save_pretrained(work)
+        GenerationConfig(bos_token_id=ids["bos_id"], eos_token_id=ids["eos_id"], pad_token_id=ids.get("pad_id"),
+                         do_sample=False).save_pretrained(work)
+        if tokenizer is not None:
+            hf_tokenizer(tokenizer).save_pretrained(work)
+            shutil.copyfile(tokenizer, work / "tokenizer.model")
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(work, output)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return output
+
+
+def _flush(shard: dict[str, torch.Tensor], work: Path, k: int, save_file: Any, weight_map: dict[str, str]) -> str:
+    name = f"part-{k:05d}.safetensors"
+    save_file(shard, str(work / name), metadata={"format": "pt"})
+    for key in shard:
+        weight_map[key] = name
+    return name

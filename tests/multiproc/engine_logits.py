@@ -1,0 +1,39 @@
+"""Run under the deepspeed launcher: load a checkpoint into a real engine and save its logits on val sample 0."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def main() -> int:
+    config, tag, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from pipeline.data import ShardedDataset
+    from pipeline.pretrain import prepare
+    from pipeline.train_config import load
+    from pipeline.trainer import build_engine
+
+    cfg = load(config)
+    ds, _, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
+    deepspeed.init_distributed()
+    engine = build_engine(cfg, ds, shape, manifest, dist.get_rank())
+    engine.load_checkpoint(cfg.run_dir, tag=tag, load_optimizer_states=False)
+    engine.eval()
+    ids = torch.from_numpy(ShardedDataset(cfg.data.path, "val")[0][:-1].astype("int64"))[None]
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits
+    if dist.get_rank() == 0:
+        torch.save({"input_ids": ids, "logits": logits.float()}, out)
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

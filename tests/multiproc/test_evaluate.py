@@ -1,0 +1,114 @@
+"""Stage 4 on real checkpoints from 2-rank ZeRO runs: export round trip through transformers, tokenizer round
+trip, a real perplexity signal, and the error cases."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.data import ShardedDataset
+from pipeline.evaluate import EvalConfig, open_run, perplexity
+from pipeline.evaluate import export as export_checkpoint
+from pipeline.evaluate import run as evaluate_run
+from pipeline.vocab import Tokenizer
+from tests.multiproc import launch
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def engine_logits(run_dir: Path, tmp_path: Path) -> dict:
+    out = tmp_path / f"{run_dir.name}-logits.pt"
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port()),
+           str(ROOT / "tests/multiproc/engine_logits.py"), str(run_dir.parent / f"{run_dir.name}.yaml"),
+           "step00000020", str(out)]
+    res = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_exported_model_reproduces_engine_logits(zero_runs: dict[int, Path], tmp_path: Path, stage: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    run_dir = zero_runs[stage]
+    ref = engine_logits(run_dir, tmp_path)
+    hf_dir = export_checkpoint(str(run_dir), str(tmp_path / "hf"), dtype="fp32", max_shard_bytes=1_500_000)
+    assert len(list(hf_dir.glob("model-*.safetensors"))) > 1 and (hf_dir / "model.safetensors.index.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    with torch.no_grad():
+        got = model(input_ids=ref["input_ids"]).logits
+    torch.testing.assert_close(got, ref["logits"], rtol=1e-5, atol=1e-5)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and (hf_dir / "generation_config.json").exists()
+
+
+def test_exported_tokenizer_matches_pipeline_tokenizer(zero_runs: dict[int, Path], tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf_dir = export_checkpoint(str(zero_runs[2]), str(tmp_path / "hf"), dtype="bf16")
+    ours = Tokenizer(ShardedDataset(open_run(zero_runs[2]).config["data"]["path"]).tokenizer_path)  # type: ignore[arg-type]
+    theirs = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    texts = ["To be, or not to be: that is the question.", "  two  spaces\tand a tab\n\nand 12345 digits",
+             "春天来了，花园里的花都开了。", "混合 mixed 文本 text 2026年11月30日", "Ελληνικά 🙂"]
+    for t in texts:
+        assert theirs.encode(t, add_special_tokens=False) == ours.encode(t), t
+        assert theirs.decode(ours.encode(t)) == t
+    assert theirs.eos_token_id == ours.eos_id and theirs.pad_token_id == ours.pad_id
+
+
+def test_trained_model_beats_fresh_init_on_held_out_data(zero_runs: dict[int, Path], tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    from pipeline.model import llama_config
+    from pipeline.trainer import init_weights
+
+    res = evaluate_run(EvalConfig(checkpoint=str(zero_runs[1]), split="val", output=str(tmp_path / "e.json"),
+                                  max_new_tokens=8))
+    run = open_run(zero_runs[1])
+    ds = ShardedDataset(run.config["data"]["path"], "val")
+    fresh = LlamaForCausalLM(llama_config(run.shape)).eval()
+    init_weights(fresh, 1234, 0, stage3=False)
+    base = perplexity(fresh, ds, Tokenizer(ds.tokenizer_path))  # type: ignore[arg-type]
+    assert res["loss"] < base["loss"] - 0.5 and res["perplexity"] < 0.6 * base["perplexity"]
+    assert 0 < res["bits_per_byte"] < base["bits_per_byte"]
+    assert res["step"] == 20 and res["tokens"] == len(ds) * 64
+    saved = json.loads((tmp_path / "e.json").read_text())
+    assert saved["loss"] == res["loss"] and len(saved["samples_generated"]) == 4
+    assert (zero_runs[1] / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_zero3_checkpoint_evaluates_like_zero1(zero_runs: dict[int, Path], tmp_path: Path) -> None:
+    a = evaluate_run(EvalConfig(checkpoint=str(zero_runs[1]), max_batches=2, output=str(tmp_path / "a.json"),
+                                max_new_tokens=2))
+    b = evaluate_run(EvalConfig(checkpoint=str(zero_runs[3] / "step00000020"), max_batches=2,
+                                output=str(tmp_path / "b.json"), max_new_tokens=2))
+    assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-4  # same training, other partitioning
+
+
+def test_error_cases(zero_runs: dict[int, Path], tmp_path: Path, tokenized: Path) -> None:
+    from pipeline import shard as shard_stage
+    from pipeline.config import ShardConfig
+
+    def cli(*args: str):
+        return CliRunner().invoke(main, ["evaluate", *args])
+
+    r = cli("--checkpoint", str(tmp_path))
+    assert r.exit_code == 2 and "holds no complete checkpoint" in r.output
+    partial = tmp_path / "run"
+    shutil.copytree(zero_runs[2], partial)
+    (partial / "step00000020" / "pipeline_complete.json").unlink()
+    r = cli("--checkpoint", str(partial / "step00000020"))
+    assert r.exit_code == 2 and "incomplete (still being written" in r.output
+    other = tmp_path / "seq32"
+    shard_stage.run(ShardConfig(sources=((str(tokenized), 1.0),), output=str(other), seq_len=32, progress=False))
+    r = cli("--checkpoint", str(zero_runs[2]), "--data", str(other))
+    assert r.exit_code == 2 and "seq_len 32 differs from the run's 64" in r.output
