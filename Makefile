@@ -40,7 +40,7 @@ demo: data
 	$(BIN)/pipeline tokenize data/shakespeare.jsonl --output-prefix data/shakespeare --train-tokenizer \
 		--vocab-size 8000 --workers 2
 	$(BIN)/pipeline shard data/shakespeare --output data/shards-256 --seq-len 256 --split 90,5,5
-	$(BIN)/pipeline pretrain --config configs/demo.yaml
+	OMP_NUM_THREADS=1 $(BIN)/pipeline pretrain --config configs/demo.yaml --num-gpus 2
 	$(MAKE) eval CKPT=$(RUN)
 
 eval: install

@@ -42,7 +42,6 @@ def main() -> None:
         subprocess.run(cli, check=True, capture_output=True)
         model = work / "tok.tokenizer.model"
 
-        import numpy as np
         import sentencepiece as spm
 
         sp = spm.SentencePieceProcessor(model_file=str(model))

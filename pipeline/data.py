@@ -152,7 +152,7 @@ class _Collate:
         ids = torch.from_numpy(np.stack([a for a, _ in items]).astype(np.int64))  # (B, T+1)
         labels = ids[:, 1:].clone()
         if items[0][1] is not None:
-            mask = torch.from_numpy(np.stack([m for _, m in items]))[:, 1:]
+            mask = torch.from_numpy(np.stack([m for _, m in items if m is not None]))[:, 1:]
             labels[~mask] = -100
         return {"input_ids": ids[:, :-1].contiguous(), "labels": labels}
 

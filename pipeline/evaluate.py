@@ -82,7 +82,7 @@ def load_model(run: Run, device: torch.device, tok: dict[str, Any]) -> torch.nn.
             seen.add(name)
     if missing := sorted(set(params) - seen):
         raise PipelineError(f"{run.run_dir}/{run.tag}: {len(missing)} tensors missing, e.g. {missing[:3]}")
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def _ids(tok: dict[str, Any]) -> dict[str, Any]:

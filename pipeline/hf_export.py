@@ -54,7 +54,9 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], shape: ModelShap
     work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         shard: dict[str, torch.Tensor] = {}
-        size, files, weight_map = 0, [], {}
+        size = 0
+        files: list[str] = []
+        weight_map: dict[str, str] = {}
         for name, t in tensors:
             t = t.to(DTYPES[dtype]).contiguous()
             if shard and size + t.numel() * t.element_size() > max_shard_bytes:

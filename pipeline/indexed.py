@@ -19,9 +19,9 @@ import numpy as np
 from pipeline.errors import PipelineError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
-_DTYPE_CODES = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, np.dtype(np.int32): 4,
+_DTYPE_CODES: dict[np.dtype, int] = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, np.dtype(np.int32): 4,
                 np.dtype(np.int64): 5, np.dtype(np.float64): 6, np.dtype(np.float32): 7, np.dtype(np.uint16): 8}
-_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+_CODE_DTYPES: dict[int, np.dtype] = {v: k for k, v in _DTYPE_CODES.items()}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -104,15 +104,16 @@ def resolve_shape(preset: str | None, overrides: dict[str, Any], vocab_size: int
 def llama_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id: int | None = 3) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    kwargs: dict[str, Any] = dict(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_seq_len,
-        rms_norm_eps=shape.norm_eps, rope_theta=shape.rope_theta, tie_word_embeddings=shape.tie_embeddings,
-        hidden_act="silu", attention_bias=False, mlp_bias=False, attention_dropout=0.0,
-        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=False,
-        attn_implementation="sdpa", initializer_range=0.02,
+        rms_norm_eps=shape.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        tie_word_embeddings=shape.tie_embeddings, hidden_act="silu", attention_bias=False, mlp_bias=False,
+        attention_dropout=0.0, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=False,
+        initializer_range=0.02, attn_implementation="sdpa",
     )
+    return LlamaConfig(**kwargs)
 
 
 def build_model(shape: ModelShape, **ids: Any) -> Any:

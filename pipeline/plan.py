@@ -64,7 +64,7 @@ class Candidate:
     def label(self) -> str:
         off = "" if self.offload_optimizer == "none" else f" + {self.offload_optimizer} offload (opt"
         if off:
-            off += f", params)" if self.offload_param != "none" else ")"
+            off += ", params)" if self.offload_param != "none" else ")"
         ck = " + ckpt" if self.activation_checkpointing else ""
         return f"ZeRO-{self.stage}{off}{ck}, micro {self.micro_batch_size} x GA {self.grad_accum}"
 
@@ -152,7 +152,7 @@ def estimate(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu_a
     if cand.stage == 3:
         buffers = 2 * max(0.0, cand.max_live - shape.largest_layer_params()) + 2 * cand.prefetch_bucket \
             + 2 * 2 * cand.reduce_bucket
-        working = 4 * shape.largest_layer_params()  # gathered 16-bit params + grads of the largest layer
+        working = 4.0 * shape.largest_layer_params()  # gathered 16-bit params + grads of the largest layer
     else:
         buffers = 4.5 * 2 * cand.reduce_bucket if cand.stage in (1, 2) else 2 * 2.5e7
         working = 0.0

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, cast
 
 from pipeline.errors import PipelineError
 
@@ -81,7 +81,7 @@ def resolve_inputs(inputs: list[str]) -> list[Source]:
 
 def _open_binary(path: Path) -> IO[bytes]:
     if path.name.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return cast(IO[bytes], gzip.open(path, "rb"))
     if path.name.endswith(".zst"):
         import zstandard
 
@@ -91,7 +91,8 @@ def _open_binary(path: Path) -> IO[bytes]:
 
 def _jsonl(path: Path, text_key: str) -> Iterator[Record]:
     with _open_binary(path) as raw:
-        reader = io.BufferedReader(raw) if not isinstance(raw, io.BufferedReader) else raw  # type: ignore[arg-type]
+        # zstd's stream reader has no line iteration of its own
+        reader = raw if isinstance(raw, (io.BufferedReader, gzip.GzipFile)) else io.BufferedReader(cast(Any, raw))
         for n, line in enumerate(reader, start=1):
             if not line.strip():
                 continue  # blank lines separate nothing in JSONL; not a document

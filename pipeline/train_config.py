@@ -71,6 +71,8 @@ class TrainSection:
     activation_checkpointing: bool = False
     deepspeed_config: str = "ds_configs/zero1.json"
     """A DeepSpeed JSON with "auto" batch/precision fields, or `auto` to let the planner choose."""
+    comm_timeout_minutes: float = 30.0
+    """How long a collective waits for a missing rank before the run fails (a dead peer otherwise hangs it)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -201,6 +203,8 @@ def check(cfg: PretrainConfig) -> list[str]:
         p.append(f"train.precision {t.precision}: expected bf16, fp16 or fp32")
     if (t.max_steps is None) == (t.max_tokens is None):
         p.append("train: give exactly one of max_steps or max_tokens")
+    if t.comm_timeout_minutes <= 0:
+        p.append("train.comm_timeout_minutes: expected a positive number of minutes")
     if cfg.eval.interval < 1 or cfg.eval.batches < 0:
         p.append("eval.interval must be >= 1 and eval.batches >= 0")
     if cfg.checkpoint.interval < 1 or cfg.checkpoint.keep_last < 1:

@@ -146,7 +146,8 @@ def build_engine(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, man
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only; norms and biases (1-D) get none."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -194,7 +195,9 @@ def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: Model
     from deepspeed.accelerator import get_accelerator
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    deepspeed.init_distributed()
+    from datetime import timedelta
+
+    deepspeed.init_distributed(timeout=timedelta(minutes=cfg.train.comm_timeout_minutes))
     rank, world = dist.get_rank(), dist.get_world_size()
     accel = get_accelerator()
     device = torch.device(accel.device_name(), accel.current_device()) if accel.device_name() != "cpu" \

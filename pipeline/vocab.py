@@ -69,8 +69,8 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
         if self.kind == "sentencepiece":
-            return self._sp.decode(ids)
-        return self._hf.decode(ids)
+            return str(self._sp.decode(ids))
+        return str(self._hf.decode(ids))
 
     def sha256(self) -> str:
         return tokenizer_sha256(self.path)

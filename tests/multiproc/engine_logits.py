@@ -9,7 +9,7 @@ import torch
 
 
 def main() -> int:
-    config, tag, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    config, tag, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     import deepspeed
     import deepspeed.comm as dist
 

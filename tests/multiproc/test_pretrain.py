@@ -15,10 +15,10 @@ from pipeline.data import ShardedDataset, collate_samples, rank_batches
 from pipeline.model import llama_config, resolve_shape
 from pipeline.pretrain import lr_at
 from pipeline.train_config import load
+from tests.conftest import STEPS
 from tests.multiproc import launch
 
 pytestmark = pytest.mark.slow
-from tests.conftest import STEPS
 
 
 def reference_losses(config: Path, shards: Path) -> list[float]:

@@ -1,0 +1,65 @@
+"""Run under the deepspeed launcher: build a real engine, take one step, and report the bytes it holds per rank
+for parameters, gradients and optimizer states (rank 0 writes JSON)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def main() -> int:
+    config, out, *sets = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from pipeline.data import ShardedDataset, collate_samples
+    from pipeline.pretrain import prepare
+    from pipeline.train_config import load
+    from pipeline.trainer import build_engine, lm_loss
+
+    cfg = load(config, sets)
+    ds, plan, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
+    deepspeed.init_distributed()
+    rank = dist.get_rank()
+    engine = build_engine(cfg, ds, shape, manifest, rank)
+    stage = ds["zero_optimization"]["stage"]
+    zero = engine.optimizer
+    params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    data = ShardedDataset(cfg.data.path, "train")
+    batch = collate_samples(data, [rank])
+    loss = lm_loss(engine(input_ids=batch["input_ids"]).logits, batch["labels"])
+    engine.backward(loss)
+    if stage == 3:
+        fp32 = list(zero.fp32_partitioned_groups_flat)
+        grads16 = [g for g in zero.averaged_gradients.values() for g in (g if isinstance(g, list) else [g])] \
+            if isinstance(zero.averaged_gradients, dict) else []
+    else:
+        fp32 = list(zero.single_partition_of_fp32_groups)
+        grads16 = [g for group in zero.averaged_gradients.values() for g in group] \
+            if isinstance(zero.averaged_gradients, dict) else []
+    grads16_bytes = _bytes(grads16) or sum(t.numel() for t in fp32) * 2
+    engine.step()
+    states = [v for s in zero.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
+    result = {"stage": stage, "world": dist.get_world_size(), "psi": shape.num_params(),
+              "params": _bytes(params),
+              # 16-bit gradient partition held after backward + the fp32 copy the optimizer step makes of it
+              "grads": grads16_bytes + sum(t.numel() for t in fp32) * 4,
+              "optimizer": _bytes(fp32) + _bytes(states)}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)
