@@ -21,6 +21,7 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from typing import Any  # noqa: E402
 
 from pipeline.dsconfig import BatchPlan, batch_plan, load_ds_config, resolve  # noqa: E402
@@ -57,22 +58,52 @@ def max_steps_for(cfg: PretrainConfig, plan: BatchPlan) -> int:
     return math.ceil(cfg.train.max_tokens / plan.tokens_per_step)
 
 
-def prepare(cfg: PretrainConfig, world_size: int) -> tuple[dict[str, Any], BatchPlan, ModelShape, dict[str, Any]]:
-    """Everything checked before a process group starts: data manifest, batch arithmetic, DeepSpeed JSON, model."""
+def prepare(cfg: PretrainConfig, world_size: int) -> tuple[PretrainConfig, dict[str, Any], BatchPlan, ModelShape,
+                                                         dict[str, Any]]:
+    """Everything checked before a process group starts: data manifest, batch arithmetic, DeepSpeed JSON, model.
+    With `train.deepspeed_config: auto` the planner picks the DeepSpeed config (and activation checkpointing)."""
     manifest = read_manifest(cfg.data.path)
     seq_len = int(manifest["seq_len"])
     plan = batch_plan(cfg, world_size, seq_len)
     shape = resolve_shape(cfg.model.preset, dict(cfg.model.shape), manifest["tokenizer"]["vocab_size"])
     if seq_len > shape.max_seq_len:
-        from dataclasses import replace
-
         shape = replace(shape, max_seq_len=seq_len)
     if cfg.train.deepspeed_config == "auto":
-        raise PipelineError("train.deepspeed_config auto needs the planner (`pipeline plan --write-ds-config`); "
-                            "write a config with it and name that file here")
-    ds = resolve(cfg, load_ds_config(cfg.train.deepspeed_config), plan, accelerator=accelerator_name(),
-                 source=cfg.train.deepspeed_config)
-    return ds, plan, shape, manifest
+        raw, checkpointing = auto_ds_config(shape, plan, world_size)
+        cfg = replace(cfg, train=replace(cfg.train, activation_checkpointing=checkpointing))
+        source = "deepspeed config chosen by the planner"
+    else:
+        raw, source = load_ds_config(cfg.train.deepspeed_config), cfg.train.deepspeed_config
+    ds = resolve(cfg, raw, plan, accelerator=accelerator_name(), source=source)
+    return cfg, ds, plan, shape, manifest
+
+
+def auto_ds_config(shape: ModelShape, plan: BatchPlan, world_size: int) -> tuple[dict[str, Any], bool]:
+    """Plan for this machine and world: nodes from the launcher's LOCAL_SIZE, the card from torch (a CPU run
+    counts host RAM shared by its ranks), host RAM from the OS; the config's micro-batch is kept."""
+    from pipeline import plan as planner
+    from pipeline.gpus import GPU, lookup
+
+    local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    card: GPU
+    if accelerator_name() == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(0)
+        try:
+            card = replace(lookup(name), memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
+        except KeyError:
+            raise PipelineError(f"train.deepspeed_config auto: no planner data for GPU '{name}'; run "
+                                "`pipeline plan` with a known --gpu and --write-ds-config") from None
+    else:
+        card = GPU("CPU rank", ram / max(1, local) / 2**30 * 0.8, 0.5, 20.0, 0, 10.0, True)
+    cluster = planner.Cluster(max(1, world_size // local), local, card, ram)
+    result = planner.search(shape, plan.seq_len, cluster, plan.tokens_per_step, fixed_micro=plan.micro_batch_size)
+    if result.best is None:
+        raise PipelineError("train.deepspeed_config auto: nothing fits this machine; see `pipeline plan` for "
+                            "what would: " + "; ".join(result.advice))
+    return planner.ds_config(result.best), result.best.candidate.activation_checkpointing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load(args.config, args.set)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        ds, plan, shape, manifest = prepare(cfg, world)
+        cfg, ds, plan, shape, manifest = prepare(cfg, world)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -62,7 +62,7 @@ class OptimSection:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainSection:
-    max_steps: int | None = 1000
+    max_steps: int | None = None
     max_tokens: int | None = None
     """Alternative to max_steps: stop after this many training tokens."""
     seed: int = 1234

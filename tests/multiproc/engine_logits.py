@@ -19,7 +19,7 @@ def main() -> int:
     from pipeline.trainer import build_engine
 
     cfg = load(config)
-    ds, _, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
+    cfg, ds, _, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
     deepspeed.init_distributed()
     engine = build_engine(cfg, ds, shape, manifest, dist.get_rank())
     engine.load_checkpoint(cfg.run_dir, tag=tag, load_optimizer_states=False)

@@ -25,7 +25,7 @@ def main() -> int:
     from pipeline.trainer import build_engine, lm_loss
 
     cfg = load(config, sets)
-    ds, plan, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
+    cfg, ds, plan, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
     deepspeed.init_distributed()
     rank = dist.get_rank()
     engine = build_engine(cfg, ds, shape, manifest, rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,15 @@ def test_dry_run_prints_resolved_config(shards: Path, tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(ROOT / "pipeline/pretrain.py"), "--config", str(cfg), "--set",
                           "batch.global_batch_size=7", "--dry-run"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not divisible" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_auto_deepspeed_config_comes_from_the_planner(shards: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "auto.yaml"
+    cfg.write_text(f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+                   "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32, deepspeed_config: auto}\n")
+    out = subprocess.run([sys.executable, str(ROOT / "pipeline/pretrain.py"), "--config", str(cfg), "--dry-run"],
+                         capture_output=True, text=True, timeout=120, env={**__import__("os").environ,
+                                                                          "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr
+    ds = json.loads(out.stdout[out.stdout.index("# deepspeed config:") + len("# deepspeed config:"):])
+    assert ds["train_batch_size"] == 8 and "stage" in ds["zero_optimization"]
