@@ -249,6 +249,7 @@ def plan(preset: str, layers: int | None, vocab_size: int, seq_len: int, hostfil
     from dataclasses import replace
 
     from pipeline import plan as planner
+    from pipeline import plan_report
     from pipeline.atomic import write_json
     from pipeline.config import parse_size
     from pipeline.gpus import lookup
@@ -271,7 +272,7 @@ def plan(preset: str, layers: int | None, vocab_size: int, seq_len: int, hostfil
     except ValueError as e:
         raise PipelineError(str(e)) from None
     if hostfile:
-        nodes, gpus_per_node = planner.parse_hostfile(hostfile)
+        nodes, gpus_per_node = plan_report.parse_hostfile(hostfile)
     shape = resolve_shape(preset, {"num_layers": layers} if layers else {}, vocab_size)
     cluster = planner.Cluster(nodes, gpus_per_node, card, ram, nvme_bytes, net)
     p = planner.search(shape, seq_len, cluster, gbt, mfu, fixed_micro=micro_batch_size)
@@ -280,7 +281,7 @@ def plan(preset: str, layers: int | None, vocab_size: int, seq_len: int, hostfil
     if as_json:
         click.echo(jsonlib.dumps(p.to_dict(), indent=2))
     else:
-        click.echo(planner.render(p, budget))
+        click.echo(plan_report.render(p, budget))
         if write_ds_config and p.best is not None:
             b = p.best.candidate
             click.echo(f"\nwrote {write_ds_config}; in the pretrain config set batch.micro_batch_size: "

@@ -69,7 +69,7 @@ def test_trained_model_beats_fresh_init_on_held_out_data(zero_runs: dict[int, Pa
     from transformers import LlamaForCausalLM
 
     from pipeline.model import llama_config
-    from pipeline.trainer import init_weights
+    from pipeline.weights import init_weights
 
     res = evaluate_run(EvalConfig(checkpoint=str(zero_runs[1]), split="val", output=str(tmp_path / "e.json"),
                                   max_new_tokens=8))

@@ -25,7 +25,8 @@ def reference_losses(config: Path, shards: Path) -> list[float]:
     """Plain single-process PyTorch: same init, same global batches, torch AdamW, same clipping and schedule."""
     from transformers import LlamaForCausalLM
 
-    from pipeline.trainer import init_weights, lm_loss, param_groups
+    from pipeline.trainer import lm_loss, param_groups
+    from pipeline.weights import init_weights
 
     cfg = load(config)
     ds = ShardedDataset(shards, "train")
