@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         code = main()
+    except SystemExit as exit_request:  # --help, argparse errors
+        code = exit_request.code if isinstance(exit_request.code, int) else 2
     except BaseException:  # noqa: B036 - report, then leave without interpreter teardown (below)
         import traceback
 
