@@ -24,7 +24,12 @@ def render(p: Plan, token_budget: float | None = None) -> str:
     if p.best is None:
         lines.append("\nNOTHING FITS. Closest rejected configurations:")
         shown: set[str] = set()
-        for e in sorted(p.rejected, key=lambda e: (e.host["total"] + e.nvme_bytes, e.gpu["total"])):
+        def overshoot(e: Estimate) -> float:  # how far over its worst limit a configuration is
+            ratios = (e.gpu["total"] / (c.gpu.memory_gib * GiB), e.host["total"] / (0.8 * c.cpu_mem_bytes),
+                      e.nvme_bytes / c.nvme_bytes if c.nvme_bytes else (2.0 if e.nvme_bytes else 0.0))
+            return sum(max(0.0, r - 1.0) for r in ratios)
+
+        for e in sorted(p.rejected, key=overshoot):
             if e.candidate.label() not in shown and len(shown) < 5:
                 shown.add(e.candidate.label())
                 lines.append(f"  {e.candidate.label():62s} {'; '.join(e.why_not)}")

@@ -71,6 +71,8 @@ class TrainSection:
     activation_checkpointing: bool = False
     deepspeed_config: str = "ds_configs/zero1.json"
     """A DeepSpeed JSON with "auto" batch/precision fields, or `auto` to let the planner choose."""
+    gpu_memory_cap_gib: float | None = None
+    """Cap this process's GPU memory (emulate a smaller card, e.g. 24 on an 80 GB GPU); null = the whole card."""
     comm_timeout_minutes: float = 30.0
     """How long a collective waits for a missing rank before the run fails (a dead peer otherwise hangs it)."""
 

@@ -148,6 +148,9 @@ def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: Model
         else torch.device("cpu")
     if accel.device_name() == "cpu":
         torch.use_deterministic_algorithms(True, warn_only=True)
+    elif cfg.train.gpu_memory_cap_gib:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.train.gpu_memory_cap_gib * 2**30 / total), device)
     run_dir = Path(cfg.run_dir)
     max_steps = max_steps_for(cfg, plan)
     stage = zero_stage(ds)

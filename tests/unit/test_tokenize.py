@@ -241,3 +241,13 @@ def test_memory_does_not_grow_with_corpus_size(tmp_path: Path, tokenized: Path) 
 def test_pipeline_error_names_the_prefix_when_manifest_is_missing(tmp_path: Path) -> None:
     with pytest.raises(PipelineError, match="not a finished `pipeline tokenize` output"):
         tokenizing.load_manifest(tmp_path / "nothing")
+
+
+def test_hugging_face_tokenizer_folder_as_input_tokenizer(tmp_path: Path, tokenized: Path) -> None:
+    from pipeline.hf_export import hf_tokenizer
+
+    hf_dir = tmp_path / "hf_tok"
+    hf_tokenizer(_model(tokenized)).save_pretrained(hf_dir)
+    res = _tok(tmp_path / "via_hf", [str(CORPUS)], hf_dir)
+    assert res.manifest["tokenizer"]["kind"] == "hf"
+    assert (tmp_path / "via_hf.bin").read_bytes() == Path(str(tokenized) + ".bin").read_bytes()
