@@ -101,10 +101,17 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy over real tokens only (labels -100 are padding); logits (B, T, V), labels (B, T)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100,
-                           reduction=reduction)
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """Cross-entropy over real tokens only (labels -100 are padding); logits (B, T, V), labels (B, T).
+
+    Returns (mean loss to backpropagate, the summed loss as a float, token count). The float is summed in float64
+    in a fixed order: a vectorised float32 sum can round differently with the buffer's memory alignment, which
+    would make a resumed run's logged loss differ from the uninterrupted one by an ulp."""
+    per_token = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100,
+                                reduction="none")  # (B*T,), 0 where ignored
+    count = int((labels != -100).sum())
+    exact = float(per_token.detach().double().cumsum(0)[-1]) if per_token.numel() else 0.0
+    return per_token.sum() / max(count, 1), exact, count
 
 
 class _Stop:
@@ -253,18 +260,18 @@ def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: Model
         lr = lr_at(step, cfg, max_steps)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = 0.0
         for _ in range(plan.grad_accum):
             batch = next(batches)
             logits = engine(input_ids=batch["input_ids"].to(device)).logits
-            loss = lm_loss(logits, batch["labels"].to(device))
+            loss, loss_total, tokens = lm_loss(logits, batch["labels"].to(device))
             engine.backward(loss)
             engine.step()
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += loss_total / max(tokens, 1)
         step += 1
         consumed += plan.global_batch_size
         tokens_since += plan.tokens_per_step
-        flag = torch.tensor([loss_sum.item() / plan.grad_accum, float(stop.requested)], dtype=torch.float64,
+        flag = torch.tensor([loss_sum / plan.grad_accum, float(stop.requested)], dtype=torch.float64,
                             device=device)
         dist.all_reduce(flag)
         mean_loss = flag[0].item() / world
@@ -333,8 +340,9 @@ def validate(engine: Any, val_ds: ShardedDataset, cfg: PretrainConfig, plan: Bat
         batch = collate_samples(val_ds, next(it))
         logits = engine(input_ids=batch["input_ids"].to(device)).logits
         labels = batch["labels"].to(device)
-        totals[0] += lm_loss(logits, labels, "sum").double().cpu()
-        totals[1] += (labels != -100).sum().cpu()
+        _, loss_total, tokens = lm_loss(logits, labels)
+        totals[0] += loss_total
+        totals[1] += tokens
     totals = totals.to(device)
     dist.all_reduce(totals)
     engine.train()

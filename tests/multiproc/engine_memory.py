@@ -34,7 +34,7 @@ def main() -> int:
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
     data = ShardedDataset(cfg.data.path, "train")
     batch = collate_samples(data, [rank])
-    loss = lm_loss(engine(input_ids=batch["input_ids"]).logits, batch["labels"])
+    loss, _, _ = lm_loss(engine(input_ids=batch["input_ids"]).logits, batch["labels"])
     engine.backward(loss)
     if stage == 3:
         fp32 = list(zero.fp32_partitioned_groups_flat)

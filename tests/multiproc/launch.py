@@ -82,6 +82,19 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     os.killpg(proc.pid, sig)
 
 
+def wait_group(proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Wait until every process of the launch (ranks, workers) is gone, not just the launcher."""
+    proc.wait(timeout=timeout)
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"processes of the launch still alive after {timeout}s")
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
