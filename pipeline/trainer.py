@@ -88,6 +88,34 @@ def build_engine(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, man
     return engine
 
 
+def replay_adam_beta_powers(optimizer: Any, device: torch.device) -> int:
+    """Make a resumed run continue bit for bit. DeepSpeed's C++ CPU Adam (FusedAdam on the CPU accelerator,
+    DeepSpeedCPUAdam under ZeRO-Offload) keeps beta^t as a running product in a process-wide object; a resumed
+    process would restart it from pow(beta, t), which rounds differently in the last bit. Replaying steps 1..t on
+    a dummy tensor with lr 0 rebuilds the same product. Returns the steps replayed (0 when not needed)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from deepspeed.ops.adam.fused_adam import multi_tensor_applier
+
+    basic = getattr(optimizer, "optimizer", optimizer)
+    steps = max((int(st["step"]) for st in basic.state.values() if isinstance(st, dict) and "step" in st), default=0)
+    if steps == 0 or not basic.param_groups:
+        return 0
+    group = basic.param_groups[0]
+    beta1, beta2 = group["betas"]
+    dummy = [torch.zeros(8, dtype=torch.float32) for _ in range(4)]  # param, grad, exp_avg, exp_avg_sq
+    if isinstance(basic, DeepSpeedCPUAdam):
+        for t in range(1, steps + 1):
+            basic.ds_opt_adam.adam_update(basic.opt_id, t, 0.0, beta1, beta2, group["eps"], 0.0, True, *dummy)
+    elif isinstance(basic, FusedAdam) and device.type == "cpu":
+        p, g, m, v = dummy
+        for t in range(1, steps + 1):
+            multi_tensor_applier(basic.multi_tensor_adam, basic._dummy_overflow_buf, [[g], [p], [m], [v]], 0.0,
+                                 beta1, beta2, group["eps"], t, basic.adam_w_mode, 1, 0.0)
+    else:
+        return 0  # CUDA FusedAdam computes beta^t on every call
+    return steps
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only; norms and biases (1-D) get none."""
     decay: list[torch.nn.Parameter] = []
@@ -204,6 +232,7 @@ def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: Model
     if resume_tag:
         engine.load_checkpoint(str(run_dir), tag=resume_tag, load_optimizer_states=True,
                                load_lr_scheduler_states=False)
+        replay_adam_beta_powers(engine.optimizer, device)
         marker = ckpt.read_marker(run_dir, resume_tag)
         step, consumed = int(marker["step"]), int(marker["consumed_samples"])
         if rank == 0:
