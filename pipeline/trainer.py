@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import checkpoint as ckpt
+from pipeline.atomic import write_json, write_text
 from pipeline.data import ShardedDataset, build_loader, collate_samples, rank_batches
 from pipeline.dsconfig import BatchPlan, zero_stage
 from pipeline.errors import PipelineError
@@ -239,8 +240,8 @@ def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: Model
             log.info("resumed from %s/%s: step %d, %d samples consumed", run_dir, resume_tag, step, consumed)
             _truncate_metrics(run_dir / "metrics.jsonl", step)
     if rank == 0:
-        (run_dir / "config.yaml").write_text(dump(cfg))
-        (run_dir / "ds_config.json").write_text(json.dumps(ds, indent=2))
+        write_text(run_dir / "config.yaml", dump(cfg))
+        write_json(run_dir / "ds_config.json", ds)
 
     writer = None
     if rank == 0 and cfg.log.tensorboard:
@@ -397,5 +398,5 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    write_text(path, "".join(line + "\n" for line in keep))
 
