@@ -16,11 +16,13 @@ def main() -> int:
     from pipeline.data import ShardedDataset
     from pipeline.pretrain import prepare
     from pipeline.train_config import load
-    from pipeline.trainer import build_engine
+    from pipeline.trainer import build_engine, release_shm_names
 
     cfg = load(config)
     cfg, ds, _, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
     deepspeed.init_distributed()
+    dist.barrier()
+    release_shm_names(dist.get_rank())
     engine = build_engine(cfg, ds, shape, manifest, dist.get_rank())
     engine.load_checkpoint(cfg.run_dir, tag=tag, load_optimizer_states=False)
     engine.eval()

@@ -22,11 +22,13 @@ def main() -> int:
     from pipeline.data import ShardedDataset, collate_samples
     from pipeline.pretrain import prepare
     from pipeline.train_config import load
-    from pipeline.trainer import build_engine, lm_loss
+    from pipeline.trainer import build_engine, lm_loss, release_shm_names
 
     cfg = load(config, sets)
     cfg, ds, plan, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
     deepspeed.init_distributed()
+    dist.barrier()
+    release_shm_names(dist.get_rank())
     rank = dist.get_rank()
     engine = build_engine(cfg, ds, shape, manifest, rank)
     stage = ds["zero_optimization"]["stage"]
