@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pipeline import checkpoint as ckpt
 from pipeline.atomic import write_json, write_text
 from pipeline.data import ShardedDataset, build_loader, collate_samples, rank_batches
+from pipeline.ds_workarounds import release_shm_names, replay_adam_beta_powers
 from pipeline.dsconfig import BatchPlan, zero_stage
 from pipeline.errors import PipelineError
 from pipeline.gpus import peak_tflops_for_device
@@ -87,34 +88,6 @@ def build_engine(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, man
         model_parameters=None if client_optimizer else param_groups(model, cfg.optim.weight_decay),  # type: ignore[arg-type]
         config=ds)
     return engine
-
-
-def replay_adam_beta_powers(optimizer: Any, device: torch.device) -> int:
-    """Make a resumed run continue bit for bit. DeepSpeed's C++ CPU Adam (FusedAdam on the CPU accelerator,
-    DeepSpeedCPUAdam under ZeRO-Offload) keeps beta^t as a running product in a process-wide object; a resumed
-    process would restart it from pow(beta, t), which rounds differently in the last bit. Replaying steps 1..t on
-    a dummy tensor with lr 0 rebuilds the same product. Returns the steps replayed (0 when not needed)."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-    from deepspeed.ops.adam.fused_adam import multi_tensor_applier
-
-    basic = getattr(optimizer, "optimizer", optimizer)
-    steps = max((int(st["step"]) for st in basic.state.values() if isinstance(st, dict) and "step" in st), default=0)
-    if steps == 0 or not basic.param_groups:
-        return 0
-    group = basic.param_groups[0]
-    beta1, beta2 = group["betas"]
-    dummy = [torch.zeros(8, dtype=torch.float32) for _ in range(4)]  # param, grad, exp_avg, exp_avg_sq
-    if isinstance(basic, DeepSpeedCPUAdam):
-        for t in range(1, steps + 1):
-            basic.ds_opt_adam.adam_update(basic.opt_id, t, 0.0, beta1, beta2, group["eps"], 0.0, True, *dummy)
-    elif isinstance(basic, FusedAdam) and device.type == "cpu":
-        p, g, m, v = dummy
-        for t in range(1, steps + 1):
-            multi_tensor_applier(basic.multi_tensor_adam, basic._dummy_overflow_buf, [[g], [p], [m], [v]], 0.0,
-                                 beta1, beta2, group["eps"], t, basic.adam_w_mode, 1, 0.0)
-    else:
-        return 0  # CUDA FusedAdam computes beta^t on every call
-    return steps
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -393,16 +366,6 @@ def _check_aio(ds: dict[str, Any]) -> None:
             path = zero.get(k, {}).get("nvme_path")
             if path and not os.access(path, os.W_OK):
                 raise PipelineError(f"zero_optimization.{k}.nvme_path {path}: not a writable folder on this node")
-
-
-def release_shm_names(rank: int) -> None:
-    """DeepSpeed's CPU shared-memory all-reduce (all ranks on one machine) creates
-    /dev/shm/deepspeed_allreduce_buffer_* and never unlinks it: about 66 MB of RAM per rank leaks with every run,
-    until /dev/shm fills the machine's memory. Once every rank has mapped every buffer the names can go; the
-    mappings live on until the process ends, even when it is killed."""
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if addr and port:
-        Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}").unlink(missing_ok=True)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

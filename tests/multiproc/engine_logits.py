@@ -14,9 +14,10 @@ def main() -> int:
     import deepspeed.comm as dist
 
     from pipeline.data import ShardedDataset
+    from pipeline.ds_workarounds import release_shm_names
     from pipeline.pretrain import prepare
     from pipeline.train_config import load
-    from pipeline.trainer import build_engine, release_shm_names
+    from pipeline.trainer import build_engine
 
     cfg = load(config)
     cfg, ds, _, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
