@@ -33,7 +33,7 @@ lint: install
 	$(BIN)/mypy pipeline
 
 data: install
-	$(BIN)/python -m pipeline.demo_data data
+	$(BIN)/python -m pipeline.data.demo data
 
 # The whole pipeline on the bundled Shakespeare corpus, on the CPU, through the deepspeed launcher (2 ranks).
 demo: data

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import shard as shard_stage
 from pipeline.atomic import write_json
-from pipeline.config import ShardConfig
-from pipeline.data import ShardedDataset
-from pipeline.indexed import IndexedWriter
+from pipeline.data import shard as shard_stage
+from pipeline.data.config import ShardConfig
+from pipeline.data.indexed import IndexedWriter
+from pipeline.data.loader import ShardedDataset
 
 
 def synthetic_prefix(work: Path, tokens: int) -> Path:

@@ -58,11 +58,11 @@ def main() -> None:
     args = ap.parse_args()
     from data_bench import synthetic_prefix
 
-    from pipeline import shard as shard_stage
-    from pipeline.config import ShardConfig
-    from pipeline.gpus import GPUS
+    from pipeline.data import shard as shard_stage
+    from pipeline.data.config import ShardConfig
     from pipeline.model import PRESETS
-    from pipeline.plan import Candidate, Cluster, estimate
+    from pipeline.plan.gpus import GPUS
+    from pipeline.plan.search import Candidate, Cluster, estimate
 
     work = Path(tempfile.mkdtemp(prefix="gpubench-"))
     prefix = synthetic_prefix(work, 3_000_000)

@@ -62,8 +62,8 @@ def tokenize(inputs: tuple[str, ...], output_prefix: str, tokenizer: str | None,
              append_eos: bool, on_error: str) -> None:
     """Tokenize INPUT... (.jsonl, .txt, .parquet, optionally .gz/.zst; folders; globs; save_to_disk datasets)
     into a Megatron indexed dataset."""
-    from pipeline import tokenizing
-    from pipeline.config import TokenizeConfig
+    from pipeline.data import tokenize as tokenizing
+    from pipeline.data.config import TokenizeConfig
 
     cfg = TokenizeConfig(inputs=inputs, output_prefix=output_prefix, tokenizer=tokenizer,
                          train_tokenizer=train_tokenizer, vocab_size=vocab_size, model_type=model_type,
@@ -107,8 +107,8 @@ def shard(sources: tuple[str, ...], output: str | None, seq_len: int | None, spl
           num_shards: int | None, shard_size: str, no_cross_document: bool, overwrite: bool,
           inspect_dir: str | None) -> None:
     """Pack, split, blend and shuffle tokenized PREFIX[:WEIGHT]... into fixed-length training shards."""
-    from pipeline import shard as shard_stage
-    from pipeline.config import ShardConfig, parse_size
+    from pipeline.data import shard as shard_stage
+    from pipeline.data.config import ShardConfig, parse_size
 
     if inspect_dir:
         click.echo(shard_stage.describe(inspect_dir))
@@ -189,8 +189,8 @@ def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, maste
 def evaluate(checkpoint: str, data: str | None, split: str, max_batches: int | None, batch_size: int,
              prompts: str | None, output: str | None, max_new_tokens: int, seed: int, device: str) -> None:
     """Held-out loss, perplexity and bits per byte of a checkpoint, sample continuations, and RUN_DIR/loss.png."""
-    from pipeline import evaluate as stage
-    from pipeline.evaluate import EvalConfig
+    from pipeline.evaluate import run as stage
+    from pipeline.evaluate.run import EvalConfig
 
     result = stage.run(EvalConfig(checkpoint=checkpoint, data=data, split=split, max_batches=max_batches,
                                   batch_size=batch_size, prompts=prompts, output=output,
@@ -206,8 +206,8 @@ def evaluate(checkpoint: str, data: str | None, split: str, max_batches: int | N
 @_user_errors
 def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> None:
     """Export a checkpoint to a Hugging Face model folder (safetensors, config, tokenizer)."""
-    from pipeline import evaluate as stage
-    from pipeline.config import parse_size
+    from pipeline.data.config import parse_size
+    from pipeline.evaluate import run as stage
 
     try:
         size = parse_size(max_shard_size)
@@ -248,12 +248,12 @@ def plan(preset: str, layers: int | None, vocab_size: int, seq_len: int, hostfil
     import shutil
     from dataclasses import replace
 
-    from pipeline import plan as planner
-    from pipeline import plan_report
     from pipeline.atomic import write_json
-    from pipeline.config import parse_size
-    from pipeline.gpus import lookup
+    from pipeline.data.config import parse_size
     from pipeline.model import resolve_shape
+    from pipeline.plan import report as plan_report
+    from pipeline.plan import search as planner
+    from pipeline.plan.gpus import lookup
 
     try:
         card = lookup(gpu)

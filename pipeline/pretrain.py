@@ -24,11 +24,11 @@ import math  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from typing import Any  # noqa: E402
 
-from pipeline.dsconfig import BatchPlan, batch_plan, load_ds_config, resolve  # noqa: E402
+from pipeline.data.shard import read_manifest  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.model import ModelShape, resolve_shape  # noqa: E402
-from pipeline.shard import read_manifest  # noqa: E402
-from pipeline.train_config import PretrainConfig, dump, load  # noqa: E402
+from pipeline.train.config import PretrainConfig, dump, load  # noqa: E402
+from pipeline.train.ds_config import BatchPlan, batch_plan, load_ds_config, resolve  # noqa: E402
 
 
 def lr_at(step: int, cfg: PretrainConfig, max_steps: int) -> float:
@@ -81,8 +81,8 @@ def prepare(cfg: PretrainConfig, world_size: int) -> tuple[PretrainConfig, dict[
 def auto_ds_config(shape: ModelShape, plan: BatchPlan, world_size: int) -> tuple[dict[str, Any], bool]:
     """Plan for this machine and world: nodes from the launcher's LOCAL_SIZE, the card from torch (a CPU run
     counts host RAM shared by its ranks), host RAM from the OS; the config's micro-batch is kept."""
-    from pipeline import plan as planner
-    from pipeline.gpus import GPU, lookup
+    from pipeline.plan import search as planner
+    from pipeline.plan.gpus import GPU, lookup
 
     local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print("# deepspeed config:")
         print(json.dumps(ds, indent=2))
         return 0
-    from pipeline.trainer import train
+    from pipeline.train.loop import train
 
     try:
         return train(cfg, ds, plan, shape, manifest)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import shard as shard_stage
-from pipeline import tokenizing
-from pipeline.config import ShardConfig, TokenizeConfig
+from pipeline.data import shard as shard_stage
+from pipeline.data import tokenize as tokenizing
+from pipeline.data.config import ShardConfig, TokenizeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

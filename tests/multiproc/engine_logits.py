@@ -13,11 +13,11 @@ def main() -> int:
     import deepspeed
     import deepspeed.comm as dist
 
-    from pipeline.data import ShardedDataset
-    from pipeline.ds_workarounds import release_shm_names
+    from pipeline.data.loader import ShardedDataset
     from pipeline.pretrain import prepare
-    from pipeline.train_config import load
-    from pipeline.trainer import build_engine
+    from pipeline.train.config import load
+    from pipeline.train.ds_workarounds import release_shm_names
+    from pipeline.train.loop import build_engine
 
     cfg = load(config)
     cfg, ds, _, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))

@@ -14,11 +14,11 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.data import ShardedDataset
-from pipeline.evaluate import EvalConfig, open_run, perplexity
-from pipeline.evaluate import export as export_checkpoint
-from pipeline.evaluate import run as evaluate_run
-from pipeline.vocab import Tokenizer
+from pipeline.data.loader import ShardedDataset
+from pipeline.data.tokenizer import Tokenizer
+from pipeline.evaluate.run import EvalConfig, open_run, perplexity
+from pipeline.evaluate.run import export as export_checkpoint
+from pipeline.evaluate.run import run as evaluate_run
 from tests.multiproc import launch
 
 pytestmark = pytest.mark.slow
@@ -69,7 +69,7 @@ def test_trained_model_beats_fresh_init_on_held_out_data(zero_runs: dict[int, Pa
     from transformers import LlamaForCausalLM
 
     from pipeline.model import llama_config
-    from pipeline.weights import init_weights
+    from pipeline.train.weights import init_weights
 
     res = evaluate_run(EvalConfig(checkpoint=str(zero_runs[1]), split="val", output=str(tmp_path / "e.json"),
                                   max_new_tokens=8))
@@ -95,8 +95,8 @@ def test_zero3_checkpoint_evaluates_like_zero1(zero_runs: dict[int, Path], tmp_p
 
 
 def test_error_cases(zero_runs: dict[int, Path], tmp_path: Path, tokenized: Path) -> None:
-    from pipeline import shard as shard_stage
-    from pipeline.config import ShardConfig
+    from pipeline.data import shard as shard_stage
+    from pipeline.data.config import ShardConfig
 
     def cli(*args: str):
         return CliRunner().invoke(main, ["evaluate", *args])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import checkpoint as ckpt
+from pipeline.train import checkpoint as ckpt
 from tests.multiproc import launch
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.plan import _state_split
+from pipeline.plan.search import _state_split
 from tests.multiproc import launch
 
 pytestmark = pytest.mark.slow

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import checkpoint as ckpt
-from pipeline.data import ShardedDataset, collate_samples, rank_batches
+from pipeline.data.loader import ShardedDataset, collate_samples, rank_batches
 from pipeline.model import llama_config, resolve_shape
 from pipeline.pretrain import lr_at
-from pipeline.train_config import load
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.config import load
 from tests.conftest import STEPS
 from tests.multiproc import launch
 
@@ -25,8 +25,8 @@ def reference_losses(config: Path, shards: Path) -> list[float]:
     """Plain single-process PyTorch: same init, same global batches, torch AdamW, same clipping and schedule."""
     from transformers import LlamaForCausalLM
 
-    from pipeline.trainer import lm_loss, param_groups
-    from pipeline.weights import init_weights
+    from pipeline.train.loop import lm_loss, param_groups
+    from pipeline.train.weights import init_weights
 
     cfg = load(config)
     ds = ShardedDataset(shards, "train")
@@ -143,8 +143,8 @@ def test_zero3_cpu_offload_trains_and_resumes_bit_for_bit(shards: Path, tmp_path
 
 
 def test_resume_refuses_other_data(zero_runs: dict[int, Path], tmp_path: Path, tokenized: Path) -> None:
-    from pipeline import shard as shard_stage
-    from pipeline.config import ShardConfig
+    from pipeline.data import shard as shard_stage
+    from pipeline.data.config import ShardConfig
 
     other = tmp_path / "other"
     shard_stage.run(ShardConfig(sources=((str(tokenized), 1.0),), output=str(other), seq_len=64,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import checkpoint as ckpt
 from pipeline.errors import PipelineError
+from pipeline.train import checkpoint as ckpt
 
 
 def _save(run: Path, step: int, complete: bool = True) -> str:

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.cli import main
-from pipeline.dsconfig import batch_plan, resolve
-from pipeline.gpus import GPUS, lookup
 from pipeline.model import PRESETS, ModelShape
-from pipeline.plan import Candidate, Cluster, deepspeed_model_states, estimate, search
-from pipeline.train_config import from_dict
+from pipeline.plan.gpus import GPUS, lookup
+from pipeline.plan.search import Candidate, Cluster, deepspeed_model_states, estimate, search
+from pipeline.train.config import from_dict
+from pipeline.train.ds_config import batch_plan, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = Cluster(8, 1, GPUS["4090d"], 512 * 10**9)

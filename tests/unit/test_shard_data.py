@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import shard as shard_stage
-from pipeline import tokenizing
-from pipeline.config import ShardConfig, TokenizeConfig
-from pipeline.data import ShardedDataset, build_loader, rank_batches
+from pipeline.data import shard as shard_stage
+from pipeline.data import tokenize as tokenizing
+from pipeline.data.config import ShardConfig, TokenizeConfig
+from pipeline.data.indexed import IndexedReader
+from pipeline.data.loader import ShardedDataset, build_loader, rank_batches
+from pipeline.data.shard import blend_counts, pack, split_documents
 from pipeline.errors import PipelineError
-from pipeline.indexed import IndexedReader
-from pipeline.shard import blend_counts, pack, split_documents
 from tests.conftest import CORPUS
 
 
@@ -172,7 +172,7 @@ def test_loader_gives_shifted_labels_and_masks(tmp_path: Path, tokenized: Path) 
     assert batch["input_ids"].shape == (2, 64) and batch["labels"].shape == (2, 64)
     first = next(rank_batches(len(ds), 1, 2, 1, 0))
     assert batch["input_ids"][0].tolist() == ds[first[0]][:-1].tolist()
-    from pipeline.data import collate_samples
+    from pipeline.data.loader import collate_samples
 
     b = collate_samples(ds, [padded])
     mask = ds.loss_mask(padded)

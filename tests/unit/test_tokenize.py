@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from pipeline import tokenizing
 from pipeline.cli import main
-from pipeline.config import TokenizeConfig
+from pipeline.data import tokenize as tokenizing
+from pipeline.data.config import TokenizeConfig
+from pipeline.data.indexed import IndexedReader
+from pipeline.data.readers import read_records, resolve_inputs
+from pipeline.data.tokenizer import Tokenizer
 from pipeline.errors import PipelineError
-from pipeline.indexed import IndexedReader
-from pipeline.readers import read_records, resolve_inputs
-from pipeline.vocab import Tokenizer
 from tests.conftest import CORPUS
 
 DOCS = ["First document.\nWith two lines.", "第二个文档：中文也可以。", "Third, with digits 12345."]
@@ -244,7 +244,7 @@ def test_pipeline_error_names_the_prefix_when_manifest_is_missing(tmp_path: Path
 
 
 def test_hugging_face_tokenizer_folder_as_input_tokenizer(tmp_path: Path, tokenized: Path) -> None:
-    from pipeline.hf_export import hf_tokenizer
+    from pipeline.evaluate.export import hf_tokenizer
 
     hf_dir = tmp_path / "hf_tok"
     hf_tokenizer(_model(tokenized)).save_pretrained(hf_dir)

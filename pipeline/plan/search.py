@@ -16,8 +16,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pipeline.gpus import GPU
 from pipeline.model import ModelShape
+from pipeline.plan.gpus import GPU
 
 GiB = 2**30
 RANK_HOST_OVERHEAD = 6 * GiB        # torch + CUDA libraries + DeepSpeed per rank process, host RAM

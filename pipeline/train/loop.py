@@ -16,17 +16,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pipeline import checkpoint as ckpt
 from pipeline.atomic import write_json, write_text
-from pipeline.data import ShardedDataset, build_loader, collate_samples, rank_batches
-from pipeline.ds_workarounds import release_shm_names, replay_adam_beta_powers
-from pipeline.dsconfig import BatchPlan, zero_stage
+from pipeline.data.loader import ShardedDataset, build_loader, collate_samples, rank_batches
 from pipeline.errors import PipelineError
-from pipeline.gpus import peak_tflops_for_device
 from pipeline.model import ModelShape, llama_config
+from pipeline.plan.gpus import peak_tflops_for_device
 from pipeline.pretrain import lr_at, max_steps_for
-from pipeline.train_config import PretrainConfig, dump
-from pipeline.weights import init_weights, load_initial_weights
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.config import PretrainConfig, dump
+from pipeline.train.ds_config import BatchPlan, zero_stage
+from pipeline.train.ds_workarounds import release_shm_names, replay_adam_beta_powers
+from pipeline.train.weights import init_weights, load_initial_weights
 
 log = logging.getLogger("pipeline.pretrain")
 

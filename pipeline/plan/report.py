@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from pipeline.errors import PipelineError
-from pipeline.plan import Estimate, GiB, Plan, activation_bytes
+from pipeline.plan.search import Estimate, GiB, Plan, activation_bytes
 
 
 def _days(tokens: float, tps: float) -> str:

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.atomic import sha256_file
+from pipeline.data.shard import read_manifest
 from pipeline.errors import PipelineError
-from pipeline.shard import read_manifest
 
 
 class ShardedDataset:

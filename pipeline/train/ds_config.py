@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError
-from pipeline.train_config import PretrainConfig
+from pipeline.train.config import PretrainConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,12 +24,12 @@ import numpy as np
 
 from pipeline import __version__
 from pipeline.atomic import sha256_file, tmp_path_for, write_json
-from pipeline.config import TokenizeConfig
+from pipeline.data.config import TokenizeConfig
+from pipeline.data.indexed import IndexedWriter, token_dtype
+from pipeline.data.readers import Source, read_records, resolve_inputs
+from pipeline.data.tokenizer import Tokenizer, tokenizer_sha256, train_sentencepiece
 from pipeline.errors import PipelineError
-from pipeline.indexed import IndexedWriter, token_dtype
 from pipeline.progress import Progress
-from pipeline.readers import Source, read_records, resolve_inputs
-from pipeline.vocab import Tokenizer, tokenizer_sha256, train_sentencepiece
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20

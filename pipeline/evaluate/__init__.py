@@ -1,0 +1,1 @@
+"""Stage 4: evaluate a checkpoint and export it to a Hugging Face folder."""

@@ -1,0 +1,1 @@
+"""The planner: will a model fit a cluster, how fast will it train, and which DeepSpeed config gets there."""

@@ -1,0 +1,1 @@
+"""Stage 3: pretrain config, DeepSpeed config, engine, training loop, checkpoints."""
