@@ -5,7 +5,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-export DS_ACCELERATOR ?= cpu
+# DeepSpeed picks its accelerator from the installed torch (cuda when it sees a GPU, else cpu); set
+# DS_ACCELERATOR to override.
 # One JIT-op cache for the venv's own ninja (two ninja versions rebuild each other's ops otherwise).
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions_pipeline
 export PATH := $(abspath $(BIN)):$(PATH)
@@ -14,7 +15,7 @@ RUN ?= runs/demo
 CKPT ?= $(RUN)
 SPLIT ?= val
 
-.PHONY: install test lint data demo eval bench clean
+.PHONY: install test test-fast lint data demo eval bench bench-cpu clean
 
 install: $(STAMP)
 
@@ -27,6 +28,10 @@ $(STAMP): pyproject.toml Makefile
 
 test: install
 	$(BIN)/python -m pytest -q -ra tests
+
+# The inner loop: everything but the multi-process launcher runs, in well under a minute.
+test-fast: install
+	$(BIN)/python -m pytest -q -ra -m "not slow" tests
 
 lint: install
 	$(BIN)/ruff check pipeline tests bench
@@ -49,6 +54,10 @@ eval: install
 bench: install
 	$(BIN)/python bench/tokenize_bench.py
 	$(BIN)/python bench/data_bench.py
+	$(BIN)/python bench/cpu_bench.py
+
+bench-cpu: install
+	$(BIN)/python bench/cpu_bench.py
 
 clean:
 	rm -rf runs out

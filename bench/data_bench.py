@@ -61,13 +61,13 @@ def main() -> None:
                                     split=(98.0, 1.0, 1.0), progress=False))
         shard_mbs = nbytes / 1e6 / (time.perf_counter() - t)
 
-        ds = ShardedDataset(work / "shards", "train")
-        width = ds.width
-        f = ds.manifest["splits"]["train"]["shards"][0]
+        dataset = ShardedDataset(work / "shards", "train")
+        width = dataset.width
+        f = dataset.manifest["splits"]["train"]["shards"][0]
         raw = np.memmap(work / "shards" / f["file"], dtype=np.uint16, mode="r")
-        idx = np.random.default_rng(1).integers(0, min(len(ds), f["samples"]), args.reads).tolist()
+        idx = np.random.default_rng(1).integers(0, min(len(dataset), f["samples"]), args.reads).tolist()
         for i in idx[:2000]:  # warm the page cache for both
-            ds[i]
+            dataset[i]
         results = {}
         for name in ("raw", "ours", "raw", "ours"):  # interleaved, best of two
             t = time.perf_counter()
@@ -76,7 +76,7 @@ def main() -> None:
                     np.array(raw[i * width:(i + 1) * width])
             else:
                 for i in idx:
-                    ds[i]
+                    dataset[i]
             rate = args.reads * width / (time.perf_counter() - t)
             results[name] = max(results.get(name, 0.0), rate)
         t = time.perf_counter()

@@ -72,10 +72,10 @@ import time, sentencepiece as spm, datasets, numpy as np
 datasets.disable_progress_bars()
 t = time.perf_counter()
 sp = spm.SentencePieceProcessor(model_file={str(model)!r})
-ds = datasets.load_dataset("json", data_files={str(corpus)!r}, split="train", cache_dir={str(work / 'hfcache')!r})
+dataset = datasets.load_dataset("json", data_files={str(corpus)!r}, split="train", cache_dir={str(work / 'hfcache')!r})
 def enc(batch):
     return {{"ids": [list(x) + [2] for x in sp.encode(batch["text"], num_threads=1)]}}
-out = ds.map(enc, batched=True, num_proc=2, remove_columns=ds.column_names)
+out = dataset.map(enc, batched=True, num_proc=2, remove_columns=dataset.column_names)
 out.save_to_disk({str(work / 'hfout')!r})
 print(sum(len(x) for x in out["ids"]), time.perf_counter() - t)
 """

@@ -136,30 +136,41 @@ def shard(sources: tuple[str, ...], output: str | None, seq_len: int | None, spl
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--config", "config_path", required=True, help="Pretrain YAML config (see configs/).")
 @click.option("--hostfile", default=None, help="DeepSpeed hostfile (multi-node; DeepSpeed reaches hosts by ssh).")
-@click.option("--num-gpus", type=int, default=None, help="Ranks on this machine when no hostfile is given "
+@click.option("--num-gpus", type=click.IntRange(min=1), default=None, help="Ranks on this machine when no hostfile is given "
               "(CPU runs: processes).")
-@click.option("--master-port", type=int, default=None, help="Rendezvous port (default: DeepSpeed's 29500).")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None, help="Rendezvous port (default: DeepSpeed's 29500).")
 @click.option("--set", "sets", multiple=True, help="Override a config field: section.key=value (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Resolve and print the config, batch plan and DeepSpeed JSON; no training.")
 @_user_errors
 def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, master_port: int | None,
              sets: tuple[str, ...], dry_run: bool) -> None:
-    """Build the `deepspeed ... pipeline/pretrain.py` command line, print it, and run it."""
+    """Check the config, data and DeepSpeed JSON here (a bad one fails in a second, with only our message), then
+    build the `deepspeed ... pipeline/pretrain.py` command line, print it, and run it."""
     import os
     import shutil
     import subprocess
     from pathlib import Path
 
     import pipeline
+    from pipeline.train.config import load
+    from pipeline.train.main import describe
+    from pipeline.train.setup import prepare
 
+    if hostfile and not Path(hostfile).is_file():
+        raise PipelineError(f"--hostfile {hostfile}: no such file (see hostfiles/)")
+    cfg = load(config_path, list(sets))
+    world, per_node = _launch_world_size(hostfile, num_gpus)
+    if world is not None:
+        prepared = prepare(cfg, world, per_node)  # the same checks every rank makes, before any process starts
+        if dry_run:
+            click.echo(describe(prepared))
+            return
     script = Path(pipeline.__file__).parent / "pretrain.py"
     launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
     if launcher is None:
         raise PipelineError("the `deepspeed` launcher is not installed in this environment (pip install deepspeed)")
     cmd = [launcher]
     if hostfile:
-        if not Path(hostfile).exists():
-            raise PipelineError(f"--hostfile {hostfile}: no such file (see hostfiles/)")
         cmd += ["--hostfile", hostfile]
     elif num_gpus:
         cmd += ["--num_gpus", str(num_gpus)]
@@ -172,6 +183,17 @@ def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, maste
         cmd.append("--dry-run")
     click.echo("+ " + " ".join(cmd), err=True)
     sys.exit(subprocess.call(cmd, env=os.environ.copy()))
+
+
+def _launch_world_size(hostfile: str | None, num_gpus: int | None) -> tuple[int | None, int | None]:
+    """(ranks, ranks per node) the launcher will start: from the hostfile's slots, or --num-gpus; None when the
+    launcher decides (all local GPUs), since only it knows what it will see."""
+    if hostfile:
+        from pipeline.plan.report import hostfile_slots
+
+        slots = hostfile_slots(hostfile)
+        return sum(slots), max(slots)
+    return num_gpus, num_gpus
 
 
 @main.command()
@@ -226,7 +248,8 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> Non
 @click.option("--hostfile", default=None, help="DeepSpeed hostfile: nodes and GPUs per node from its slots.")
 @click.option("--nodes", type=int, default=1, show_default=True)
 @click.option("--gpus-per-node", type=int, default=1, show_default=True)
-@click.option("--gpu", default="4090d", show_default=True, help="3090, 4090, 4090d, a100-40gb, a100-80gb, h100, h200.")
+@click.option("--gpu", default="4090d", show_default=True, help="3090, 4090, 4090d, l40s, a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100, "
+              "h100-pcie, h100-nvl, h200, h200-nvl, or a name as nvidia-smi prints it.")
 @click.option("--gpu-mem", default=None, help="Cap the card's memory, e.g. 24GiB (emulating a smaller card).")
 @click.option("--cpu-mem", default="512GB", show_default=True, help="Host RAM per node.")
 @click.option("--nvme", default=None, help="NVMe capacity per node for ZeRO-Infinity, e.g. 4TB (or a mounted path).")

@@ -54,10 +54,12 @@ class ModelShape:
         h, f = self.hidden_size, self.ffn_hidden_size
         return max(self.embedding_params(), h * f, h * h)
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, PaLM appendix B: 6 N (non-embedding-input params) + 12 L H Q T attention."""
+    def flops_per_token(self, seq_len: int, causal: bool = False) -> float:
+        """Training FLOPs per token, PaLM appendix B: 6 N (non-embedding-input params) + 12 L H Q T attention, as
+        TinyLlama and torchtitan count MFU. `causal` counts only the attention a causal mask leaves (half: 6 L H Q T)."""
         n = self.num_params() - self.embedding_params()
-        return 6.0 * n + 12.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        attention = 12.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return 6.0 * n + (attention / 2 if causal else attention)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,8 +118,31 @@ def llama_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id:
     return LlamaConfig(**kwargs)
 
 
-def build_model(shape: ModelShape, **ids: Any) -> Any:
-    """A freshly initialised LlamaForCausalLM (fp32). Seed torch first for a reproducible init."""
+def build_model(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id: int | None = 3,
+                skip_init: bool = False) -> Any:
+    """The one constructor of our models: a LlamaForCausalLM (fp32). `skip_init` skips transformers' random init
+    (the caller fills every weight: our deterministic init, a checkpoint, or safetensors); otherwise seed torch
+    first for a reproducible init. Under ZeRO-3 call it inside `deepspeed.zero.Init` (pipeline.train.engine)."""
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(llama_config(shape, **ids))
+    config = llama_config(shape, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    if not skip_init:
+        return LlamaForCausalLM(config)
+    with transformers_helper("transformers.initialization", "no_init_weights")():
+        return LlamaForCausalLM(config)
+
+
+TRANSFORMERS_NEEDED = "transformers>=5,<6"
+
+
+def transformers_helper(module: str, name: str) -> Any:
+    """A transformers internal that model building relies on, or one clear error naming the version needed."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        import transformers
+
+        raise ConfigError([f"transformers {transformers.__version__} lacks {module}.{name}, which model building "
+                           f"needs; install {TRANSFORMERS_NEEDED} (pip install '{TRANSFORMERS_NEEDED}')"]) from None

@@ -17,16 +17,16 @@ from typing import Any
 import numpy as np
 
 from pipeline.atomic import sha256_file
-from pipeline.data.shard import read_manifest
+from pipeline.data.manifest import ShardManifest, read_shard_manifest
 from pipeline.errors import PipelineError
 
 
 class ShardedDataset:
-    """`len(ds)` samples of `seq_len + 1` ids; `ds[i]` in O(1) through mmap; `ds.loss_mask(i)` when padded."""
+    """`len(dataset)` samples of `seq_len + 1` ids; `dataset[i]` in O(1) through mmap; `dataset.loss_mask(i)` when padded."""
 
     def __init__(self, path: str | Path, split: str = "train"):
         self.path = Path(path)
-        self.manifest = read_manifest(self.path)
+        self.manifest: ShardManifest = read_shard_manifest(self.path)
         if split not in self.manifest["splits"]:
             raise PipelineError(f"{self.path}: no split '{split}' (have {', '.join(self.manifest['splits'])})")
         self.split = split
@@ -84,16 +84,20 @@ class ShardedDataset:
     def verify(self) -> None:
         """Checksums of every shard against the manifest (reads all bytes; sizes are checked at open)."""
         for f in self._files:
-            for name, key in ((f["file"], "sha256"), (f.get("lengths_file"), "lengths_sha256")):
-                if name and sha256_file(self.path / name) != f[key]:
+            checks = [(f["file"], f["sha256"])]
+            if "lengths_file" in f:
+                checks.append((f["lengths_file"], f["lengths_sha256"]))
+            for name, expected in checks:
+                if sha256_file(self.path / name) != expected:
                     raise PipelineError(f"{self.path / name}: checksum differs from the manifest; the shard was "
                                         "altered: re-run `pipeline shard --overwrite`")
 
     @property
     def tokenizer_path(self) -> Path | None:
         tok = self.manifest["tokenizer"]
-        if tok.get("copy") and (self.path / tok["copy"]).exists():
-            return self.path / tok["copy"]
+        copy = tok.get("copy")
+        if copy and (self.path / copy).exists():
+            return self.path / copy
         return Path(tok["path"]) if Path(tok["path"]).exists() else None
 
 
@@ -143,8 +147,8 @@ class _BatchSampler:
 class _Collate:
     """Sample ids -> {"input_ids": (B, T), "labels": (B, T)} int64; labels are -100 where the mask excludes."""
 
-    def __init__(self, ds: ShardedDataset):
-        self.ds = ds
+    def __init__(self, dataset: ShardedDataset):
+        self.dataset = dataset
 
     def __call__(self, items: list[tuple[np.ndarray, np.ndarray | None]]) -> dict[str, Any]:
         import torch
@@ -158,14 +162,14 @@ class _Collate:
 
 
 class _WithMask:
-    def __init__(self, ds: ShardedDataset):
-        self.ds = ds
+    def __init__(self, dataset: ShardedDataset):
+        self.dataset = dataset
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
-        return self.ds[i], self.ds.loss_mask(i)
+        return self.dataset[i], self.dataset.loss_mask(i)
 
     def __len__(self) -> int:
-        return len(self.ds)
+        return len(self.dataset)
 
 
 def _worker_init(_: int) -> None:
@@ -177,21 +181,21 @@ def _worker_init(_: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def collate_samples(ds: ShardedDataset, sample_ids: list[int]) -> dict[str, Any]:
+def collate_samples(dataset: ShardedDataset, sample_ids: list[int]) -> dict[str, Any]:
     """The same batch the loader would give for these sample ids, without a DataLoader."""
-    return _Collate(ds)([_WithMask(ds)[i] for i in sample_ids])
+    return _Collate(dataset)([_WithMask(dataset)[i] for i in sample_ids])
 
 
-def build_loader(ds: ShardedDataset, *, seed: int, micro_batch_size: int, data_parallel_size: int, rank: int,
+def build_loader(dataset: ShardedDataset, *, seed: int, micro_batch_size: int, data_parallel_size: int, rank: int,
                  consumed_samples: int = 0, num_workers: int = 1, pin_memory: bool | None = None) -> Any:
     """A PyTorch DataLoader over this rank's micro-batches, from `consumed_samples` on (endless)."""
     import torch
 
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
-    sampler = _BatchSampler(n=len(ds), seed=seed, micro_batch_size=micro_batch_size,
+    sampler = _BatchSampler(n=len(dataset), seed=seed, micro_batch_size=micro_batch_size,
                             data_parallel_size=data_parallel_size, rank=rank, consumed_samples=consumed_samples)
-    return torch.utils.data.DataLoader(_WithMask(ds), batch_sampler=sampler, collate_fn=_Collate(ds),  # type: ignore[arg-type]
+    return torch.utils.data.DataLoader(_WithMask(dataset), batch_sampler=sampler, collate_fn=_Collate(dataset),  # type: ignore[arg-type]
                                        num_workers=num_workers, pin_memory=pin_memory,
                                        worker_init_fn=_worker_init if num_workers > 0 else None,
                                        persistent_workers=num_workers > 0,

@@ -152,11 +152,11 @@ def _parquet(path: Path, text_key: str) -> Iterator[Record]:
 def _hf(path: Path, text_key: str) -> Iterator[Record]:
     import datasets
 
-    ds = datasets.load_from_disk(str(path))
-    if isinstance(ds, datasets.DatasetDict):
-        parts = [ds[k] for k in sorted(ds.keys())]
+    dataset = datasets.load_from_disk(str(path))
+    if isinstance(dataset, datasets.DatasetDict):
+        parts = [dataset[k] for k in sorted(dataset.keys())]
     else:
-        parts = [ds]
+        parts = [dataset]
     row = 0
     for part in parts:
         if text_key not in part.column_names:

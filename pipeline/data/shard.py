@@ -27,7 +27,7 @@ from pipeline import __version__
 from pipeline.atomic import sha256_file, write_json
 from pipeline.data.config import ShardConfig
 from pipeline.data.indexed import IndexedReader
-from pipeline.data.tokenize import load_manifest
+from pipeline.data.manifest import TokenizeManifest, padding_id, read_shard_manifest, read_tokenize_manifest
 from pipeline.errors import PipelineError
 from pipeline.progress import Progress
 
@@ -124,7 +124,7 @@ def _fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _row_dtype(manifests: list[dict[str, Any]]) -> np.dtype:
+def _row_dtype(manifests: list[TokenizeManifest]) -> np.dtype:
     return np.dtype(manifests[0]["dtype"])
 
 
@@ -138,7 +138,7 @@ def _shard_ranges(n: int, row_bytes: int, cfg: ShardConfig) -> list[tuple[int, i
 def run(cfg: ShardConfig) -> ShardResult:
     t0 = time.perf_counter()
     out = Path(cfg.output)
-    manifests = [load_manifest(p) for p, _ in cfg.sources]
+    manifests = [read_tokenize_manifest(p) for p, _ in cfg.sources]
     shas = {m["tokenizer"]["sha256"] for m in manifests}
     if len(shas) > 1:
         listing = "; ".join(f"{p}: {m['tokenizer']['path']} ({m['tokenizer']['sha256'][:12]})"
@@ -147,7 +147,7 @@ def run(cfg: ShardConfig) -> ShardResult:
                             "re-tokenize them with one --tokenizer")
     tok = manifests[0]["tokenizer"]
     dtype = _row_dtype(manifests)
-    pad_id = tok["pad_id"] if tok["pad_id"] >= 0 else tok["eos_id"]
+    pad_id = padding_id(tok)
     weights = [w for _, w in cfg.sources] if cfg.weights_given else None
     args = {"sources": [{"prefix": str(Path(p).resolve()), "manifest_sha256": sha256_file(str(p) + ".manifest.json"),
                          "weight": w} for p, w in cfg.sources],
@@ -172,7 +172,7 @@ def run(cfg: ShardConfig) -> ShardResult:
     return result
 
 
-def _build(cfg: ShardConfig, out: Path, work: Path, manifests: list[dict[str, Any]], dtype: np.dtype, pad_id: int,
+def _build(cfg: ShardConfig, out: Path, work: Path, manifests: list[TokenizeManifest], dtype: np.dtype, pad_id: int,
            weights: list[float] | None, args: dict[str, Any], fingerprint: str, t0: float) -> ShardResult:
     width = cfg.seq_len + 1
     readers = [IndexedReader(p) for p, _ in cfg.sources]
@@ -247,7 +247,7 @@ def _build(cfg: ShardConfig, out: Path, work: Path, manifests: list[dict[str, An
             "shards": files,
         }
 
-    tok = dict(manifests[0]["tokenizer"])
+    tok = manifests[0]["tokenizer"]
     tokenizer_copy = None
     if tok["kind"] == "sentencepiece" and Path(tok["path"]).exists():
         shutil.copyfile(tok["path"], work / "tokenizer.model")
@@ -290,7 +290,7 @@ def _shards_intact(out: Path, manifest: dict[str, Any]) -> bool:
 
 def describe(path: str | Path) -> str:
     """`pipeline shard --inspect`: the manifest as a readable summary."""
-    m = read_manifest(path)
+    m = read_shard_manifest(path)
     lines = [f"{path}: shards by pipeline {m['version']}, fingerprint {m['fingerprint']}",
              f"  seq_len {m['seq_len']} ({m['dtype']}), seed {m['seed']}, split {m['split_ratios']}, "
              f"{'cross-document packing' if m['cross_document'] else 'no cross-document samples (padded, masked)'}",
@@ -304,11 +304,3 @@ def describe(path: str | Path) -> str:
             lines.append(f"         {src['prefix']}: {src['drawn_samples']:,} of {src['available_samples']:,} "
                          f"samples ({src['effective_epochs']} epochs{w})")
     return "\n".join(lines)
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    p = Path(path) / "manifest.json"
-    if not p.exists():
-        raise PipelineError(f"{path}: no manifest.json; not a finished `pipeline shard` output "
-                            "(run `pipeline shard ... --output DIR`)")
-    return json.loads(p.read_text())

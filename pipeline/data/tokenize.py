@@ -8,7 +8,6 @@ at the end; the manifest, written last, marks a complete run.
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -153,8 +152,13 @@ def _sample_documents(sources: list[Source], cfg: TokenizeConfig) -> list[str]:
 
 def _check_writable(prefix: Path) -> None:
     parent = prefix.parent if str(prefix.parent) else Path(".")
-    if not parent.is_dir():
-        raise PipelineError(f"--output-prefix {prefix}: folder {parent} does not exist; create it first")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)  # as `shard --output` does
+    except (FileExistsError, NotADirectoryError):
+        raise PipelineError(f"--output-prefix {prefix}: {parent} is not a folder (a file is in the way); "
+                            "choose another prefix") from None
+    except OSError as e:
+        raise PipelineError(f"--output-prefix {prefix}: cannot create folder {parent} ({e.strerror})") from None
     if not os.access(parent, os.W_OK):
         raise PipelineError(f"--output-prefix {prefix}: folder {parent} is not writable")
 
@@ -267,15 +271,3 @@ def run(cfg: TokenizeConfig) -> TokenizeResult:
     }
     write_json(prefix.with_name(prefix.name + ".manifest.json"), manifest)
     return TokenizeResult(prefix, manifest)
-
-
-def load_manifest(prefix: str | Path) -> dict[str, Any]:
-    """The manifest of a finished tokenize run; a clear error when the run is missing or incomplete."""
-    path = Path(str(prefix) + ".manifest.json")
-    if not path.exists():
-        raise PipelineError(f"{path}: not found; {prefix} is not a finished `pipeline tokenize` output "
-                            "(run it, or check the prefix)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise PipelineError(f"{path}: not valid JSON ({e}); re-run `pipeline tokenize`") from None

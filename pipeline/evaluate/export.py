@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pipeline.data.manifest import model_token_ids
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, llama_config
 
@@ -40,7 +41,7 @@ def hf_tokenizer(sp_model: Path) -> Any:
 
 
 def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], shape: ModelShape, tokenizer: Path | None,
-                   output: Path, *, dtype: str = "bf16", tok_ids: dict[str, int] | None = None,
+                   output: Path, *, dtype: str = "bf16", tok_ids: dict[str, Any] | None = None,
                    max_shard_bytes: int = 2 * 10**9) -> Path:
     """Stream `tensors` into safetensors shards in a temporary folder beside `output`, then rename it into place."""
     from safetensors.torch import save_file
@@ -48,7 +49,7 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], shape: ModelShap
 
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
-    ids = tok_ids or {"bos_id": 1, "eos_id": 2, "pad_id": 3}
+    ids = tok_ids or model_token_ids(None)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))

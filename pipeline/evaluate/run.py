@@ -15,10 +15,10 @@ import yaml
 
 from pipeline.atomic import tmp_path_for, write_json
 from pipeline.data.loader import ShardedDataset, collate_samples
-from pipeline.data.shard import read_manifest
+from pipeline.data.manifest import TokenizerInfo, model_token_ids, read_shard_manifest
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.errors import PipelineError
-from pipeline.model import ModelShape, llama_config
+from pipeline.model import ModelShape, build_model
 from pipeline.train import checkpoint as ckpt
 
 DEFAULT_PROMPTS = ["ROMEO:\n", "To be, or not to be", "The king is", "春天来了，"]
@@ -47,7 +47,7 @@ class Run:
     run_dir: Path
     tag: str
     config: dict[str, Any]
-    marker: dict[str, Any]
+    marker: ckpt.Marker
     shape: ModelShape
 
 
@@ -60,17 +60,9 @@ def open_run(checkpoint: str | Path) -> Run:
     return Run(run_dir, tag, yaml.safe_load(cfg_path.read_text()), marker, ModelShape(**marker["model_shape"]))
 
 
-def load_model(run: Run, device: torch.device, tok: dict[str, Any]) -> torch.nn.Module:
+def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.Module:
     """The checkpoint's weights in a plain LlamaForCausalLM (fp32), filled tensor by tensor."""
-    from transformers import LlamaForCausalLM
-
-    try:
-        from transformers.initialization import no_init_weights
-
-        with no_init_weights():
-            model = LlamaForCausalLM(llama_config(run.shape, **_ids(tok)))
-    except ImportError:
-        model = LlamaForCausalLM(llama_config(run.shape, **_ids(tok)))
+    model = build_model(run.shape, skip_init=True, **model_token_ids(tok))
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():
@@ -85,23 +77,18 @@ def load_model(run: Run, device: torch.device, tok: dict[str, Any]) -> torch.nn.
     return model.to(device).eval()  # type: ignore[arg-type]
 
 
-def _ids(tok: dict[str, Any]) -> dict[str, Any]:
-    return {"bos_id": max(tok.get("bos_id", 1), 0), "eos_id": tok["eos_id"],
-            "pad_id": tok["pad_id"] if tok.get("pad_id", -1) >= 0 else None}
-
-
 @torch.no_grad()
-def perplexity(model: torch.nn.Module, ds: ShardedDataset, tokenizer: Tokenizer, *, batch_size: int = 8,
+def perplexity(model: torch.nn.Module, dataset: ShardedDataset, tokenizer: Tokenizer, *, batch_size: int = 8,
                max_batches: int | None = None, device: torch.device | None = None) -> dict[str, float]:
     """Loss (nats/token), perplexity and bits per byte over the split's samples in order; bytes are those of
     the decoded label tokens, so the figure is comparable across tokenizers."""
     device = device or torch.device("cpu")
     nats, tokens, nbytes = 0.0, 0, 0
-    n = len(ds)
+    n = len(dataset)
     batches = math.ceil(n / batch_size) if max_batches is None else min(max_batches, math.ceil(n / batch_size))
     for b in range(batches):
         ids = list(range(b * batch_size, min(n, (b + 1) * batch_size)))
-        batch = collate_samples(ds, ids)
+        batch = collate_samples(dataset, ids)
         labels = batch["labels"].to(device)
         logits = model(input_ids=batch["input_ids"].to(device)).logits
         nats += torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
@@ -170,11 +157,11 @@ def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
     path = Path(data or run.config["data"]["path"])
     if not (path / "manifest.json").exists():
         raise PipelineError(f"{path}: no shards there (the run's data folder moved?); pass --data DIR")
-    theirs = read_manifest(path)
+    theirs = read_shard_manifest(path)
     if data:
         ours_path = Path(run.config["data"]["path"])
         if (ours_path / "manifest.json").exists():
-            ours = read_manifest(ours_path)
+            ours = read_shard_manifest(ours_path)
             if ours["tokenizer"]["sha256"] != theirs["tokenizer"]["sha256"]:
                 raise PipelineError(f"--data {path}: tokenized with another tokenizer than the run's "
                                     f"({theirs['tokenizer']['path']} vs {ours['tokenizer']['path']})")
@@ -193,14 +180,14 @@ def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
 def run(cfg: EvalConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     r = open_run(cfg.checkpoint)
-    ds = _dataset(r, cfg.data, cfg.split)
-    tok_path = ds.tokenizer_path
+    dataset = _dataset(r, cfg.data, cfg.split)
+    tok_path = dataset.tokenizer_path
     if tok_path is None:
-        raise PipelineError(f"{ds.path}: the tokenizer {ds.manifest['tokenizer']['path']} is gone; re-run shard")
+        raise PipelineError(f"{dataset.path}: the tokenizer {dataset.manifest['tokenizer']['path']} is gone; re-run shard")
     tokenizer = Tokenizer(tok_path)
     device = _device(cfg.device)
-    model = load_model(r, device, ds.manifest["tokenizer"])
-    metrics = perplexity(model, ds, tokenizer, batch_size=cfg.batch_size, max_batches=cfg.max_batches, device=device)
+    model = load_model(r, device, dataset.manifest["tokenizer"])
+    metrics = perplexity(model, dataset, tokenizer, batch_size=cfg.batch_size, max_batches=cfg.max_batches, device=device)
     prompts = DEFAULT_PROMPTS
     if cfg.prompts:
         p = Path(cfg.prompts)
@@ -210,8 +197,8 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     samples = generate(model, tokenizer, prompts, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, device=device)
     plot = plot_losses(r.run_dir)
     result = {"checkpoint": str(r.run_dir / r.tag), "step": r.marker["step"],
-              "consumed_tokens": r.marker["consumed_samples"] * ds.seq_len, "split": cfg.split,
-              "data": str(ds.path), **metrics, "samples_generated": samples,
+              "consumed_tokens": r.marker["consumed_samples"] * dataset.seq_len, "split": cfg.split,
+              "data": str(dataset.path), **metrics, "samples_generated": samples,
               "loss_plot": str(plot) if plot else None, "wall_time_s": round(time.perf_counter() - t0, 2)}
     out = Path(cfg.output) if cfg.output else r.run_dir / "eval" / f"{r.tag}-{cfg.split}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -242,10 +229,10 @@ def export(checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: i
     r = open_run(checkpoint)
     data = Path(r.config["data"]["path"])
     tok_path: Path | None = None
-    tok_ids = {"bos_id": 1, "eos_id": 2, "pad_id": 3}
+    tok_ids = model_token_ids(None)
     if (data / "manifest.json").exists():
-        ds = ShardedDataset(data, "train")
-        tok_path = ds.tokenizer_path
-        tok_ids = _ids(ds.manifest["tokenizer"])
+        dataset = ShardedDataset(data, "train")
+        tok_path = dataset.tokenizer_path
+        tok_ids = model_token_ids(dataset.manifest["tokenizer"])
     return write_hf_model(ckpt.consolidated_tensors(r.run_dir, r.tag), r.shape, tok_path, Path(output), dtype=dtype,
                           tok_ids=tok_ids, max_shard_bytes=max_shard_bytes)

@@ -91,6 +91,12 @@ def render(p: Plan, token_budget: float | None = None) -> str:
 
 def parse_hostfile(path: str) -> tuple[int, int]:
     """(nodes, GPUs per node) from a DeepSpeed hostfile (`host slots=N` lines, # comments)."""
+    slots = hostfile_slots(path)
+    return len(slots), max(slots)
+
+
+def hostfile_slots(path: str) -> list[int]:
+    """The slots of each host of a DeepSpeed hostfile, in order."""
     slots = []
     with open(path) as f:
         for n, line in enumerate(f, start=1):
@@ -103,4 +109,4 @@ def parse_hostfile(path: str) -> tuple[int, int]:
             slots.append(int(m.group(2)))
     if not slots:
         raise PipelineError(f"{path}: no hosts")
-    return len(slots), max(slots)
+    return slots

@@ -4,16 +4,32 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from pipeline.atomic import write_json, write_text
 from pipeline.errors import PipelineError
 
+log = logging.getLogger("pipeline.pretrain")
 MARKER = "pipeline_complete.json"
+
+
+class Marker(TypedDict):
+    """What a completion marker records (and `client_state` carries, with the config beside it)."""
+
+    step: int
+    consumed_samples: int
+    data_fingerprint: str
+    seq_len: int
+    tokenizer_sha256: str
+    model_shape: dict[str, Any]
+    world_size: int
+
+
 _TAG = re.compile(r"^step(\d{8})$")
 
 
@@ -35,13 +51,13 @@ def latest_complete(run_dir: str | Path) -> str | None:
     return tags[-1] if tags else None
 
 
-def mark_complete(run_dir: Path, tag: str, info: dict[str, Any]) -> None:
+def mark_complete(run_dir: Path, tag: str, info: Marker) -> None:
     """Rank 0, after every rank has written its shards (the caller holds a barrier)."""
     write_json(run_dir / tag / MARKER, info)
     write_text(run_dir / "latest", tag)
 
 
-def read_marker(run_dir: str | Path, tag: str) -> dict[str, Any]:
+def read_marker(run_dir: str | Path, tag: str) -> Marker:
     return json.loads((Path(run_dir) / tag / MARKER).read_text())
 
 
@@ -58,6 +74,34 @@ def prune(run_dir: Path, keep_last: int) -> list[str]:
         if t != latest:
             shutil.rmtree(run_dir / t, ignore_errors=True)
     return doomed
+
+
+class Checkpointer:
+    """Saves a DeepSpeed engine as `step{N:08d}` in the run folder: every rank writes its shards, then rank 0
+    writes the marker and `latest` and prunes to `keep_last`, with a barrier on either side so no rank runs ahead
+    of a checkpoint that is not complete."""
+
+    def __init__(self, engine: Any, run_dir: Path, *, keep_last: int, rank: int, config: dict[str, Any],
+                 last_saved: int = -1, enabled: bool = True):
+        self.engine, self.run_dir, self.keep_last, self.rank, self.config = engine, run_dir, keep_last, rank, config
+        self.last_saved, self.enabled = last_saved, enabled
+
+    def save(self, marker: Marker) -> None:
+        import deepspeed.comm as dist
+
+        if not self.enabled:
+            self.last_saved = marker["step"]
+            return
+        tag = tag_for(marker["step"])
+        self.engine.save_checkpoint(str(self.run_dir), tag=tag, client_state={**marker, "config": self.config},
+                                    save_latest=False)
+        dist.barrier()
+        if self.rank == 0:
+            mark_complete(self.run_dir, tag, marker)
+            prune(self.run_dir, self.keep_last)
+            log.info("saved checkpoint %s/%s", self.run_dir, tag)
+        dist.barrier()
+        self.last_saved = marker["step"]
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:

@@ -73,6 +73,8 @@ class TrainSection:
     """A DeepSpeed JSON with "auto" batch/precision fields, or `auto` to let the planner choose."""
     gpu_memory_cap_gib: float | None = None
     """Cap this process's GPU memory (emulate a smaller card, e.g. 24 on an 80 GB GPU); null = the whole card."""
+    peak_tflops: float | None = None
+    """The card's dense bf16 peak for MFU, for a GPU the table does not know (null: from the table by name)."""
     comm_timeout_minutes: float = 30.0
     """How long a collective waits for a missing rank before the run fails (a dead peer otherwise hangs it)."""
 
@@ -85,6 +87,8 @@ class EvalSection:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointSection:
+    enabled: bool = True
+    """false: write no checkpoint at all, not even at the end or on SIGTERM (benchmarks, smoke runs)."""
     interval: int = 500
     keep_last: int = 3
     resume: str = "auto"
@@ -139,8 +143,12 @@ def apply_overrides(raw: dict[str, Any], sets: list[str]) -> dict[str, Any]:
 
 
 def from_dict(raw: dict[str, Any], source: str = "config") -> PretrainConfig:
+    """Build the config, reporting every problem at once: unknown sections and fields, values of the wrong type,
+    and the range checks of `check` on every section that could be built."""
     problems: list[str] = []
     kwargs: dict[str, Any] = {}
+    if not isinstance(raw or {}, dict):
+        raise ConfigError(["expected a mapping of sections (run_dir, model, data, ...)"], source)
     for key, value in (raw or {}).items():
         if key == "run_dir":
             kwargs[key] = str(value)
@@ -157,28 +165,65 @@ def from_dict(raw: dict[str, Any], source: str = "config") -> PretrainConfig:
         for k, v in value.items():
             if k not in known:
                 problems.append(f"{key}.{k}: unknown field (known: {', '.join(known)})")
-            else:
-                fields[k] = _coerce(v, known[k].type)
+                continue
+            try:
+                fields[k] = coerce(v, str(known[k].type))
+            except ValueError as e:
+                problems.append(f"{key}.{k}: {e}")
         try:
             kwargs[key] = cls(**fields)
         except (TypeError, ValueError) as e:
             problems.append(f"{key}: {e}")
+    problems += check(PretrainConfig(**kwargs))
     if problems:
         raise ConfigError(problems, source)
-    cfg = PretrainConfig(**kwargs)
-    if problems := check(cfg):
-        raise ConfigError(problems, source)
-    return cfg
+    return PretrainConfig(**kwargs)
 
 
-def _coerce(value: Any, typ: Any) -> Any:
-    # YAML reads 3e-4 as a string; numbers written that way are still numbers.
-    if isinstance(value, str) and "float" in str(typ):
-        try:
-            return float(value)
-        except ValueError:
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "None": "null"}
+
+
+def coerce(value: Any, annotation: str) -> Any:
+    """A YAML value as the field's declared type (`int | None`, `float`, `dict[str, Any]`, ...), or ValueError.
+    YAML 1.1 reads `1e9` and `3e-4` as strings and `'5'` is a string too: numbers written so are numbers. A float
+    with no fraction is an integer (max_tokens: 1e9); true/false are not numbers."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    if value is None:
+        if "None" in kinds:
+            return None
+    elif any(k.startswith("dict") for k in kinds):
+        if isinstance(value, dict):
             return value
-    return value
+    elif isinstance(value, bool):
+        if "bool" in kinds:
+            return value
+    elif "int" in kinds:
+        number = _number(value)
+        if number is not None and float(number).is_integer():
+            return int(number)
+    elif "float" in kinds:
+        number = _number(value)
+        if number is not None:
+            return float(number)
+    elif "str" in kinds:
+        if isinstance(value, str):
+            return value
+    elif "bool" not in kinds:
+        return value
+    wanted = " or ".join(_TYPE_WORDS.get(k, "a mapping" if k.startswith("dict") else k) for k in kinds)
+    raise ValueError(f"expected {wanted}, got {value!r}")
+
+
+def _number(value: Any) -> int | float | None:
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value.strip().replace("_", ""))
+        except ValueError:
+            return None
+    return None
 
 
 def check(cfg: PretrainConfig) -> list[str]:
@@ -187,6 +232,9 @@ def check(cfg: PretrainConfig) -> list[str]:
     b, o, t = cfg.batch, cfg.optim, cfg.train
     if b.micro_batch_size < 1:
         p.append(f"batch.micro_batch_size {b.micro_batch_size}: expected 1 or more")
+    for name in ("global_batch_size", "global_batch_tokens"):
+        if (value := getattr(b, name)) is not None and value < 1:
+            p.append(f"batch.{name} {value}: expected 1 or more")
     if (b.global_batch_size is None) == (b.global_batch_tokens is None):
         p.append("batch: give exactly one of global_batch_size (sequences) or global_batch_tokens")
     if not 0 < o.lr < 1:
@@ -203,8 +251,13 @@ def check(cfg: PretrainConfig) -> list[str]:
         p.append("optim.grad_clip: expected 0 (off) or a positive norm")
     if t.precision not in ("bf16", "fp16", "fp32"):
         p.append(f"train.precision {t.precision}: expected bf16, fp16 or fp32")
+    for name in ("max_steps", "max_tokens"):
+        if (value := getattr(t, name)) is not None and value < 1:
+            p.append(f"train.{name} {value}: expected 1 or more")
     if (t.max_steps is None) == (t.max_tokens is None):
         p.append("train: give exactly one of max_steps or max_tokens")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        p.append(f"train.peak_tflops {t.peak_tflops}: expected the card's dense bf16 TFLOP/s, e.g. 147.1")
     if t.comm_timeout_minutes <= 0:
         p.append("train.comm_timeout_minutes: expected a positive number of minutes")
     if cfg.eval.interval < 1 or cfg.eval.batches < 0:

@@ -40,13 +40,13 @@ def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
         lo, hi = (global_batch // per_step) * per_step, math.ceil(global_batch / per_step) * per_step
         raise ConfigError([f"batch: global batch {global_batch} sequences is not divisible by micro_batch_size "
                            f"{b.micro_batch_size} x {world_size} data-parallel ranks = {per_step}; "
-                           f"use {lo or hi} or {hi}, or change micro_batch_size"])
+                           f"use {f'{lo} or {hi}' if lo else hi}, or change micro_batch_size"])
     return BatchPlan(b.micro_batch_size, world_size, global_batch // per_step, global_batch, seq_len)
 
 
 SUPPORTED_MATRIX = """supported combinations:
   optimizer adamw     : ZeRO 0-3, with or without CPU/NVMe offload, bf16/fp16/fp32 (fp16 needs a GPU)
-  optimizer adamw8bit : ZeRO 0-2 without any offload, on a GPU (bitsandbytes)
+  optimizer adamw8bit : ZeRO 0-2 without any offload (bitsandbytes; GPU, and CPU for tests)
   pipeline parallelism: not supported (ZeRO-2/3 cannot be combined with it)"""
 
 
@@ -59,9 +59,9 @@ def _filled(value: Any, ours: Any, name: str, problems: list[str]) -> Any:
 
 
 def resolve(cfg: PretrainConfig, ds_raw: dict[str, Any], plan: BatchPlan, *, accelerator: str,
-            source: str = "deepspeed config") -> dict[str, Any]:
+            source: str = "deepspeed config", num_params: int | None = None) -> dict[str, Any]:
     """Fill the "auto" fields of a DeepSpeed config from ours and refuse unsupported combinations, listing
-    every problem at once."""
+    every problem at once. With `num_params`, buckets larger than the model are cut to its size."""
     ds = json.loads(json.dumps(ds_raw))
     p: list[str] = []
     ds["train_micro_batch_size_per_gpu"] = _filled(ds.get("train_micro_batch_size_per_gpu", "auto"),
@@ -96,8 +96,10 @@ def resolve(cfg: PretrainConfig, ds_raw: dict[str, Any], plan: BatchPlan, *, acc
         if offload or stage >= 3:
             p.append(f"optim.name adamw8bit cannot run with ZeRO-{stage}{' and offload' if offload else ''}: "
                      "bitsandbytes optimizers need their states on the GPU and unsharded parameters")
-        if accelerator == "cpu":
-            p.append("optim.name adamw8bit needs a CUDA GPU (bitsandbytes' 8-bit optimizers do not run on CPU)")
+        # DeepSpeed's ZeRO-1/2 wrap only optimizers on its own list unless told otherwise; bitsandbytes' AdamW8bit
+        # steps element-wise on the flat fp32 partition ZeRO hands it, which is all ZeRO-1/2 need of it.
+        if stage in (1, 2):
+            ds["zero_allow_untested_optimizer"] = True
     if prec == "fp16" and accelerator == "cpu":
         p.append("train.precision fp16 is not supported on the CPU accelerator; use bf16 or fp32")
     if "pipeline" in ds or ds.get("pipeline_parallel_size", 1) not in (1, None):
@@ -107,6 +109,30 @@ def resolve(cfg: PretrainConfig, ds_raw: dict[str, Any], plan: BatchPlan, *, acc
     if p:
         raise ConfigError(p + [SUPPORTED_MATRIX], source)
     ds.setdefault("steps_per_print", 10**9)
+    if num_params is not None:
+        fit_buckets(ds, num_params)
+    return ds
+
+
+# Sizes in elements that DeepSpeed allocates whole, whatever the model's size.
+BUCKET_FIELDS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size")
+
+
+def fit_buckets(ds: dict[str, Any], num_params: int) -> dict[str, Any]:
+    """Cut bucket sizes to the parameter count: a bucket can never hold more than the whole model, and DeepSpeed
+    allocates each one whole (ZeRO-1/2 allocate `reduce_bucket_size` afresh at every micro-step, twice with
+    `overlap_comm`). A 5e8 bucket for a 1M-parameter model costs 4 GB of memory, and on the CPU the zeroing of
+    those pages is most of a step. The results do not change: reductions are element-wise. Unset fields take
+    DeepSpeed's defaults (5e8), so they are set too."""
+    zero = ds.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    if stage == 0:
+        return ds
+    fields = BUCKET_FIELDS if stage == 3 else ("reduce_bucket_size", "allgather_bucket_size")
+    for key in fields:
+        value = zero.get(key, 5e8)
+        if isinstance(value, (int, float)) and value > num_params:
+            zero[key] = int(num_params)
     return ds
 
 

@@ -1,122 +1,37 @@
-"""The DeepSpeed side of stage 3: engine construction, the training loop, validation, checkpoints, signals.
-With pipeline/pretrain.py (the launcher entry) the only code that imports deepspeed or torch.distributed."""
+"""Stage 3's training loop: resume or start, then step, log, validate and checkpoint until done or stopped.
+Each part lives in its own module of `pipeline.train`; this file only puts them in order."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import resource
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from pipeline.atomic import write_json, write_text
 from pipeline.data.loader import ShardedDataset, build_loader, collate_samples, rank_batches
+from pipeline.data.manifest import ShardManifest
 from pipeline.errors import PipelineError
-from pipeline.model import ModelShape, llama_config
+from pipeline.model import ModelShape
 from pipeline.plan.gpus import peak_tflops_for_device
-from pipeline.pretrain import lr_at, max_steps_for
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import PretrainConfig, dump
 from pipeline.train.ds_config import BatchPlan, zero_stage
-from pipeline.train.ds_workarounds import release_shm_names, replay_adam_beta_powers
-from pipeline.train.weights import init_weights, load_initial_weights
+from pipeline.train.ds_workarounds import replay_adam_beta_powers
+from pipeline.train.engine import build_engine
+from pipeline.train.metrics import MetricsSink, Throughput, format_line, mem_gib
+from pipeline.train.resume import choose_resume, resume_problems
+from pipeline.train.schedule import lr_at, max_steps_for
+from pipeline.train.setup import apply_memory_cap, init_distributed
+from pipeline.train.step import lm_loss, train_step
 
 log = logging.getLogger("pipeline.pretrain")
 
 
-def build_model(shape: ModelShape, ds: dict[str, Any], cfg: PretrainConfig, tok: dict[str, Any],
-                rank: int) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
-
-    stage3 = zero_stage(ds) == 3
-    lcfg = llama_config(shape, bos_id=max(tok.get("bos_id", 1), 0), eos_id=tok["eos_id"],
-                        pad_id=tok["pad_id"] if tok.get("pad_id", -1) >= 0 else None)
-    torch.manual_seed(cfg.train.seed)
-    if stage3:
-        import contextlib
-
-        import deepspeed
-
-        with contextlib.ExitStack() as stack:
-            # As transformers' own zero.Init path does: skip the throwaway default init (we init below) and keep
-            # RoPE's arange in fp32; both helpers are transformers internals, so degrade gracefully without them.
-            try:
-                from transformers.initialization import no_init_weights
-                from transformers.integrations.deepspeed import prevent_arange_dtype_change
-
-                stack.enter_context(no_init_weights())
-                stack.enter_context(prevent_arange_dtype_change())
-            except ImportError:
-                log.warning("transformers lacks its zero.Init helpers; RoPE buffers may be built in bf16")
-            # Partitions each parameter as it is created: no rank ever holds the whole model.
-            stack.enter_context(deepspeed.zero.Init(config_dict_or_path=ds))
-            model = LlamaForCausalLM(lcfg)
-    else:
-        model = LlamaForCausalLM(lcfg)
-    if cfg.model.init_from:
-        load_initial_weights(model, cfg.model.init_from, rank, stage3)
-    else:
-        init_weights(model, cfg.train.seed, rank, stage3)
-    if cfg.train.activation_checkpointing:
-        # Non-reentrant: the reentrant variant breaks with ZeRO-3 (DeepSpeed PR #7780).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def build_engine(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, manifest: dict[str, Any],
-                 rank: int) -> Any:
-    """The one place a DeepSpeed engine is made: model (under zero.Init for ZeRO-3), optimizer, engine."""
-    import deepspeed
-
-    model = build_model(shape, ds, cfg, manifest["tokenizer"], rank)
-    client_optimizer = None
-    if cfg.optim.name == "adamw8bit":
-        import bitsandbytes as bnb
-
-        client_optimizer = bnb.optim.AdamW8bit(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                                               betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
-    _check_aio(ds)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=client_optimizer,
-        model_parameters=None if client_optimizer else param_groups(model, cfg.optim.weight_decay),  # type: ignore[arg-type]
-        config=ds)
-    return engine
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only; norms and biases (1-D) get none."""
-    decay: list[torch.nn.Parameter] = []
-    no_decay: list[torch.nn.Parameter] = []
-    for _, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        # Under ZeRO-3 a partitioned parameter's own shape is empty; ds_shape keeps the real one.
-        ndim = len(getattr(p, "ds_shape", p.shape))
-        (decay if ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float, int]:
-    """Cross-entropy over real tokens only (labels -100 are padding); logits (B, T, V), labels (B, T).
-
-    Returns (mean loss to backpropagate, the summed loss as a float, token count). The float is summed in float64
-    in a fixed order: a vectorised float32 sum can round differently with the buffer's memory alignment, which
-    would make a resumed run's logged loss differ from the uninterrupted one by an ulp."""
-    per_token = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100,
-                                reduction="none")  # (B*T,), 0 where ignored
-    count = int((labels != -100).sum())
-    exact = float(per_token.detach().double().cumsum(0)[-1]) if per_token.numel() else 0.0
-    return per_token.sum() / max(count, 1), exact, count
-
-
-class _Stop:
+class StopFlag:
     """SIGTERM/SIGINT set a flag; the loop checks it (all ranks agree) after each step, saves and exits."""
 
     def __init__(self) -> None:
@@ -128,208 +43,135 @@ class _Stop:
         self.requested = True
 
 
-def _mem_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB; host RSS on CPU
-
-
-def _fmt_eta(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    h, m = divmod(int(seconds) // 60, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{int(seconds) % 60:02d}s"
-
-
 def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: ModelShape,
-          manifest: dict[str, Any]) -> int:
-    import deepspeed
+          manifest: ShardManifest) -> int:
     import deepspeed.comm as dist
-    from deepspeed.accelerator import get_accelerator
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from datetime import timedelta
-
-    deepspeed.init_distributed(timeout=timedelta(minutes=cfg.train.comm_timeout_minutes))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.barrier()  # every rank has mapped every shared-memory buffer by now
-    release_shm_names(rank)
-    accel = get_accelerator()
-    device = torch.device(accel.device_name(), accel.current_device()) if accel.device_name() != "cpu" \
-        else torch.device("cpu")
-    if accel.device_name() == "cpu":
+    env = init_distributed(cfg.train.comm_timeout_minutes)
+    rank, world, device = env.rank, env.world_size, env.device
+    if device.type == "cpu":
+        # Deterministic kernels make CPU runs repeat bit for bit (the resume tests rely on it). Not the NaN fill of
+        # every fresh allocation that comes with deterministic mode: it only shows reads of uninitialised memory,
+        # and it doubled the cost of DeepSpeed's per-micro-step bucket allocations.
         torch.use_deterministic_algorithms(True, warn_only=True)
-    elif cfg.train.gpu_memory_cap_gib:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.train.gpu_memory_cap_gib * 2**30 / total), device)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    apply_memory_cap(device, cfg.train.gpu_memory_cap_gib)
     run_dir = Path(cfg.run_dir)
     max_steps = max_steps_for(cfg, plan)
-    stage = zero_stage(ds)
 
     train_ds = ShardedDataset(cfg.data.path, "train")
     if cfg.data.verify and rank == 0:
         train_ds.verify()
     val_ds = ShardedDataset(cfg.data.path, "val") if manifest["splits"]["val"]["samples"] else None
 
-    # Resume decision, before building anything heavy.
+    # The resume decision comes before anything heavy is built.
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    resume_tag = None
-    if cfg.checkpoint.resume == "auto":
-        resume_tag = ckpt.latest_complete(run_dir)
-    elif cfg.checkpoint.resume == "never":
-        if ckpt.latest_complete(run_dir):
-            raise PipelineError(f"{run_dir} holds checkpoints but checkpoint.resume is never; use another run_dir "
-                                "or resume: auto")
-    else:
-        resume_tag = cfg.checkpoint.resume
-        if resume_tag not in ckpt.complete_tags(run_dir):
-            raise PipelineError(f"checkpoint.resume {resume_tag}: no complete checkpoint of that tag in {run_dir}")
-    shape_dict = shape.as_dict()
-    if resume_tag:
-        marker = ckpt.read_marker(run_dir, resume_tag)
-        problems = []
-        if marker["data_fingerprint"] != train_ds.fingerprint:
-            problems.append(f"data fingerprint {train_ds.fingerprint} differs from the checkpoint's "
-                            f"{marker['data_fingerprint']} (other shards, seq_len or seed)")
-        if marker["model_shape"] != shape_dict:
-            problems.append(f"model shape {shape_dict} differs from the checkpoint's {marker['model_shape']}")
-        if marker["world_size"] != world and stage > 0:
-            problems.append(f"world size {world} differs from the checkpoint's {marker['world_size']}: ZeRO-{stage} "
-                            "optimizer partitions are per rank; convert with DeepSpeed's ds_to_universal first")
-        if problems:
-            raise PipelineError(f"cannot resume {run_dir}/{resume_tag}: " + "; ".join(problems) +
-                                " (use a new run_dir to start fresh)")
+    resume_tag = choose_resume(cfg.checkpoint.resume, ckpt.complete_tags(run_dir), str(run_dir))
+    if resume_tag and (problems := resume_problems(
+            ckpt.read_marker(run_dir, resume_tag), data_fingerprint=train_ds.fingerprint,
+            model_shape=shape.as_dict(), world_size=world, zero_stage=zero_stage(ds))):
+        raise PipelineError(f"cannot resume {run_dir}/{resume_tag}: " + "; ".join(problems) +
+                            " (use a new run_dir to start fresh)")
 
-    engine = build_engine(cfg, ds, shape, manifest, rank)
-
+    engine = build_engine(cfg, ds, shape, manifest["tokenizer"], rank)
     step, consumed = 0, 0
     if resume_tag:
         engine.load_checkpoint(str(run_dir), tag=resume_tag, load_optimizer_states=True,
                                load_lr_scheduler_states=False)
         replay_adam_beta_powers(engine.optimizer, device)
         marker = ckpt.read_marker(run_dir, resume_tag)
-        step, consumed = int(marker["step"]), int(marker["consumed_samples"])
+        step, consumed = marker["step"], marker["consumed_samples"]
         if rank == 0:
             log.info("resumed from %s/%s: step %d, %d samples consumed", run_dir, resume_tag, step, consumed)
-            _truncate_metrics(run_dir / "metrics.jsonl", step)
     if rank == 0:
         write_text(run_dir / "config.yaml", dump(cfg))
         write_json(run_dir / "ds_config.json", ds)
 
-    writer = None
-    if rank == 0 and cfg.log.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
+    metrics = MetricsSink(run_dir, rank=rank, tensorboard=cfg.log.tensorboard,
+                          resumed_at=step if resume_tag else None)
+    checkpointer = ckpt.Checkpointer(engine, run_dir, keep_last=cfg.checkpoint.keep_last, rank=rank,
+                                     config=cfg.to_dict(), last_saved=step if resume_tag else -1,
+                                     enabled=cfg.checkpoint.enabled)
+    marker_base = {"data_fingerprint": train_ds.fingerprint, "seq_len": plan.seq_len,
+                   "tokenizer_sha256": manifest["tokenizer"]["sha256"], "model_shape": shape.as_dict(),
+                   "world_size": world}
 
-        writer = SummaryWriter(str(run_dir / "tb"))
-    metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
+    def marker_now() -> ckpt.Marker:
+        return {"step": step, "consumed_samples": consumed, **marker_base}  # type: ignore[typeddict-item]
 
-    loader = build_loader(train_ds, seed=cfg.train.seed, micro_batch_size=plan.micro_batch_size,
-                          data_parallel_size=world, rank=rank, consumed_samples=consumed,
-                          num_workers=cfg.data.num_workers)
-    batches = iter(loader)
-    stop = _Stop()
-    peak = peak_tflops_for_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    batches = iter(build_loader(train_ds, seed=cfg.train.seed, micro_batch_size=plan.micro_batch_size,
+                                data_parallel_size=world, rank=rank, consumed_samples=consumed,
+                                num_workers=cfg.data.num_workers))
+    stop = StopFlag()
+    peak = peak_for(device, cfg.train.peak_tflops, rank)
     flops_per_token = shape.flops_per_token(plan.seq_len)
-    last_saved = step if resume_tag else -1
-
-    def save(at: int) -> None:
-        nonlocal last_saved
-        tag = ckpt.tag_for(at)
-        client = {"step": at, "consumed_samples": consumed, "data_fingerprint": train_ds.fingerprint,
-                  "seq_len": plan.seq_len, "tokenizer_sha256": manifest["tokenizer"]["sha256"],
-                  "model_shape": shape_dict, "world_size": world, "config": cfg.to_dict()}
-        engine.save_checkpoint(str(run_dir), tag=tag, client_state=client, save_latest=False)
-        dist.barrier()
-        if rank == 0:
-            ckpt.mark_complete(run_dir, tag, {k: v for k, v in client.items() if k != "config"})
-            ckpt.prune(run_dir, cfg.checkpoint.keep_last)
-            log.info("saved checkpoint %s/%s", run_dir, tag)
-        dist.barrier()
-        last_saved = at
-
-    def emit(record: dict[str, Any]) -> None:
-        if metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-        if writer is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None:
-                    writer.add_scalar(k, v, record["step"])
-
+    throughput = Throughput(step)
+    last_loss = float("nan")
     engine.train()
-    t_log, tokens_since, losses = time.perf_counter(), 0, []
-    t_start, start_step = time.perf_counter(), step
     while step < max_steps:
         lr = lr_at(step, cfg, max_steps)
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = 0.0
-        for _ in range(plan.grad_accum):
-            batch = next(batches)
-            logits = engine(input_ids=batch["input_ids"].to(device)).logits
-            loss, loss_total, tokens = lm_loss(logits, batch["labels"].to(device))
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss_total / max(tokens, 1)
+        step_loss = train_step(engine, batches, plan.grad_accum, lr, device)
         step += 1
         consumed += plan.global_batch_size
-        tokens_since += plan.tokens_per_step
-        flag = torch.tensor([loss_sum / plan.grad_accum, float(stop.requested)], dtype=torch.float64,
-                            device=device)
+        throughput.add(plan.tokens_per_step)
+        # One host sync per step: the mean loss over ranks and whether any rank was asked to stop.
+        flag = torch.stack([step_loss, torch.tensor(float(stop.requested), dtype=torch.float64, device=device)])
         dist.all_reduce(flag)
-        mean_loss = flag[0].item() / world
-        losses.append(mean_loss)
+        last_loss = flag[0].item() / world
         if step % cfg.log.interval == 0 or step == max_steps:
-            dt = time.perf_counter() - t_log
-            tps = tokens_since / dt
+            tps, eta = throughput.take(step, max_steps)
             tflops = tps * flops_per_token / world / 1e12
             gnorm = engine.get_global_grad_norm()
-            gnorm = float(gnorm) if gnorm is not None else None
-            eta = (time.perf_counter() - t_start) / max(1, step - start_step) * (max_steps - step)
-            rec = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": gnorm, "tokens": consumed * plan.seq_len,
-                   "tokens_per_s": tps, "tflops_per_device": tflops,
-                   "mfu": tflops / peak if peak else None, "mem_gib": _mem_gib(device)}
+            rec = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": float(gnorm) if gnorm is not None else None,
+                   "tokens": consumed * plan.seq_len, "tokens_per_s": tps, "tflops_per_device": tflops,
+                   "mfu": tflops / peak if peak else None, "mem_gib": mem_gib(device)}
             if ds.get("fp16", {}).get("enabled"):
-                rec["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", getattr(engine.optimizer,
-                                                                                         "loss_scale", 0)))
+                rec["loss_scale"] = float(getattr(engine.optimizer, "cur_scale",
+                                                  getattr(engine.optimizer, "loss_scale", 0)))
                 rec["skipped_steps"] = int(engine.skipped_steps)
             if rank == 0:
-                mfu = f"{rec['mfu']:.1%}" if peak else "n/a"
-                gn = f"{gnorm:.3f}" if gnorm is not None else "n/a"
-                log.info("step %d/%d | loss %.4f | lr %.2e | gnorm %s | tok/s %.1f | tflops %.2f | mfu %s | "
-                         "mem %.2fG | eta %s", step, max_steps, mean_loss, lr, gn, tps, tflops, mfu,
-                         rec["mem_gib"], _fmt_eta(eta))
-            emit(rec)
-            t_log, tokens_since = time.perf_counter(), 0
+                log.info(format_line(rec, max_steps, eta))
+            metrics.emit(rec)
         if val_ds is not None and cfg.eval.batches and (step % cfg.eval.interval == 0 or step == max_steps):
             val_loss = validate(engine, val_ds, cfg, plan, rank, world, device)
             if rank == 0:
                 log.info("step %d | val loss %.4f | val ppl %.2f", step, val_loss, math.exp(min(val_loss, 50)))
-            emit({"step": step, "val_loss": val_loss})
+            metrics.emit({"step": step, "val_loss": val_loss})
         if step % cfg.checkpoint.interval == 0:
-            save(step)
+            checkpointer.save(marker_now())
         if flag[1].item() > 0:
-            if last_saved != step:
-                save(step)
+            if checkpointer.last_saved != step:
+                checkpointer.save(marker_now())
             if rank == 0:
                 log.info("stopped by signal at step %d; checkpoint saved, resume with the same command", step)
             break
-    if last_saved != step:
-        save(step)
-    if writer is not None:
-        writer.close()
-    if metrics is not None:
-        metrics.close()
+    if checkpointer.last_saved != step:
+        checkpointer.save(marker_now())
+    metrics.close()
     dist.barrier()
     if rank == 0:
-        log.info("done: step %d, final loss %.4f", step, losses[-1] if losses else float("nan"))
+        log.info("done: step %d, final loss %.4f", step, last_loss)
     import torch.distributed as tdist
 
     if tdist.is_initialized():
         tdist.destroy_process_group()
     return 0
+
+
+def peak_for(device: torch.device, override: float | None, rank: int) -> float | None:
+    """The card's dense bf16 peak for MFU (PaLM count): `train.peak_tflops`, else the GPU table; None on the CPU
+    and for a card the table does not know (MFU is then logged as n/a, with one warning)."""
+    if override or device.type != "cuda":
+        return override
+    name = torch.cuda.get_device_name(device)
+    peak = peak_tflops_for_device(name)
+    if peak is None and rank == 0:
+        log.warning("GPU '%s' is not in the planner's table: MFU is logged as n/a; set train.peak_tflops to the "
+                    "card's dense bf16 TFLOP/s to see it", name)
+    return peak
 
 
 @torch.no_grad()
@@ -339,39 +181,14 @@ def validate(engine: Any, val_ds: ShardedDataset, cfg: PretrainConfig, plan: Bat
     import deepspeed.comm as dist
 
     engine.eval()
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
     it = rank_batches(len(val_ds), cfg.train.seed, plan.micro_batch_size, world, rank, 0)
     for _ in range(cfg.eval.batches):
         batch = collate_samples(val_ds, next(it))
-        logits = engine(input_ids=batch["input_ids"].to(device)).logits
-        labels = batch["labels"].to(device)
-        _, loss_total, tokens = lm_loss(logits, labels)
+        logits = engine(input_ids=batch["input_ids"].to(device, non_blocking=True)).logits
+        _, loss_total, tokens = lm_loss(logits, batch["labels"])
         totals[0] += loss_total
         totals[1] += tokens
-    totals = totals.to(device)
     dist.all_reduce(totals)
     engine.train()
     return float(totals[0] / totals[1].clamp(min=1))
-
-
-def _check_aio(ds: dict[str, Any]) -> None:
-    zero = ds.get("zero_optimization", {})
-    if any(zero.get(k, {}).get("device") == "nvme" for k in ("offload_optimizer", "offload_param")):
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        if not AsyncIOBuilder().is_compatible():
-            raise PipelineError("NVMe offload needs DeepSpeed's async_io op, which cannot build here (install "
-                                "libaio-dev, then check `ds_report`); or use ds_configs/zero3_offload.json (CPU)")
-        for k in ("offload_optimizer", "offload_param"):
-            path = zero.get(k, {}).get("nvme_path")
-            if path and not os.access(path, os.W_OK):
-                raise PipelineError(f"zero_optimization.{k}.nvme_path {path}: not a writable folder on this node")
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop metric lines past the checkpoint so the file reads as one continuous run."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-    write_text(path, "".join(line + "\n" for line in keep))
-

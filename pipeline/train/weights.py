@@ -3,8 +3,8 @@ weights from safetensors for continued pretraining, tensor by tensor, also into 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -18,7 +18,7 @@ def init_weights(model: torch.nn.Module, seed: int, rank: int, stage3: bool) -> 
     import deepspeed
 
     for i, (_, p) in enumerate(model.named_parameters()):
-        ctx = deepspeed.zero.GatheredParameters([p], modifier_rank=0) if stage3 else _nullcontext()
+        ctx = deepspeed.zero.GatheredParameters([p], modifier_rank=0) if stage3 else contextlib.nullcontext()
         with ctx, torch.no_grad():
             if rank == 0 or not stage3:
                 g = torch.Generator().manual_seed(seed * 100003 + i)
@@ -27,14 +27,6 @@ def init_weights(model: torch.nn.Module, seed: int, rank: int, stage3: bool) -> 
                 else:
                     value = torch.ones(p.shape, dtype=torch.float32)
                 p.data.copy_(value.to(p.device, p.dtype))
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: Any) -> None:
-        return None
 
 
 def load_initial_weights(model: torch.nn.Module, path: str, rank: int, stage3: bool) -> None:
@@ -57,7 +49,7 @@ def load_initial_weights(model: torch.nn.Module, path: str, rank: int, stage3: b
         raise PipelineError(f"model.init_from {path}: missing {len(missing)} tensors, e.g. {missing[:3]}; "
                             "the checkpoint's shape differs from model.*")
     for name, p in params.items():
-        ctx = deepspeed.zero.GatheredParameters([p], modifier_rank=0) if stage3 else _nullcontext()
+        ctx = deepspeed.zero.GatheredParameters([p], modifier_rank=0) if stage3 else contextlib.nullcontext()
         with ctx, torch.no_grad():
             if rank == 0 or not stage3:
                 with safe_open(str(where[name]), "pt") as sf:

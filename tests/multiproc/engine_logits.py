@@ -10,21 +10,17 @@ import torch
 
 def main() -> int:
     config, tag, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    import deepspeed
     import deepspeed.comm as dist
 
     from pipeline.data.loader import ShardedDataset
-    from pipeline.pretrain import prepare
     from pipeline.train.config import load
-    from pipeline.train.ds_workarounds import release_shm_names
-    from pipeline.train.loop import build_engine
+    from pipeline.train.engine import build_engine
+    from pipeline.train.setup import init_distributed, prepare
 
     cfg = load(config)
     cfg, ds, _, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
-    deepspeed.init_distributed()
-    dist.barrier()
-    release_shm_names(dist.get_rank())
-    engine = build_engine(cfg, ds, shape, manifest, dist.get_rank())
+    env = init_distributed()
+    engine = build_engine(cfg, ds, shape, manifest["tokenizer"], env.rank)
     engine.load_checkpoint(cfg.run_dir, tag=tag, load_optimizer_states=False)
     engine.eval()
     ids = torch.from_numpy(ShardedDataset(cfg.data.path, "val")[0][:-1].astype("int64"))[None]

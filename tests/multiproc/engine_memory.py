@@ -16,22 +16,18 @@ def _bytes(tensors) -> int:
 
 def main() -> int:
     config, out, *sets = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    import deepspeed
     import deepspeed.comm as dist
 
     from pipeline.data.loader import ShardedDataset, collate_samples
-    from pipeline.pretrain import prepare
     from pipeline.train.config import load
-    from pipeline.train.ds_workarounds import release_shm_names
-    from pipeline.train.loop import build_engine, lm_loss
+    from pipeline.train.engine import build_engine
+    from pipeline.train.setup import init_distributed, prepare
+    from pipeline.train.step import lm_loss
 
     cfg = load(config, sets)
     cfg, ds, plan, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
-    deepspeed.init_distributed()
-    dist.barrier()
-    release_shm_names(dist.get_rank())
-    rank = dist.get_rank()
-    engine = build_engine(cfg, ds, shape, manifest, rank)
+    rank = init_distributed().rank
+    engine = build_engine(cfg, ds, shape, manifest["tokenizer"], rank)
     stage = ds["zero_optimization"]["stage"]
     zero = engine.optimizer
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]

@@ -74,13 +74,13 @@ def test_trained_model_beats_fresh_init_on_held_out_data(zero_runs: dict[int, Pa
     res = evaluate_run(EvalConfig(checkpoint=str(zero_runs[1]), split="val", output=str(tmp_path / "e.json"),
                                   max_new_tokens=8))
     run = open_run(zero_runs[1])
-    ds = ShardedDataset(run.config["data"]["path"], "val")
+    dataset = ShardedDataset(run.config["data"]["path"], "val")
     fresh = LlamaForCausalLM(llama_config(run.shape)).eval()
     init_weights(fresh, 1234, 0, stage3=False)
-    base = perplexity(fresh, ds, Tokenizer(ds.tokenizer_path))  # type: ignore[arg-type]
+    base = perplexity(fresh, dataset, Tokenizer(dataset.tokenizer_path))  # type: ignore[arg-type]
     assert res["loss"] < base["loss"] - 0.5 and res["perplexity"] < 0.6 * base["perplexity"]
     assert 0 < res["bits_per_byte"] < base["bits_per_byte"]
-    assert res["step"] == 20 and res["tokens"] == len(ds) * 64
+    assert res["step"] == 20 and res["tokens"] == len(dataset) * 64
     saved = json.loads((tmp_path / "e.json").read_text())
     assert saved["loss"] == res["loss"] and len(saved["samples_generated"]) == 4
     assert (zero_runs[1] / "loss.png").read_bytes()[:4] == b"\x89PNG"

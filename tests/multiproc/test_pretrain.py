@@ -12,9 +12,9 @@ import torch
 
 from pipeline.data.loader import ShardedDataset, collate_samples, rank_batches
 from pipeline.model import llama_config, resolve_shape
-from pipeline.pretrain import lr_at
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import load
+from pipeline.train.schedule import lr_at
 from tests.conftest import STEPS
 from tests.multiproc import launch
 
@@ -25,7 +25,8 @@ def reference_losses(config: Path, shards: Path) -> list[float]:
     """Plain single-process PyTorch: same init, same global batches, torch AdamW, same clipping and schedule."""
     from transformers import LlamaForCausalLM
 
-    from pipeline.train.loop import lm_loss, param_groups
+    from pipeline.train.engine import param_groups
+    from pipeline.train.step import lm_loss
     from pipeline.train.weights import init_weights
 
     cfg = load(config)
@@ -50,7 +51,7 @@ def reference_losses(config: Path, shards: Path) -> list[float]:
             batch = collate_samples(ds, next(it))
             loss, loss_total, tokens = lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
             (loss / n_micro).backward()
-            total += loss_total / tokens
+            total += float(loss_total) / tokens
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
         out.append(total / n_micro)
@@ -102,6 +103,20 @@ def test_kill_and_resume_gives_identical_losses(zero_runs: dict[int, Path], shar
         [(s, resumed[s], uninterrupted[s]) for s in range(1, STEPS + 1) if resumed[s] != uninterrupted[s]]
 
 
+def test_adamw8bit_trains_under_zero2(shards: Path, tmp_path: Path) -> None:
+    """bitsandbytes' 8-bit AdamW as the client optimizer of ZeRO-2 (DeepSpeed calls it untested): trains, saves."""
+    run_dir = tmp_path / "bnb"
+    cfg = launch.write_config(tmp_path / "b.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json",
+                              steps=8, ckpt_interval=8, extra="")
+    out = launch.run(cfg, sets=("optim.name=adamw8bit",))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = launch.losses(run_dir)
+    assert got[8] < got[1] - 0.3, got
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["zero_allow_untested_optimizer"] is True and "optimizer" not in ds
+    assert ckpt.latest_complete(run_dir) == "step00000008"
+
+
 def test_sigterm_saves_a_checkpoint_and_stops(shards: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "term"
     cfg = launch.write_config(tmp_path / "t.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json",
@@ -140,6 +155,42 @@ def test_zero3_cpu_offload_trains_and_resumes_bit_for_bit(shards: Path, tmp_path
     assert out.returncode == 0 and "resumed from" in out.stdout + out.stderr, out.stderr[-3000:]
     again = launch.losses(resumed_dir)
     assert [again[s] for s in range(6, 11)] == [got[s] for s in range(6, 11)]
+
+
+def test_zero3_nvme_offload_trains_and_resumes(shards: Path, tmp_path: Path) -> None:
+    """ZeRO-Infinity (ds_configs/zero3_nvme.json): optimizer states and parameters swapped to a folder through
+    DeepSpeed's async_io op; trains, checkpoints and resumes with the same losses."""
+    import shutil
+
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible():
+        pytest.skip("DeepSpeed's async_io op cannot build here (libaio-dev missing; .ci/run installs it)")
+    swap = tmp_path / "nvme"
+    swap.mkdir()
+    ds = json.loads((launch.ROOT / "ds_configs" / "zero3_nvme.json").read_text())
+    for key in ("offload_optimizer", "offload_param"):
+        ds["zero_optimization"][key]["nvme_path"] = str(swap)
+    ds_file = tmp_path / "nvme.json"
+    ds_file.write_text(json.dumps(ds))
+    run_dir = tmp_path / "run"
+    cfg = launch.write_config(tmp_path / "n.yaml", run_dir=run_dir, shards=shards, ds_config=str(ds_file), steps=8,
+                              ckpt_interval=4)
+    out = launch.run(cfg)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    got = launch.losses(run_dir)
+    assert got[8] < got[1] - 0.3, got
+    assert any(swap.rglob("*.swp")), "nothing was swapped to the NVMe folder"
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "step00000008")
+    cfg2 = launch.write_config(tmp_path / "n2.yaml", run_dir=resumed, shards=shards, ds_config=str(ds_file), steps=8,
+                               ckpt_interval=4)
+    out = launch.run(cfg2)
+    assert out.returncode == 0 and "resumed from" in out.stdout + out.stderr, out.stderr[-3000:]
+    again = launch.losses(resumed)
+    for s in range(5, 9):
+        assert abs(again[s] - got[s]) <= 1e-6 * abs(got[s]), (s, again[s], got[s])
 
 
 def test_resume_refuses_other_data(zero_runs: dict[int, Path], tmp_path: Path, tokenized: Path) -> None:

@@ -68,11 +68,11 @@ def test_shard_outputs_manifest_and_reader(shards: Path, tokenized: Path) -> Non
     tok_docs = IndexedReader(tokenized)
     assert sum(m["splits"][s]["documents"] for s in ("train", "val", "test")) == len(tok_docs)
     for split in ("train", "val", "test"):
-        ds = ShardedDataset(shards, split)
+        dataset = ShardedDataset(shards, split)
         s = m["splits"][split]
-        assert len(ds) == s["samples"] > 0
+        assert len(dataset) == s["samples"] > 0
         assert s["input_tokens"] == s["samples"] * 65 + s["dropped_tokens"]
-        assert ds[0].shape == (65,) and ds.loss_mask(0) is None
+        assert dataset[0].shape == (65,) and dataset.loss_mask(0) is None
     assert (shards / "tokenizer.model").exists()
     text = shard_stage.describe(shards)
     assert "train:" in text and "fingerprint" in text
@@ -98,9 +98,9 @@ def test_truncated_and_altered_shards_are_detected(shards: Path, tmp_path: Path)
     data = bytearray(f.read_bytes())
     data[100] ^= 0xFF
     f.write_bytes(bytes(data))
-    ds = ShardedDataset(copy, "train")  # same size: opens
+    dataset = ShardedDataset(copy, "train")  # same size: opens
     with pytest.raises(PipelineError, match="checksum differs"):
-        ds.verify()
+        dataset.verify()
     f.write_bytes(bytes(data[:-10]))
     with pytest.raises(PipelineError, match="truncated or altered"):
         ShardedDataset(copy, "train")
@@ -164,16 +164,16 @@ def test_elastic_order_same_global_batches_for_any_world_size(n: int, seed: int,
 def test_loader_gives_shifted_labels_and_masks(tmp_path: Path, tokenized: Path) -> None:
     out = tmp_path / "nocross"
     _shard([(tokenized, 1.0)], out, seq_len=64, cross_document=False)
-    ds = ShardedDataset(out, "train")
-    assert ds.has_loss_mask
-    padded = next(i for i in range(len(ds)) if not ds.loss_mask(i).all())  # type: ignore[union-attr]
-    loader = build_loader(ds, seed=1, micro_batch_size=2, data_parallel_size=1, rank=0, num_workers=0)
+    dataset = ShardedDataset(out, "train")
+    assert dataset.has_loss_mask
+    padded = next(i for i in range(len(dataset)) if not dataset.loss_mask(i).all())  # type: ignore[union-attr]
+    loader = build_loader(dataset, seed=1, micro_batch_size=2, data_parallel_size=1, rank=0, num_workers=0)
     batch = next(iter(loader))
     assert batch["input_ids"].shape == (2, 64) and batch["labels"].shape == (2, 64)
-    first = next(rank_batches(len(ds), 1, 2, 1, 0))
-    assert batch["input_ids"][0].tolist() == ds[first[0]][:-1].tolist()
+    first = next(rank_batches(len(dataset), 1, 2, 1, 0))
+    assert batch["input_ids"][0].tolist() == dataset[first[0]][:-1].tolist()
     from pipeline.data.loader import collate_samples
 
-    b = collate_samples(ds, [padded])
-    mask = ds.loss_mask(padded)
+    b = collate_samples(dataset, [padded])
+    mask = dataset.loss_mask(padded)
     assert ((b["labels"][0] == -100).numpy() == ~mask[1:]).all()  # type: ignore[index]

@@ -18,6 +18,7 @@ from pipeline.cli import main
 from pipeline.data import tokenize as tokenizing
 from pipeline.data.config import TokenizeConfig
 from pipeline.data.indexed import IndexedReader
+from pipeline.data.manifest import read_tokenize_manifest
 from pipeline.data.readers import read_records, resolve_inputs
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.errors import PipelineError
@@ -171,13 +172,20 @@ def test_clear_one_line_errors(tmp_path: Path, tokenized: Path, case: str) -> No
     junk.write_bytes(b"not a model")
     args = {"missing_input": [str(tmp_path / "nope.jsonl"), "--tokenizer", model, "--output-prefix", str(tmp_path / "o")],
             "bad_tokenizer": [str(CORPUS), "--tokenizer", str(junk), "--output-prefix", str(tmp_path / "o")],
-            "unwritable_output": [str(CORPUS), "--tokenizer", model, "--output-prefix", str(tmp_path / "no" / "o")],
+            "unwritable_output": [str(CORPUS), "--tokenizer", model, "--output-prefix", str(junk / "o")],
             "no_tokenizer_choice": [str(CORPUS), "--output-prefix", str(tmp_path / "o")]}[case]
     expected = {"missing_input": "nope.jsonl: no such file", "bad_tokenizer": "junk.model: cannot load tokenizer",
-                "unwritable_output": "does not exist", "no_tokenizer_choice": "exactly one of --tokenizer"}[case]
+                "unwritable_output": "junk.model is not a folder", "no_tokenizer_choice": "exactly one of --tokenizer"}[case]
     r = CliRunner().invoke(main, ["tokenize", *args])
     assert r.exit_code == 2, r.output
     assert expected in r.output and "Traceback" not in r.output
+
+
+def test_missing_output_folder_is_created(tmp_path: Path, tokenized: Path) -> None:
+    r = CliRunner().invoke(main, ["tokenize", str(CORPUS), "--tokenizer", str(_model(tokenized)), "--output-prefix",
+                                  str(tmp_path / "out" / "deeper" / "x")])
+    assert r.exit_code == 0, r.output
+    assert len(IndexedReader(tmp_path / "out" / "deeper" / "x")) > 0
 
 
 def test_interrupted_run_leaves_no_outputs(tmp_path: Path, tokenized: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,7 +248,7 @@ def test_memory_does_not_grow_with_corpus_size(tmp_path: Path, tokenized: Path) 
 
 def test_pipeline_error_names_the_prefix_when_manifest_is_missing(tmp_path: Path) -> None:
     with pytest.raises(PipelineError, match="not a finished `pipeline tokenize` output"):
-        tokenizing.load_manifest(tmp_path / "nothing")
+        read_tokenize_manifest(tmp_path / "nothing")
 
 
 def test_hugging_face_tokenizer_folder_as_input_tokenizer(tmp_path: Path, tokenized: Path) -> None:

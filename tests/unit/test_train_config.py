@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.pretrain import lr_at
 from pipeline.train.config import from_dict, load
 from pipeline.train.ds_config import batch_plan, load_ds_config, resolve
+from pipeline.train.schedule import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"batch": {"micro_batch_size": 2, "global_batch_size": 16}, "train": {"max_steps": 100, "precision": "fp32"}}
@@ -23,7 +23,9 @@ def test_every_problem_is_reported_at_once() -> None:
         from_dict({"batch": {"micro_batch_size": 0, "global_batch_size": 8, "global_batch_tokens": 4096},
                    "optim": {"lr": 2.0, "nme": "x"}, "train": {"precision": "fp8"}, "bogus": {}})
     msg = str(e.value)
-    for fragment in ("optim.nme: unknown field", "bogus: unknown section"):
+    # The problems of the sections after an unknown one are reported too.
+    for fragment in ("optim.nme: unknown field", "bogus: unknown section", "micro_batch_size 0", "optim.lr 2.0",
+                     "train.precision fp8"):
         assert fragment in msg
     with pytest.raises(ConfigError) as e:
         from_dict({"batch": {"micro_batch_size": 0, "global_batch_size": 8, "global_batch_tokens": 4096},
@@ -33,6 +35,40 @@ def test_every_problem_is_reported_at_once() -> None:
                      "train.precision fp8"):
         assert fragment in msg
     assert "4 problem(s)" in msg
+
+
+@pytest.mark.parametrize("section, field, value, expected", [
+    ("train", "max_tokens", "1e9", 1_000_000_000),  # YAML 1.1 reads 1e9 as a string
+    ("optim", "lr", "3e-4", 3e-4),
+    ("log", "interval", "5", 5),
+    ("train", "gpu_memory_cap_gib", 23, 23.0),
+    ("train", "max_tokens", 2.0e6, 2_000_000),
+])
+def test_values_are_coerced_to_the_declared_type(section: str, field: str, value: object, expected: object) -> None:
+    raw = {"batch": {"micro_batch_size": 1, "global_batch_size": 8}, "train": {"max_steps": 10}}
+    raw.setdefault(section, {})[field] = value  # type: ignore[index]
+    if field == "max_tokens":
+        del raw["train"]["max_steps"]
+    got = getattr(getattr(from_dict(raw), section), field)
+    assert got == expected and type(got) is type(expected)
+
+
+def test_type_mismatches_are_config_errors_listed_together() -> None:
+    with pytest.raises(ConfigError) as e:
+        from_dict({"batch": {"micro_batch_size": "two", "global_batch_size": -8},
+                   "train": {"max_steps": 2.5, "activation_checkpointing": "yes", "precision": 16},
+                   "log": {"interval": "5x", "tensorboard": 1}, "model": {"shape": [1, 2]}, "optim": {"lr": -1}})
+    msg = str(e.value)
+    for fragment in ("batch.micro_batch_size: expected an integer, got 'two'",
+                     "batch.global_batch_size -8: expected 1 or more",
+                     "train.max_steps: expected an integer or null, got 2.5",
+                     "train.activation_checkpointing: expected true or false, got 'yes'",
+                     "train.precision: expected a string, got 16",
+                     "log.interval: expected an integer, got '5x'",
+                     "log.tensorboard: expected true or false, got 1",
+                     "model.shape: expected a mapping, got [1, 2]",
+                     "optim.lr -1.0: expected 0 < lr < 1"):
+        assert fragment in msg, msg
 
 
 def test_batch_arithmetic() -> None:
@@ -61,7 +97,6 @@ def test_deepspeed_auto_fields_are_filled_and_conflicts_refused() -> None:
 
 @pytest.mark.parametrize("overrides,ds_file,accel,message", [
     ({"optim": {"name": "adamw8bit"}}, "zero3_offload.json", "cuda", "adamw8bit cannot run with ZeRO-3 and offload"),
-    ({"optim": {"name": "adamw8bit"}}, "zero1.json", "cpu", "adamw8bit needs a CUDA GPU"),
     ({"train": {"max_steps": 100, "precision": "fp16"}}, "zero2.json", "cpu", "fp16 is not supported on the CPU"),
 ])
 def test_unsupported_combinations_are_refused_with_the_matrix(overrides, ds_file, accel, message) -> None:
@@ -119,6 +154,33 @@ def test_dry_run_prints_resolved_config(shards: Path, tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(ROOT / "pipeline/pretrain.py"), "--config", str(cfg), "--set",
                           "batch.global_batch_size=7", "--dry-run"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not divisible" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_pipeline_pretrain_checks_before_launching(shards: Path, tmp_path: Path) -> None:
+    """`pipeline pretrain` validates in its own process: a bad config fails with only our message and no launcher
+    output, and --dry-run needs no launcher at all."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+                   "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n")
+    r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--num-gpus", "3"])
+    assert r.exit_code == 2 and "not divisible by micro_batch_size 2 x 3" in r.output
+    assert "deepspeed" not in r.output.split("error:")[0]  # nothing was launched
+    r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--num-gpus", "2", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "grad-accum 2" in r.output and '"train_batch_size": 8' in r.output and "+ " not in r.output
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=4\nnode2 slots=4\n")
+    r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--hostfile", str(hostfile), "--dry-run"])
+    assert r.exit_code == 2 and "micro_batch_size 2 x 8 data-parallel ranks = 16; use 16" in r.output, r.output
+    r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--hostfile", str(hostfile), "--dry-run",
+                                  "--set", "batch.global_batch_size=32"])
+    assert r.exit_code == 0 and "micro 2 x data-parallel 8 x grad-accum 2" in r.output, r.output
+    r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--num-gpus", "2", "--set", "optim.lr=x"])
+    assert r.exit_code == 2 and "optim.lr: expected a number, got 'x'" in r.output
 
 
 def test_auto_deepspeed_config_comes_from_the_planner(shards: Path, tmp_path: Path) -> None:

@@ -1,0 +1,111 @@
+"""The two manifests that cross stages, typed: `PREFIX.manifest.json` of `pipeline tokenize` and
+`DIR/manifest.json` of `pipeline shard`, with the one reader of each and the special-token rule.
+
+TypedDicts rather than classes: the files are JSON that other tools read too, and the keys stay what they are on
+disk; mypy checks every access."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, TypedDict
+
+from pipeline.errors import PipelineError
+
+
+class TokenizerInfo(TypedDict, total=False):
+    path: str
+    sha256: str
+    kind: str
+    """sentencepiece | hf"""
+    vocab_size: int
+    eos_id: int
+    bos_id: int
+    pad_id: int
+    """-1 when the tokenizer has none."""
+    trained: bool
+    copy: str | None
+    """Shard manifests only: the tokenizer file copied beside the shards."""
+
+
+class ShardFile(TypedDict, total=False):
+    file: str
+    bytes: int
+    samples: int
+    sha256: str
+    lengths_file: str
+    lengths_sha256: str
+
+
+class SplitInfo(TypedDict, total=False):
+    samples: int
+    shards: list[ShardFile]
+    tokens: int
+    documents: int
+    dropped_tokens: int
+    sources: list[dict[str, Any]]
+
+
+class TokenizeManifest(TypedDict, total=False):
+    tool: str
+    version: str
+    tokenizer: TokenizerInfo
+    dtype: str
+    append_eos: bool
+    totals: dict[str, Any]
+    errors: list[str]
+    wall_time_s: float
+    throughput: dict[str, float]
+
+
+class ShardManifest(TypedDict, total=False):
+    tool: str
+    version: str
+    fingerprint: str
+    args: dict[str, Any]
+    seq_len: int
+    sample_width: int
+    dtype: str
+    cross_document: bool
+    pad_id: int
+    seed: int
+    split_ratios: list[float]
+    tokenizer: TokenizerInfo
+    splits: dict[str, SplitInfo]
+
+
+def read_tokenize_manifest(prefix: str | Path) -> TokenizeManifest:
+    """The manifest of a finished tokenize run; a clear error when the run is missing or incomplete."""
+    path = Path(str(prefix) + ".manifest.json")
+    if not path.exists():
+        raise PipelineError(f"{path}: not found; {prefix} is not a finished `pipeline tokenize` output "
+                            "(run it, or check the prefix)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"{path}: not valid JSON ({e}); re-run `pipeline tokenize`") from None
+
+
+def read_shard_manifest(path: str | Path) -> ShardManifest:
+    p = Path(path) / "manifest.json"
+    if not p.exists():
+        raise PipelineError(f"{path}: no manifest.json; not a finished `pipeline shard` output "
+                            "(run `pipeline shard ... --output DIR`)")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"{p}: not valid JSON ({e}); re-run `pipeline shard --overwrite`") from None
+
+
+def model_token_ids(tok: TokenizerInfo | None) -> dict[str, Any]:
+    """The special ids a model config takes from a tokenizer: bos falls back to 1 when the tokenizer has none
+    (Llama's convention), pad is None when it has none. With no tokenizer at all, Llama's 1/2/3."""
+    if tok is None:
+        return {"bos_id": 1, "eos_id": 2, "pad_id": 3}
+    pad = tok.get("pad_id", -1)
+    return {"bos_id": max(tok.get("bos_id", 1), 0), "eos_id": tok["eos_id"], "pad_id": pad if pad >= 0 else None}
+
+
+def padding_id(tok: TokenizerInfo) -> int:
+    """The id that fills padded sample tails: the tokenizer's pad, else its eos (masked out of the loss anyway)."""
+    return tok["pad_id"] if tok.get("pad_id", -1) >= 0 else tok["eos_id"]

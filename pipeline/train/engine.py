@@ -1,0 +1,92 @@
+"""The one place a DeepSpeed engine is made: the model (under `zero.Init` for ZeRO-3), its initial weights, the
+optimizer, the engine."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+import torch
+
+from pipeline.data.manifest import TokenizerInfo, model_token_ids
+from pipeline.errors import PipelineError
+from pipeline.model import ModelShape, build_model, transformers_helper
+from pipeline.train.config import PretrainConfig
+from pipeline.train.ds_config import zero_stage
+from pipeline.train.weights import init_weights, load_initial_weights
+
+log = logging.getLogger("pipeline.pretrain")
+
+
+def build_training_model(shape: ModelShape, ds: dict[str, Any], cfg: PretrainConfig, tok: TokenizerInfo,
+                         rank: int) -> torch.nn.Module:
+    """The model with its initial weights (our deterministic init, or `model.init_from`), checkpointing set."""
+    stage3 = zero_stage(ds) == 3
+    ids = model_token_ids(tok)
+    torch.manual_seed(cfg.train.seed)
+    with contextlib.ExitStack() as stack:
+        if stage3:
+            import deepspeed
+
+            # As transformers' own zero.Init path does: keep RoPE's arange in fp32, then partition each parameter
+            # as it is created, so that no rank ever holds the whole model.
+            stack.enter_context(transformers_helper("transformers.integrations.deepspeed",
+                                                    "prevent_arange_dtype_change")())
+            stack.enter_context(deepspeed.zero.Init(config_dict_or_path=ds))
+        model = build_model(shape, skip_init=True, **ids)  # every weight is filled below
+    if cfg.model.init_from:
+        load_initial_weights(model, cfg.model.init_from, rank, stage3)
+    else:
+        init_weights(model, cfg.train.seed, rank, stage3)
+    if cfg.train.activation_checkpointing:
+        # Non-reentrant: the reentrant variant breaks with ZeRO-3 (DeepSpeed PR #7780).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def build_engine(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, tok: TokenizerInfo, rank: int) -> Any:
+    import deepspeed
+
+    model = build_training_model(shape, ds, cfg, tok, rank)
+    groups = param_groups(model, cfg.optim.weight_decay)
+    client_optimizer = None
+    if cfg.optim.name == "adamw8bit":
+        import bitsandbytes as bnb
+
+        client_optimizer = bnb.optim.AdamW8bit(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                               eps=cfg.optim.eps)
+    check_aio(ds)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
+                                           model_parameters=None if client_optimizer else groups,  # type: ignore[arg-type]
+                                           config=ds)
+    return engine
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only; norms and biases (1-D) get none."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        # Under ZeRO-3 a partitioned parameter's own shape is empty; ds_shape keeps the real one.
+        ndim = len(getattr(p, "ds_shape", p.shape))
+        (decay if ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def check_aio(ds: dict[str, Any]) -> None:
+    """NVMe offload needs DeepSpeed's async_io op and a writable swap folder on this node."""
+    zero = ds.get("zero_optimization", {})
+    if any(zero.get(k, {}).get("device") == "nvme" for k in ("offload_optimizer", "offload_param")):
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible():
+            raise PipelineError("NVMe offload needs DeepSpeed's async_io op, which cannot build here (install "
+                                "libaio-dev, then check `ds_report`); or use ds_configs/zero3_offload.json (CPU)")
+        for k in ("offload_optimizer", "offload_param"):
+            path = zero.get(k, {}).get("nvme_path")
+            if path and not os.access(path, os.W_OK):
+                raise PipelineError(f"zero_optimization.{k}.nvme_path {path}: not a writable folder on this node")

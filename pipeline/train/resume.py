@@ -1,0 +1,39 @@
+"""The resume decision as pure functions: which checkpoint a launch continues from, and why it may not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.errors import PipelineError
+from pipeline.train.checkpoint import Marker
+
+
+def choose_resume(policy: str, complete_tags: list[str], run_dir: str) -> str | None:
+    """The tag to resume from under `checkpoint.resume` (auto | never | a tag), given the run folder's complete
+    checkpoints (oldest first); None starts fresh."""
+    if policy == "auto":
+        return complete_tags[-1] if complete_tags else None
+    if policy == "never":
+        if complete_tags:
+            raise PipelineError(f"{run_dir} holds checkpoints but checkpoint.resume is never; use another run_dir "
+                                "or resume: auto")
+        return None
+    if policy not in complete_tags:
+        raise PipelineError(f"checkpoint.resume {policy}: no complete checkpoint of that tag in {run_dir}")
+    return policy
+
+
+def resume_problems(marker: Marker, *, data_fingerprint: str, model_shape: dict[str, Any], world_size: int,
+                    zero_stage: int) -> list[str]:
+    """Why this launch cannot continue the checkpoint described by `marker` (empty: it can)."""
+    problems = []
+    if marker["data_fingerprint"] != data_fingerprint:
+        problems.append(f"data fingerprint {data_fingerprint} differs from the checkpoint's "
+                        f"{marker['data_fingerprint']} (other shards, seq_len or seed)")
+    if marker["model_shape"] != model_shape:
+        problems.append(f"model shape {model_shape} differs from the checkpoint's {marker['model_shape']}")
+    if marker["world_size"] != world_size and zero_stage > 0:
+        problems.append(f"world size {world_size} differs from the checkpoint's {marker['world_size']}: "
+                        f"ZeRO-{zero_stage} optimizer partitions are per rank; convert with DeepSpeed's "
+                        "ds_to_universal first")
+    return problems

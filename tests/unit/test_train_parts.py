@@ -1,0 +1,63 @@
+"""The parts of the training loop that need no process group: the resume decision, device selection, the loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.errors import PipelineError
+from pipeline.train.checkpoint import Marker
+from pipeline.train.resume import choose_resume, resume_problems
+from pipeline.train.setup import device_for, local_rank_from_env
+from pipeline.train.step import lm_loss
+
+TAGS = ["step00000005", "step00000010"]
+SHAPE = {"hidden_size": 64, "num_layers": 2}
+
+
+def marker(**kw: object) -> Marker:
+    m: Marker = {"step": 10, "consumed_samples": 80, "data_fingerprint": "abc", "seq_len": 64,
+                 "tokenizer_sha256": "t", "model_shape": SHAPE, "world_size": 2}
+    m.update(kw)  # type: ignore[typeddict-item]
+    return m
+
+
+def test_resume_policy_auto_never_and_tag() -> None:
+    assert choose_resume("auto", TAGS, "runs/x") == "step00000010"
+    assert choose_resume("auto", [], "runs/x") is None
+    assert choose_resume("never", [], "runs/x") is None
+    with pytest.raises(PipelineError, match="holds checkpoints but checkpoint.resume is never"):
+        choose_resume("never", TAGS, "runs/x")
+    assert choose_resume("step00000005", TAGS, "runs/x") == "step00000005"
+    with pytest.raises(PipelineError, match="checkpoint.resume step00000007: no complete checkpoint"):
+        choose_resume("step00000007", TAGS, "runs/x")
+
+
+def test_resume_refuses_other_data_shape_or_zero_world() -> None:
+    same = dict(data_fingerprint="abc", model_shape=SHAPE, world_size=2, zero_stage=1)
+    assert resume_problems(marker(), **same) == []  # type: ignore[arg-type]
+    assert "data fingerprint xyz differs" in resume_problems(marker(), **{**same, "data_fingerprint": "xyz"})[0]  # type: ignore[arg-type]
+    assert "model shape" in resume_problems(marker(), **{**same, "model_shape": {"hidden_size": 32}})[0]  # type: ignore[arg-type]
+    assert "ZeRO-1 optimizer partitions are per rank" in resume_problems(marker(), **{**same, "world_size": 4})[0]  # type: ignore[arg-type]
+    # ZeRO-0 keeps whole optimizer states: any world size resumes.
+    assert resume_problems(marker(), **{**same, "world_size": 4, "zero_stage": 0}) == []  # type: ignore[arg-type]
+
+
+def test_each_rank_gets_the_gpu_of_its_local_rank() -> None:
+    # Ranks 1..3 of a 4-GPU node must not land on cuda:0 (DeepSpeed selects no device at init_distributed).
+    assert [device_for("cuda", local_rank_from_env({"LOCAL_RANK": str(r)})) for r in range(4)] == \
+        [torch.device("cuda", r) for r in range(4)]
+    assert device_for("cpu", 3) == torch.device("cpu")
+    assert local_rank_from_env({}) == 0
+
+
+def test_loss_counts_real_tokens_only_and_sums_exactly() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g)
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    labels[1, 3:] = -100
+    loss, total, count = lm_loss(logits, labels)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100)
+    assert count == 8
+    assert torch.allclose(loss, ref, rtol=1e-6)
+    assert total.dtype == torch.float64 and abs(float(total) / count - float(ref)) < 1e-6
