@@ -27,25 +27,47 @@ GPUS: dict[str, GPU] = {
     "3090": GPU("RTX 3090", 23.7, 71.0, 936, 4, 25.0, False),
     "4090": GPU("RTX 4090", 23.6, 165.2, 1008, 4, 25.0, False),          # [S3,S4]
     "4090d": GPU("RTX 4090D", 23.6, 147.1, 1008, 4, 25.0, False),        # [S1]
-    "a100-40gb": GPU("A100 40GB", 39.4, 312.0, 1555, 4, 25.0, True, 600.0),   # [S10]
-    "a100-80gb": GPU("A100 80GB", 79.2, 312.0, 2039, 4, 25.0, True, 600.0),   # [S10]
+    # Ada data-center card: NVIDIA L40S datasheet, BF16 362.05 TF dense (733 with sparsity), 48 GB GDDR6, 864 GB/s.
+    "l40s": GPU("L40S", 44.4, 362.0, 864, 4, 25.0, True),
+    "a100-40gb": GPU("A100 SXM4 40GB", 39.4, 312.0, 1555, 4, 25.0, True, 600.0),   # [S10]
+    "a100-80gb": GPU("A100 SXM4 80GB", 79.2, 312.0, 2039, 4, 25.0, True, 600.0),   # [S10]
+    # PCIe A100s: same tensor peak (A100 datasheet), lower memory bandwidth, no NVSwitch.
+    "a100-40gb-pcie": GPU("A100 PCIe 40GB", 39.4, 312.0, 1555, 4, 25.0, True),
+    "a100-80gb-pcie": GPU("A100 PCIe 80GB", 79.2, 312.0, 1935, 4, 25.0, True),
     "h100": GPU("H100 SXM", 79.2, 989.0, 3350, 5, 55.0, True, 900.0),    # [S12,S13]
+    # NVIDIA H100 datasheet: the PCIe card is 1,513 TF BF16 with sparsity (756 dense), 2.0 TB/s; the NVL card
+    # 1,671 TF with sparsity (835 dense), 94 GB, 3.9 TB/s, NVLink bridge 600 GB/s.
+    "h100-pcie": GPU("H100 PCIe", 79.2, 756.0, 2000, 5, 55.0, True),
+    "h100-nvl": GPU("H100 NVL", 87.5, 835.0, 3900, 5, 55.0, True, 600.0),
     "h200": GPU("H200 SXM", 139.8, 989.0, 4800, 5, 55.0, True, 900.0),   # [S12,S13]; 55 GB/s copy measured
+    # NVIDIA H200 datasheet: the NVL card is 1,671 TF BF16 with sparsity (835 dense), 141 GB, 4.8 TB/s.
+    "h200-nvl": GPU("H200 NVL", 139.8, 835.0, 4800, 5, 55.0, True, 900.0),
 }
 
 
+def _key(name: str) -> str:
+    """A GPU name as torch, nvidia-smi or a person writes it -> one key: 'NVIDIA A100-PCIE-40GB' -> a10040gbpcie,
+    'NVIDIA A100-SXM4-80GB' -> a10080gb, 'NVIDIA H100 80GB HBM3' -> h10080gb, 'NVIDIA GeForce RTX 4090 D' -> 4090d."""
+    key = name.lower()
+    for word in ("nvidia", "geforce", "rtx", "sxm5", "sxm4", "sxm", "hbm3e", "hbm3", " ", "-", "_"):
+        key = key.replace(word, "")
+    return key.replace("pcie", "") + "pcie" if "pcie" in key else key
+
+
+_BY_KEY = sorted(((_key(k), k) for k in GPUS), key=lambda kv: -len(kv[0]))  # longest first: h200nvl before h200
+
+
 def lookup(name: str) -> GPU:
-    key = name.lower().replace("rtx", "").replace(" ", "").replace("-", "").replace("nvidia", "").replace("geforce", "")
-    for k, g in GPUS.items():
-        if key == k.replace("-", ""):
-            return g
-    aliases = {"a100": "a100-80gb", "a10080g": "a100-80gb", "a10040g": "a100-40gb", "h100sxm": "h100",
-               "h100sxm5": "h100", "h200sxm": "h200", "h100sxm580gb": "h100", "4090d24gb": "4090d"}
+    key = _key(name)
+    aliases = {"a100": "a100-80gb", "a10080g": "a100-80gb", "a10040g": "a100-40gb"}
     if key in aliases:
         return GPUS[aliases[key]]
-    for k, g in GPUS.items():  # a device name as torch reports it, e.g. "NVIDIA GeForce RTX 4090 D"
-        if k.replace("-", "") in key and (k != "4090" or "4090d" not in key):
-            return g
+    for k, table_key in _BY_KEY:
+        if key == k:
+            return GPUS[table_key]
+    for k, table_key in _BY_KEY:  # a device name with more words, e.g. "NVIDIA H100 80GB HBM3"
+        if k in key and ("pcie" in key) == ("pcie" in k):
+            return GPUS[table_key]
     raise KeyError(f"unknown GPU '{name}'; known: {', '.join(GPUS)}")
 
 
