@@ -26,6 +26,15 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             click.echo("interrupted; no partial outputs were left under final names", err=True)
             sys.exit(130)
+        except (click.exceptions.Exit, click.ClickException, SystemExit):
+            raise
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
+            click.echo("error: an internal error, not a mistake in your input: this is a bug in pipeline; please "
+                       "report it with the traceback above", err=True)
+            sys.exit(1)
 
     return wrapper
 
@@ -45,13 +54,13 @@ def main(verbose: bool) -> None:
               help="An existing sentencepiece .model file or a local Hugging Face tokenizer folder.")
 @click.option("--train-tokenizer", is_flag=True, help="Train a sentencepiece tokenizer on the inputs "
               "(saved as PREFIX.tokenizer.model).")
-@click.option("--vocab-size", type=int, default=32000, show_default=True)
+@click.option("--vocab-size", type=click.IntRange(300, 1_000_000), default=32000, show_default=True)
 @click.option("--model-type", type=click.Choice(["bpe", "unigram"]), default="bpe", show_default=True)
-@click.option("--sample-docs", type=int, default=100_000, show_default=True,
+@click.option("--sample-docs", type=click.IntRange(min=1), default=100_000, show_default=True,
               help="Documents sampled (seeded) to train the tokenizer on.")
 @click.option("--seed", type=int, default=1234, show_default=True)
 @click.option("--text-key", default="text", show_default=True, help="JSON field / parquet column holding the text.")
-@click.option("--workers", type=int, default=1, show_default=True, help="Encoding processes; output is identical "
+@click.option("--workers", type=click.IntRange(1, 512), default=1, show_default=True, help="Encoding processes; output is identical "
               "for any count.")
 @click.option("--append-eos/--no-append-eos", default=True, show_default=True, help="End each document with </s>.")
 @click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
@@ -93,10 +102,11 @@ def _parse_sources(specs: tuple[str, ...]) -> tuple[tuple[tuple[str, float], ...
 @main.command()
 @click.argument("sources", nargs=-1)
 @click.option("--output", "output", type=str, help="Folder for the shards and manifest.json.")
-@click.option("--seq-len", type=int, help="Tokens per training sample (each stores seq_len + 1 for the labels).")
+@click.option("--seq-len", type=click.IntRange(8, 1_048_576), help="Tokens per training sample (each stores "
+              "seq_len + 1 for the labels).")
 @click.option("--split", default="98,1,1", show_default=True, help="train,val,test ratios, by document.")
 @click.option("--seed", type=int, default=1234, show_default=True)
-@click.option("--num-shards", type=int, default=None, help="Shards per split (default: by --shard-size).")
+@click.option("--num-shards", type=click.IntRange(min=1), default=None, help="Shards per split (default: by --shard-size).")
 @click.option("--shard-size", default="512MB", show_default=True, help="Target bytes per shard file.")
 @click.option("--no-cross-document", is_flag=True, help="Never let a sample cross a document boundary: pad and "
               "mask the padding out of the loss.")
@@ -200,11 +210,12 @@ def _launch_world_size(hostfile: str | None, num_gpus: int | None) -> tuple[int 
 @click.option("--checkpoint", required=True, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG.")
 @click.option("--data", default=None, help="Shard folder (default: the run's own data.path).")
 @click.option("--split", type=click.Choice(["val", "test", "train"]), default="val", show_default=True)
-@click.option("--max-batches", type=int, default=None, help="Evaluate at most this many batches (default: all).")
-@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--max-batches", type=click.IntRange(min=1), default=None,
+              help="Evaluate at most this many batches (default: all).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--prompts", default=None, help="Text file, one prompt per line (\\n for a newline).")
 @click.option("--output", default=None, help="JSON results (default RUN_DIR/eval/TAG-SPLIT.json).")
-@click.option("--max-new-tokens", type=int, default=48, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(0, 100_000), default=48, show_default=True)
 @click.option("--seed", type=int, default=1234, show_default=True, help="Seed of the sampled continuations.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto.")
 @_user_errors
@@ -235,6 +246,8 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> Non
         size = parse_size(max_shard_size)
     except ValueError as e:
         raise PipelineError(f"--max-shard-size: {e}") from None
+    if size < 1:
+        raise PipelineError(f"--max-shard-size {max_shard_size}: expected a positive size such as 2GB")
     out = stage.export(checkpoint, output, dtype=dtype, max_shard_bytes=size)
     click.echo(f"exported {checkpoint} to {out} ({dtype}); load it with "
                f"AutoModelForCausalLM.from_pretrained('{out}') and AutoTokenizer.from_pretrained('{out}')")
@@ -242,12 +255,12 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> Non
 
 @main.command()
 @click.option("--model", "preset", default="7b", show_default=True, help="Preset: tiny, 125m, 350m, 1b, 7b, 13b, 70b.")
-@click.option("--layers", type=int, default=None, help="Override the preset's layer count (e.g. for test slices).")
-@click.option("--vocab-size", type=int, default=32000, show_default=True)
-@click.option("--seq-len", type=int, default=4096, show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=None, help="Override the preset's layer count (e.g. for test slices).")
+@click.option("--vocab-size", type=click.IntRange(min=1), default=32000, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--hostfile", default=None, help="DeepSpeed hostfile: nodes and GPUs per node from its slots.")
-@click.option("--nodes", type=int, default=1, show_default=True)
-@click.option("--gpus-per-node", type=int, default=1, show_default=True)
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--gpu", default="4090d", show_default=True, help="3090, 4090, 4090d, l40s, a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100, "
               "h100-pcie, h100-nvl, h200, h200-nvl, or a name as nvidia-smi prints it.")
 @click.option("--gpu-mem", default=None, help="Cap the card's memory, e.g. 24GiB (emulating a smaller card).")
@@ -255,8 +268,9 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> Non
 @click.option("--nvme", default=None, help="NVMe capacity per node for ZeRO-Infinity, e.g. 4TB (or a mounted path).")
 @click.option("--network", default="100Gbps", show_default=True, help="Inter-node bandwidth per node.")
 @click.option("--global-batch-tokens", default="4M", show_default=True, help="Tokens per optimizer step.")
-@click.option("--micro-batch-size", type=int, default=None, help="Fix the micro-batch instead of searching it.")
-@click.option("--mfu", type=float, default=0.45, show_default=True, help="Assumed MFU of the compute itself.")
+@click.option("--micro-batch-size", type=click.IntRange(min=1), default=None, help="Fix the micro-batch instead of searching it.")
+@click.option("--mfu", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.45, show_default=True,
+              help="Assumed MFU of the compute itself (0 < mfu <= 1).")
 @click.option("--tokens", default="1B", show_default=True, help="Token budget for the time estimate.")
 @click.option("--write-ds-config", default=None, help="Write the chosen DeepSpeed JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
@@ -294,6 +308,10 @@ def plan(preset: str, layers: int | None, vocab_size: int, seq_len: int, hostfil
             nvme_bytes = shutil.disk_usage(nvme).free if os.path.isdir(nvme) else parse_size(nvme)
     except ValueError as e:
         raise PipelineError(str(e)) from None
+    for flag, value in (("--gpu-mem", card.memory_gib), ("--cpu-mem", ram), ("--global-batch-tokens", gbt),
+                        ("--tokens", budget), ("--network", net)):
+        if not value > 0:
+            raise PipelineError(f"{flag} {value:g}: expected a positive amount")
     if hostfile:
         nodes, gpus_per_node = plan_report.parse_hostfile(hostfile)
     shape = resolve_shape(preset, {"num_layers": layers} if layers else {}, vocab_size)

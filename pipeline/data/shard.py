@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -31,6 +32,7 @@ from pipeline.data.manifest import TokenizeManifest, padding_id, read_shard_mani
 from pipeline.errors import PipelineError
 from pipeline.progress import Progress
 
+log = logging.getLogger(__name__)
 SPLITS = ("train", "val", "test")
 _GATHER_ROWS = 8192
 
@@ -138,6 +140,11 @@ def _shard_ranges(n: int, row_bytes: int, cfg: ShardConfig) -> list[tuple[int, i
 def run(cfg: ShardConfig) -> ShardResult:
     t0 = time.perf_counter()
     out = Path(cfg.output)
+    for folder in (out, *out.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise PipelineError(f"--output {out}: {folder} is a file; give a folder for the shards")
+            break
     manifests = [read_tokenize_manifest(p) for p, _ in cfg.sources]
     shas = {m["tokenizer"]["sha256"] for m in manifests}
     if len(shas) > 1:
@@ -163,12 +170,17 @@ def run(cfg: ShardConfig) -> ShardResult:
             raise PipelineError(f"{out} already holds shards made with other arguments or inputs "
                                 f"(fingerprint {old.get('fingerprint')} vs {fingerprint}); "
                                 "pass --overwrite to replace them, or choose another --output")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out))
     try:
         result = _build(cfg, out, work, manifests, dtype, pad_id, weights, args, fingerprint, t0)
-    finally:
+    except BaseException:
         shutil.rmtree(work, ignore_errors=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()  # leave nothing behind that we made
+        raise
+    shutil.rmtree(work, ignore_errors=True)
     return result
 
 
@@ -202,6 +214,18 @@ def _build(cfg: ShardConfig, out: Path, work: Path, manifests: list[TokenizeMani
                        if n_rows and not cfg.cross_document else None)
             packed[split].append((rows_mm, lens_mm))  # type: ignore[arg-type]
     progress.close()
+    train = split_stats["train"]
+    if sum(train["per_source_samples"]) == 0:
+        longest = max((int(r.lengths.max()) for r in readers if len(r)), default=0)
+        fix = (f"use a --seq-len below {longest}, the longest document" if not cfg.cross_document
+               else f"use a --seq-len below {train['tokens_in']:,}")
+        raise PipelineError(f"--seq-len {cfg.seq_len}: the train split ({train['tokens_in']:,} tokens in "
+                            f"{train['documents']} documents) holds no whole sample of {width} tokens; {fix}")
+    for split, ratio in zip(SPLITS[1:], cfg.split[1:], strict=True):
+        if ratio > 0 and sum(split_stats[split]["per_source_samples"]) == 0:
+            log.warning("warning: the %s split has 0 samples (%d documents of %s tokens); validation needs more "
+                        "documents there: raise its --split ratio or use a shorter --seq-len", split,
+                        split_stats[split]["documents"], f"{split_stats[split]['tokens_in']:,}")
 
     shards: dict[str, Any] = {}
     for si_split, split in enumerate(SPLITS):

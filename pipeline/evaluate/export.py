@@ -40,6 +40,21 @@ def hf_tokenizer(sp_model: Path) -> Any:
                                    pad_token="<pad>", model_max_length=10**9, clean_up_tokenization_spaces=False)
 
 
+def check_export_target(output: Path) -> None:
+    """The export replaces `output` whole: refuse a file, and a folder that is not an earlier export (never delete
+    what the user did not make with this command)."""
+    if output.is_file():
+        raise PipelineError(f"--output {output}: is a file; give a folder to write the model into")
+    if output.is_dir() and any(output.iterdir()) and not (output / "config.json").exists():
+        raise PipelineError(f"--output {output}: a folder that holds other files and no config.json; it would be "
+                            "replaced whole: give a new or empty folder")
+    for parent in output.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise PipelineError(f"--output {output}: {parent} is a file, not a folder")
+            break
+
+
 def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], shape: ModelShape, tokenizer: Path | None,
                    output: Path, *, dtype: str = "bf16", tok_ids: dict[str, Any] | None = None,
                    max_shard_bytes: int = 2 * 10**9) -> Path:
@@ -51,6 +66,7 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], shape: ModelShap
         raise PipelineError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     ids = tok_ids or model_token_ids(None)
     output = Path(output)
+    check_export_target(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:

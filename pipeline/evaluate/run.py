@@ -61,8 +61,11 @@ def open_run(checkpoint: str | Path) -> Run:
 
 
 def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.Module:
-    """The checkpoint's weights in a plain LlamaForCausalLM (fp32), filled tensor by tensor."""
+    """The checkpoint's weights in a plain LlamaForCausalLM, filled tensor by tensor: bf16 on a GPU (a 7B model
+    is 13.5 GB, not 27; the loss is still summed in fp32), fp32 on the CPU."""
     model = build_model(run.shape, skip_init=True, **model_token_ids(tok))
+    if device.type == "cuda":
+        model.to(torch.bfloat16)  # before filling: host RAM holds one bf16 copy, not an fp32 one
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():
@@ -150,7 +153,30 @@ def plot_losses(run_dir: Path) -> Path | None:
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise PipelineError(f"--device {name}: expected cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PipelineError(f"--device {name}: torch sees no CUDA device here; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise PipelineError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def _check_arguments(cfg: EvalConfig) -> list[str]:
+    """The evaluation's own arguments, checked before a checkpoint is read."""
+    prompts = DEFAULT_PROMPTS
+    if cfg.prompts:
+        p = Path(cfg.prompts)
+        if not p.is_file():
+            raise PipelineError(f"--prompts {p}: no such file (one prompt per line, \\n for a newline)")
+        prompts = [line.replace("\\n", "\n") for line in p.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise PipelineError(f"--prompts {p}: the file holds no prompt")
+    if cfg.output and Path(cfg.output).is_dir():
+        raise PipelineError(f"--output {cfg.output}: is a folder; give a file name such as {cfg.output}/eval.json")
+    return prompts
 
 
 def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
@@ -179,21 +205,16 @@ def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
 
 def run(cfg: EvalConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
+    prompts = _check_arguments(cfg)
+    device = _device(cfg.device)
     r = open_run(cfg.checkpoint)
     dataset = _dataset(r, cfg.data, cfg.split)
     tok_path = dataset.tokenizer_path
     if tok_path is None:
         raise PipelineError(f"{dataset.path}: the tokenizer {dataset.manifest['tokenizer']['path']} is gone; re-run shard")
     tokenizer = Tokenizer(tok_path)
-    device = _device(cfg.device)
     model = load_model(r, device, dataset.manifest["tokenizer"])
     metrics = perplexity(model, dataset, tokenizer, batch_size=cfg.batch_size, max_batches=cfg.max_batches, device=device)
-    prompts = DEFAULT_PROMPTS
-    if cfg.prompts:
-        p = Path(cfg.prompts)
-        if not p.exists():
-            raise PipelineError(f"--prompts {p}: no such file")
-        prompts = [line.replace("\\n", "\n") for line in p.read_text().splitlines() if line.strip()]
     samples = generate(model, tokenizer, prompts, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, device=device)
     plot = plot_losses(r.run_dir)
     result = {"checkpoint": str(r.run_dir / r.tag), "step": r.marker["step"],
@@ -224,8 +245,9 @@ def table(result: dict[str, Any]) -> str:
 
 def export(checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: int = 2 * 10**9) -> Path:
     """RUN_DIR[/TAG] -> a Hugging Face folder that AutoModelForCausalLM / AutoTokenizer load offline."""
-    from pipeline.evaluate.export import write_hf_model
+    from pipeline.evaluate.export import check_export_target, write_hf_model
 
+    check_export_target(Path(output))
     r = open_run(checkpoint)
     data = Path(r.config["data"]["path"])
     tok_path: Path | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.plan.search import Estimate, GiB, Plan, activation_bytes
@@ -57,7 +58,7 @@ def render(p: Plan, token_budget: float | None = None) -> str:
               f"\nper node host RAM: pinned {e.host['pinned'] / 1e9:.0f} GB + pageable {e.host['pageable'] / 1e9:.0f} GB"
               f" = {e.host['total'] / 1e9:.0f} GB of {c.cpu_mem_bytes / 1e9:.0f} GB (limit 80%); "
               f"NVMe {e.nvme_bytes / 1e12:.2f} TB",
-              f"\nstep time {e.step_time_s:,.1f} s: compute {e.time['compute']:,.1f} s (at 45% MFU"
+              f"\nstep time {e.step_time_s:,.1f} s: compute {e.time['compute']:,.1f} s (at {p.mfu_assumed:.0%} MFU"
               f"{', +1/3 recompute' if cand.activation_checkpointing else ''}), network {e.time['network']:,.1f} s, "
               f"PCIe {e.time['pcie']:,.1f} s, optimizer {e.time['optimizer']:,.1f} s, "
               f"collective latency {e.time['collective_latency']:,.1f} s (compute/network/PCIe overlap partly)",
@@ -92,11 +93,17 @@ def render(p: Plan, token_budget: float | None = None) -> str:
 def parse_hostfile(path: str) -> tuple[int, int]:
     """(nodes, GPUs per node) from a DeepSpeed hostfile (`host slots=N` lines, # comments)."""
     slots = hostfile_slots(path)
-    return len(slots), max(slots)
+    if len(set(slots)) > 1:
+        raise PipelineError(f"--hostfile {path}: hosts with different slot counts ({', '.join(map(str, slots))}); "
+                            "the planner assumes identical nodes: plan a hostfile of the smaller nodes")
+    return len(slots), slots[0]
 
 
 def hostfile_slots(path: str) -> list[int]:
     """The slots of each host of a DeepSpeed hostfile, in order."""
+    p = Path(path)
+    if not p.is_file():
+        raise PipelineError(f"--hostfile {path}: {'is a folder' if p.is_dir() else 'no such file'} (see hostfiles/)")
     slots = []
     with open(path) as f:
         for n, line in enumerate(f, start=1):
@@ -106,6 +113,8 @@ def hostfile_slots(path: str) -> list[int]:
             m = re.match(r"^(\S+)\s+slots=(\d+)", line)
             if not m:
                 raise PipelineError(f"{path}:{n}: expected 'HOST slots=N', got {line!r}")
+            if int(m.group(2)) < 1:
+                raise PipelineError(f"{path}:{n}: slots={m.group(2)}; a host needs 1 slot or more")
             slots.append(int(m.group(2)))
     if not slots:
         raise PipelineError(f"{path}: no hosts")
