@@ -37,16 +37,24 @@ lint: install
 	$(BIN)/ruff check pipeline tests bench
 	$(BIN)/mypy pipeline
 
-data: install
-	$(BIN)/python -m pipeline.data.demo data
-
 # The whole pipeline on the bundled Shakespeare corpus, on the CPU, through the deepspeed launcher (2 ranks).
-demo: data
-	$(BIN)/pipeline tokenize data/shakespeare.jsonl --output-prefix data/shakespeare --train-tokenizer \
-		--vocab-size 8000 --workers 2
-	$(BIN)/pipeline shard data/shakespeare --output data/shards-256 --seq-len 256 --split 90,5,5
+# Each stage runs when its input is newer than its output, so a second `make demo` resumes the run (finished:
+# it evaluates again) instead of re-tokenizing into shards that the run would refuse as other data.
+demo: data/shards-256/manifest.json
 	OMP_NUM_THREADS=1 $(BIN)/pipeline pretrain --config configs/demo.yaml --num-gpus 2
 	$(MAKE) eval CKPT=$(RUN)
+
+data: data/shakespeare.jsonl
+
+data/shakespeare.jsonl: | install
+	$(BIN)/python -m pipeline.data.demo data
+
+data/shakespeare.manifest.json: data/shakespeare.jsonl
+	$(BIN)/pipeline tokenize data/shakespeare.jsonl --output-prefix data/shakespeare --train-tokenizer \
+		--vocab-size 4096 --workers 2
+
+data/shards-256/manifest.json: data/shakespeare.manifest.json
+	$(BIN)/pipeline shard data/shakespeare --output data/shards-256 --seq-len 256 --split 90,5,5 --overwrite
 
 eval: install
 	$(BIN)/pipeline evaluate --checkpoint $(CKPT) --split $(SPLIT) --prompts configs/demo_prompts.txt

@@ -120,16 +120,71 @@ def llama_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id:
 
 def build_model(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id: int | None = 3,
                 skip_init: bool = False) -> Any:
-    """The one constructor of our models: a LlamaForCausalLM (fp32). `skip_init` skips transformers' random init
-    (the caller fills every weight: our deterministic init, a checkpoint, or safetensors); otherwise seed torch
-    first for a reproducible init. Under ZeRO-3 call it inside `deepspeed.zero.Init` (pipeline.train.engine)."""
-    from transformers import LlamaForCausalLM
-
+    """The one constructor of our models: a LlamaForCausalLM (fp32) that can also return its per-token training
+    loss computed in chunks (`forward(input_ids, loss_labels=...)`, see `pretraining_class`). `skip_init` skips
+    transformers' random init (the caller fills every weight: our deterministic init, a checkpoint, or
+    safetensors); otherwise seed torch first for a reproducible init. Under ZeRO-3 call it inside
+    `deepspeed.zero.Init` (pipeline.train.engine)."""
+    cls = pretraining_class()
     config = llama_config(shape, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
     if not skip_init:
-        return LlamaForCausalLM(config)
+        return cls(config)
     with transformers_helper("transformers.initialization", "no_init_weights")():
-        return LlamaForCausalLM(config)
+        return cls(config)
+
+
+def loss_chunk_tokens(vocab_size: int, budget_bytes: int = 2**28) -> int:
+    """Tokens per loss chunk: the fp32 logits of one chunk stay within `budget_bytes` (256 MiB: 2,097 tokens at a
+    32k vocabulary, 524 at 128k)."""
+    return max(1, budget_bytes // (4 * vocab_size))
+
+
+def token_losses(logits: Any, labels: Any) -> Any:
+    """Per-token cross-entropy in fp32, 0 where the label is -100 (padding); logits (N, V), labels (N,)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="none")
+
+
+_PRETRAINING_CLASS: Any = None
+
+
+def pretraining_class() -> Any:
+    """LlamaForCausalLM plus a chunked training loss. Call it once before entering `deepspeed.zero.Init`: importing
+    transformers' model code under it fails (zero.Init patches torch.Tensor.__new__, which torch._dynamo's first
+    import checks). The full fp32 logits of a micro-batch (B*T*V*4 bytes: 2 GiB
+    at micro-batch 8, seq 2048, vocab 32k, kept for the backward) are never built: the loss runs over chunks of
+    `loss_chunk_tokens` tokens, each recomputed in the backward (activation checkpointing of lm_head + loss), so
+    one chunk's logits are alive at a time. lm_head is called as a module, so ZeRO-3 gathers it as usual. Without
+    `loss_labels` the model is LlamaForCausalLM unchanged (generation, evaluation, export)."""
+    global _PRETRAINING_CLASS
+    if _PRETRAINING_CLASS is not None:
+        return _PRETRAINING_CLASS
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    from transformers import LlamaForCausalLM
+
+    class LlamaForPretraining(LlamaForCausalLM):  # type: ignore[misc, valid-type]
+        loss_chunk_tokens: int | None = None  # None: by the vocabulary (loss_chunk_tokens())
+
+        def forward(self, *args: Any, loss_labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+            if loss_labels is None:
+                return super().forward(*args, **kwargs)
+            hidden = self.model(*args, **kwargs).last_hidden_state  # (B, T, h)
+            flat = hidden.reshape(-1, hidden.size(-1))               # (B*T, h)
+            labels = loss_labels.reshape(-1)
+            chunk = self.loss_chunk_tokens or loss_chunk_tokens(self.config.vocab_size)
+
+            def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return token_losses(self.lm_head(h), y)
+
+            if flat.size(0) <= chunk or not torch.is_grad_enabled():
+                return torch.cat([piece(flat[i:i + chunk], labels[i:i + chunk]) for i in range(0, flat.size(0), chunk)])
+            return torch.cat([checkpoint(piece, flat[i:i + chunk], labels[i:i + chunk], use_reentrant=False)
+                              for i in range(0, flat.size(0), chunk)])  # (B*T,) fp32
+
+    _PRETRAINING_CLASS = LlamaForPretraining
+    return LlamaForPretraining
 
 
 TRANSFORMERS_NEEDED = "transformers>=5,<6"

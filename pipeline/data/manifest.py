@@ -77,24 +77,23 @@ class ShardManifest(TypedDict, total=False):
 def read_tokenize_manifest(prefix: str | Path) -> TokenizeManifest:
     """The manifest of a finished tokenize run; a clear error when the run is missing or incomplete."""
     path = Path(str(prefix) + ".manifest.json")
-    if not path.exists():
-        raise PipelineError(f"{path}: not found; {prefix} is not a finished `pipeline tokenize` output "
-                            "(run it, or check the prefix)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise PipelineError(f"{path}: not valid JSON ({e}); re-run `pipeline tokenize`") from None
+    return _read(path, f"{path}: not found; {prefix} is not a finished `pipeline tokenize` output (run it, or check "
+                       "the prefix)", "re-run `pipeline tokenize`")  # type: ignore[return-value]
 
 
 def read_shard_manifest(path: str | Path) -> ShardManifest:
-    p = Path(path) / "manifest.json"
-    if not p.exists():
-        raise PipelineError(f"{path}: no manifest.json; not a finished `pipeline shard` output "
-                            "(run `pipeline shard ... --output DIR`)")
+    """The manifest of a finished shard run; a clear error when there is none."""
+    return _read(Path(path) / "manifest.json", f"{path}: no manifest.json; not a finished `pipeline shard` output "
+                 "(run `pipeline shard ... --output DIR`)", "re-run `pipeline shard --overwrite`")  # type: ignore[return-value]
+
+
+def _read(path: Path, missing: str, fix: str) -> dict[str, Any]:
+    if not path.exists():
+        raise PipelineError(missing)
     try:
-        return json.loads(p.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise PipelineError(f"{p}: not valid JSON ({e}); re-run `pipeline shard --overwrite`") from None
+        raise PipelineError(f"{path}: not valid JSON ({e}); {fix}") from None
 
 
 def model_token_ids(tok: TokenizerInfo | None) -> dict[str, Any]:

@@ -219,8 +219,9 @@ def estimate(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu_a
         why.append(f"host RAM {host['total'] / 1e9:.0f} GB per node > 80% of {c.cpu_mem_bytes / 1e9:.0f} GB")
     if nvme > c.nvme_bytes:
         why.append(f"NVMe {nvme / 1e12:.2f} TB per node needed, {c.nvme_bytes / 1e12:.2f} TB given")
-    return Estimate(cand, gpu, host, nvme, time, step_t, min(tps, ceiling), ceiling, min(tps, ceiling) * fpt / (g * peak),
-                    not why, why)
+    # No clamp to the ceiling: with 0 < MFU <= 1 the compute time alone keeps tokens/s below it, and a figure
+    # above it would be a planner bug to see, not to hide.
+    return Estimate(cand, gpu, host, nvme, time, step_t, tps, ceiling, tps * fpt / (g * peak), not why, why)
 
 
 def candidates(c: Cluster, seq_len: int, global_batch_tokens: int, micro_sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
@@ -252,6 +253,7 @@ class Plan:
     ranked: list[Estimate]
     rejected: list[Estimate]
     advice: list[str]
+    mfu_assumed: float = 0.45
 
     def to_dict(self) -> dict[str, Any]:
         def est(e: Estimate) -> dict[str, Any]:
@@ -262,7 +264,7 @@ class Plan:
         return {"model": self.shape.as_dict(), "params": self.shape.num_params(), "seq_len": self.seq_len,
                 "cluster": {**asdict(self.cluster), "gpu": asdict(self.cluster.gpu)},
                 "best": est(self.best) if self.best else None, "runners_up": [est(e) for e in self.ranked[1:6]],
-                "advice": self.advice}
+                "advice": self.advice, "mfu_assumed": self.mfu_assumed}
 
 
 def search(shape: ModelShape, seq_len: int, c: Cluster, global_batch_tokens: int = 4 * 2**20,
@@ -272,7 +274,7 @@ def search(shape: ModelShape, seq_len: int, c: Cluster, global_batch_tokens: int
     fitting = sorted((e for e in ests if e.fits), key=lambda e: (-e.tokens_per_s, e.gpu["total"]))
     rejected = sorted((e for e in ests if not e.fits), key=lambda e: -e.tokens_per_s)
     advice = [] if fitting else _advice(shape, seq_len, c, global_batch_tokens, mfu_assumed)
-    return Plan(shape, seq_len, c, fitting[0] if fitting else None, fitting, rejected, advice)
+    return Plan(shape, seq_len, c, fitting[0] if fitting else None, fitting, rejected, advice, mfu_assumed)
 
 
 def _advice(shape: ModelShape, seq_len: int, c: Cluster, gbt: int, mfu: float) -> list[str]:

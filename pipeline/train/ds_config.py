@@ -47,6 +47,7 @@ def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
 SUPPORTED_MATRIX = """supported combinations:
   optimizer adamw     : ZeRO 0-3, with or without CPU/NVMe offload, bf16/fp16/fp32 (fp16 needs a GPU)
   optimizer adamw8bit : ZeRO 0-2 without any offload (bitsandbytes; GPU, and CPU for tests)
+  train.compile       : ZeRO 0-2
   pipeline parallelism: not supported (ZeRO-2/3 cannot be combined with it)"""
 
 
@@ -100,6 +101,9 @@ def resolve(cfg: PretrainConfig, ds_raw: dict[str, Any], plan: BatchPlan, *, acc
         # steps element-wise on the flat fp32 partition ZeRO hands it, which is all ZeRO-1/2 need of it.
         if stage in (1, 2):
             ds["zero_allow_untested_optimizer"] = True
+    if cfg.train.compile and stage == 3:
+        p.append("train.compile with ZeRO-3: not supported yet (ZeRO-3's parameter hooks break the compiled "
+                 "graphs); use ZeRO-1/2 or compile: false")
     if prec == "fp16" and accelerator == "cpu":
         p.append("train.precision fp16 is not supported on the CPU accelerator; use bf16 or fp32")
     if "pipeline" in ds or ds.get("pipeline_parallel_size", 1) not in (1, None):

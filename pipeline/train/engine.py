@@ -12,7 +12,7 @@ import torch
 
 from pipeline.data.manifest import TokenizerInfo, model_token_ids
 from pipeline.errors import PipelineError
-from pipeline.model import ModelShape, build_model, transformers_helper
+from pipeline.model import ModelShape, build_model, pretraining_class, transformers_helper
 from pipeline.train.config import PretrainConfig
 from pipeline.train.ds_config import zero_stage
 from pipeline.train.weights import init_weights, load_initial_weights
@@ -26,6 +26,8 @@ def build_training_model(shape: ModelShape, ds: dict[str, Any], cfg: PretrainCon
     stage3 = zero_stage(ds) == 3
     ids = model_token_ids(tok)
     torch.manual_seed(cfg.train.seed)
+    pretraining_class()  # imports transformers' model code now, not under zero.Init (see its docstring)
+    transformers_helper("transformers.initialization", "no_init_weights")
     with contextlib.ExitStack() as stack:
         if stage3:
             import deepspeed
@@ -36,10 +38,14 @@ def build_training_model(shape: ModelShape, ds: dict[str, Any], cfg: PretrainCon
                                                     "prevent_arange_dtype_change")())
             stack.enter_context(deepspeed.zero.Init(config_dict_or_path=ds))
         model = build_model(shape, skip_init=True, **ids)  # every weight is filled below
+    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
     if cfg.model.init_from:
         load_initial_weights(model, cfg.model.init_from, rank, stage3)
     else:
         init_weights(model, cfg.train.seed, rank, stage3)
+    if cfg.train.compile:
+        for layer in model.model.layers:
+            layer.compile()  # in place: parameter names and checkpoints stay those of the eager model
     if cfg.train.activation_checkpointing:
         # Non-reentrant: the reentrant variant breaks with ZeRO-3 (DeepSpeed PR #7780).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

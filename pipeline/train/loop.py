@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,8 @@ from pipeline.train.engine import build_engine
 from pipeline.train.metrics import MetricsSink, Throughput, format_line, mem_gib
 from pipeline.train.resume import choose_resume, resume_problems
 from pipeline.train.schedule import lr_at, max_steps_for
-from pipeline.train.setup import apply_memory_cap, init_distributed
-from pipeline.train.step import lm_loss, train_step
+from pipeline.train.setup import Dist, apply_memory_cap, init_distributed
+from pipeline.train.step import micro_step_loss, train_step
 
 log = logging.getLogger("pipeline.pretrain")
 
@@ -43,122 +44,155 @@ class StopFlag:
         self.requested = True
 
 
+@dataclass
+class RunState:
+    """What the loop carries: the engine, the data and the position in it."""
+
+    engine: Any
+    train_data: ShardedDataset
+    val_data: ShardedDataset | None
+    step: int
+    consumed_samples: int
+    resumed: bool
+
+
 def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: ModelShape,
           manifest: ShardManifest) -> int:
-    import deepspeed.comm as dist
+    """Stage 3 on every rank: process group, resume or start, the loop, a final checkpoint."""
+    import torch.distributed as tdist
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     env = init_distributed(cfg.train.comm_timeout_minutes)
-    rank, world, device = env.rank, env.world_size, env.device
-    if device.type == "cpu":
+    if env.device.type == "cpu":
         # Deterministic kernels make CPU runs repeat bit for bit (the resume tests rely on it). Not the NaN fill of
         # every fresh allocation that comes with deterministic mode: it only shows reads of uninitialised memory,
         # and it doubled the cost of DeepSpeed's per-micro-step bucket allocations.
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
-    apply_memory_cap(device, cfg.train.gpu_memory_cap_gib)
+    apply_memory_cap(env.device, cfg.train.gpu_memory_cap_gib)
+    state = start_or_resume(cfg, ds, shape, manifest, env)
+    fit(state, cfg, ds, plan, shape, manifest, env)
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+    return 0
+
+
+def start_or_resume(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, manifest: ShardManifest,
+                    env: Dist) -> RunState:
+    """Open the data, decide whether to resume (before anything heavy is built), build the engine, load the
+    checkpoint, and write the resolved configs into the run folder."""
+    import deepspeed.comm as dist
+
     run_dir = Path(cfg.run_dir)
-    max_steps = max_steps_for(cfg, plan)
-
-    train_ds = ShardedDataset(cfg.data.path, "train")
-    if cfg.data.verify and rank == 0:
-        train_ds.verify()
-    val_ds = ShardedDataset(cfg.data.path, "val") if manifest["splits"]["val"]["samples"] else None
-
-    # The resume decision comes before anything heavy is built.
-    if rank == 0:
+    train_data = ShardedDataset(cfg.data.path, "train")
+    if cfg.data.verify and env.rank == 0:
+        train_data.verify()
+    val_data = ShardedDataset(cfg.data.path, "val") if manifest["splits"]["val"]["samples"] else None
+    if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    resume_tag = choose_resume(cfg.checkpoint.resume, ckpt.complete_tags(run_dir), str(run_dir))
-    if resume_tag and (problems := resume_problems(
-            ckpt.read_marker(run_dir, resume_tag), data_fingerprint=train_ds.fingerprint,
-            model_shape=shape.as_dict(), world_size=world, zero_stage=zero_stage(ds))):
-        raise PipelineError(f"cannot resume {run_dir}/{resume_tag}: " + "; ".join(problems) +
+    tag = choose_resume(cfg.checkpoint.resume, ckpt.complete_tags(run_dir), str(run_dir))
+    if tag and (problems := resume_problems(
+            ckpt.read_marker(run_dir, tag), data_fingerprint=train_data.fingerprint, model_shape=shape.as_dict(),
+            world_size=env.world_size, zero_stage=zero_stage(ds),
+            nvme_optimizer=ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme")):
+        raise PipelineError(f"cannot resume {run_dir}/{tag}: " + "; ".join(problems) +
                             " (use a new run_dir to start fresh)")
-
-    engine = build_engine(cfg, ds, shape, manifest["tokenizer"], rank)
-    step, consumed = 0, 0
-    if resume_tag:
-        engine.load_checkpoint(str(run_dir), tag=resume_tag, load_optimizer_states=True,
-                               load_lr_scheduler_states=False)
-        replay_adam_beta_powers(engine.optimizer, device)
-        marker = ckpt.read_marker(run_dir, resume_tag)
-        step, consumed = marker["step"], marker["consumed_samples"]
-        if rank == 0:
-            log.info("resumed from %s/%s: step %d, %d samples consumed", run_dir, resume_tag, step, consumed)
-    if rank == 0:
+    engine = build_engine(cfg, ds, shape, manifest["tokenizer"], env.rank)
+    state = RunState(engine, train_data, val_data, 0, 0, resumed=tag is not None)
+    if tag:
+        engine.load_checkpoint(str(run_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
+        replay_adam_beta_powers(engine.optimizer, env.device)
+        marker = ckpt.read_marker(run_dir, tag)
+        state.step, state.consumed_samples = marker["step"], marker["consumed_samples"]
+        if env.rank == 0:
+            log.info("resumed from %s/%s: step %d, %d samples consumed", run_dir, tag, state.step,
+                     state.consumed_samples)
+    if env.rank == 0:
         write_text(run_dir / "config.yaml", dump(cfg))
         write_json(run_dir / "ds_config.json", ds)
+    return state
 
-    metrics = MetricsSink(run_dir, rank=rank, tensorboard=cfg.log.tensorboard,
-                          resumed_at=step if resume_tag else None)
-    checkpointer = ckpt.Checkpointer(engine, run_dir, keep_last=cfg.checkpoint.keep_last, rank=rank,
-                                     config=cfg.to_dict(), last_saved=step if resume_tag else -1,
+
+def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: ModelShape,
+        manifest: ShardManifest, env: Dist) -> None:
+    """Step until `max_steps` or a stop signal: log, validate and checkpoint at their intervals."""
+    import deepspeed.comm as dist
+
+    run_dir, engine, device = Path(cfg.run_dir), state.engine, env.device
+    max_steps = max_steps_for(cfg, plan)
+    metrics = MetricsSink(run_dir, rank=env.rank, tensorboard=cfg.log.tensorboard,
+                          resumed_at=state.step if state.resumed else None)
+    checkpointer = ckpt.Checkpointer(engine, run_dir, keep_last=cfg.checkpoint.keep_last, rank=env.rank,
+                                     config=cfg.to_dict(), last_saved=state.step if state.resumed else -1,
                                      enabled=cfg.checkpoint.enabled)
-    marker_base = {"data_fingerprint": train_ds.fingerprint, "seq_len": plan.seq_len,
-                   "tokenizer_sha256": manifest["tokenizer"]["sha256"], "model_shape": shape.as_dict(),
-                   "world_size": world}
 
-    def marker_now() -> ckpt.Marker:
-        return {"step": step, "consumed_samples": consumed, **marker_base}  # type: ignore[typeddict-item]
+    def marker() -> ckpt.Marker:
+        return {"step": state.step, "consumed_samples": state.consumed_samples,
+                "data_fingerprint": state.train_data.fingerprint, "seq_len": plan.seq_len,
+                "tokenizer_sha256": manifest["tokenizer"]["sha256"], "model_shape": shape.as_dict(),
+                "world_size": env.world_size}
 
-    batches = iter(build_loader(train_ds, seed=cfg.train.seed, micro_batch_size=plan.micro_batch_size,
-                                data_parallel_size=world, rank=rank, consumed_samples=consumed,
-                                num_workers=cfg.data.num_workers))
+    batches = iter(build_loader(state.train_data, seed=cfg.train.seed, micro_batch_size=plan.micro_batch_size,
+                                data_parallel_size=env.world_size, rank=env.rank,
+                                consumed_samples=state.consumed_samples, num_workers=cfg.data.num_workers))
     stop = StopFlag()
-    peak = peak_for(device, cfg.train.peak_tflops, rank)
-    flops_per_token = shape.flops_per_token(plan.seq_len)
-    throughput = Throughput(step)
+    peak = peak_for(device, cfg.train.peak_tflops, env.rank)
+    throughput = Throughput(state.step)
     last_loss = float("nan")
     engine.train()
-    while step < max_steps:
-        lr = lr_at(step, cfg, max_steps)
+    while state.step < max_steps:
+        lr = lr_at(state.step, cfg, max_steps)
         step_loss = train_step(engine, batches, plan.grad_accum, lr, device)
-        step += 1
-        consumed += plan.global_batch_size
+        state.step += 1
+        state.consumed_samples += plan.global_batch_size
         throughput.add(plan.tokens_per_step)
         # One host sync per step: the mean loss over ranks and whether any rank was asked to stop.
         flag = torch.stack([step_loss, torch.tensor(float(stop.requested), dtype=torch.float64, device=device)])
         dist.all_reduce(flag)
-        last_loss = flag[0].item() / world
-        if step % cfg.log.interval == 0 or step == max_steps:
-            tps, eta = throughput.take(step, max_steps)
-            tflops = tps * flops_per_token / world / 1e12
-            gnorm = engine.get_global_grad_norm()
-            rec = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": float(gnorm) if gnorm is not None else None,
-                   "tokens": consumed * plan.seq_len, "tokens_per_s": tps, "tflops_per_device": tflops,
-                   "mfu": tflops / peak if peak else None, "mem_gib": mem_gib(device)}
-            if ds.get("fp16", {}).get("enabled"):
-                rec["loss_scale"] = float(getattr(engine.optimizer, "cur_scale",
-                                                  getattr(engine.optimizer, "loss_scale", 0)))
-                rec["skipped_steps"] = int(engine.skipped_steps)
-            if rank == 0:
+        last_loss = flag[0].item() / env.world_size
+        if state.step % cfg.log.interval == 0 or state.step == max_steps:
+            tps, eta = throughput.take(state.step, max_steps)
+            rec = step_record(state, engine, ds, plan, shape, env, loss=last_loss, lr=lr, tokens_per_s=tps, peak=peak)
+            if env.rank == 0:
                 log.info(format_line(rec, max_steps, eta))
             metrics.emit(rec)
-        if val_ds is not None and cfg.eval.batches and (step % cfg.eval.interval == 0 or step == max_steps):
-            val_loss = validate(engine, val_ds, cfg, plan, rank, world, device)
-            if rank == 0:
-                log.info("step %d | val loss %.4f | val ppl %.2f", step, val_loss, math.exp(min(val_loss, 50)))
-            metrics.emit({"step": step, "val_loss": val_loss})
-        if step % cfg.checkpoint.interval == 0:
-            checkpointer.save(marker_now())
+        if state.val_data is not None and cfg.eval.batches and (state.step % cfg.eval.interval == 0
+                                                                or state.step == max_steps):
+            val_loss = validate(engine, state.val_data, cfg, plan, env.rank, env.world_size, device)
+            if env.rank == 0:
+                log.info("step %d | val loss %.4f | val ppl %.2f", state.step, val_loss, math.exp(min(val_loss, 50)))
+            metrics.emit({"step": state.step, "val_loss": val_loss})
+        if state.step % cfg.checkpoint.interval == 0:
+            checkpointer.save(marker())
         if flag[1].item() > 0:
-            if checkpointer.last_saved != step:
-                checkpointer.save(marker_now())
-            if rank == 0:
-                log.info("stopped by signal at step %d; checkpoint saved, resume with the same command", step)
+            if checkpointer.last_saved != state.step:
+                checkpointer.save(marker())
+            if env.rank == 0:
+                log.info("stopped by signal at step %d; checkpoint saved, resume with the same command", state.step)
             break
-    if checkpointer.last_saved != step:
-        checkpointer.save(marker_now())
+    if checkpointer.last_saved != state.step:
+        checkpointer.save(marker())
     metrics.close()
     dist.barrier()
-    if rank == 0:
-        log.info("done: step %d, final loss %.4f", step, last_loss)
-    import torch.distributed as tdist
+    if env.rank == 0 and math.isnan(last_loss):
+        log.info("done: the run was already at step %d of %d; nothing to train", state.step, max_steps)
+    elif env.rank == 0:
+        log.info("done: step %d, final loss %.4f", state.step, last_loss)
 
-    if tdist.is_initialized():
-        tdist.destroy_process_group()
-    return 0
+
+def step_record(state: RunState, engine: Any, ds: dict[str, Any], plan: BatchPlan, shape: ModelShape, env: Dist, *,
+                loss: float, lr: float, tokens_per_s: float, peak: float | None) -> dict[str, Any]:
+    """One metrics line: loss, lr, gradient norm, throughput, TFLOP/s and MFU (PaLM count), memory."""
+    tflops = tokens_per_s * shape.flops_per_token(plan.seq_len) / env.world_size / 1e12
+    gnorm = engine.get_global_grad_norm()
+    rec = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": float(gnorm) if gnorm is not None else None,
+           "tokens": state.consumed_samples * plan.seq_len, "tokens_per_s": tokens_per_s,
+           "tflops_per_device": tflops, "mfu": tflops / peak if peak else None, "mem_gib": mem_gib(env.device)}
+    if ds.get("fp16", {}).get("enabled"):
+        rec["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", getattr(engine.optimizer, "loss_scale", 0)))
+        rec["skipped_steps"] = int(engine.skipped_steps)
+    return rec
 
 
 def peak_for(device: torch.device, override: float | None, rank: int) -> float | None:
@@ -184,9 +218,7 @@ def validate(engine: Any, val_ds: ShardedDataset, cfg: PretrainConfig, plan: Bat
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     it = rank_batches(len(val_ds), cfg.train.seed, plan.micro_batch_size, world, rank, 0)
     for _ in range(cfg.eval.batches):
-        batch = collate_samples(val_ds, next(it))
-        logits = engine(input_ids=batch["input_ids"].to(device, non_blocking=True)).logits
-        _, loss_total, tokens = lm_loss(logits, batch["labels"])
+        _, loss_total, tokens = micro_step_loss(engine, collate_samples(val_ds, next(it)), device)
         totals[0] += loss_total
         totals[1] += tokens
     dist.all_reduce(totals)

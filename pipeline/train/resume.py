@@ -24,9 +24,17 @@ def choose_resume(policy: str, complete_tags: list[str], run_dir: str) -> str | 
 
 
 def resume_problems(marker: Marker, *, data_fingerprint: str, model_shape: dict[str, Any], world_size: int,
-                    zero_stage: int) -> list[str]:
+                    zero_stage: int, nvme_optimizer: bool = False) -> list[str]:
     """Why this launch cannot continue the checkpoint described by `marker` (empty: it can)."""
     problems = []
+    if nvme_optimizer:
+        # Measured (tests/multiproc/test_pretrain.py): DeepSpeed 0.19.8 saves the NVMe swap files into the
+        # checkpoint and copies them back on load, yet the resumed run trains on freshly initialised weights (its
+        # loss returns to the first step's). Refuse rather than restart silently.
+        problems.append("the DeepSpeed config offloads the optimizer to NVMe, and DeepSpeed 0.19 resumes such "
+                        "checkpoints with freshly initialised weights instead of the saved ones; resuming is "
+                        "refused until that is fixed upstream (start a new run_dir, or train with "
+                        "ds_configs/zero3_offload.json, whose checkpoints resume exactly)")
     if marker["data_fingerprint"] != data_fingerprint:
         problems.append(f"data fingerprint {data_fingerprint} differs from the checkpoint's "
                         f"{marker['data_fingerprint']} (other shards, seq_len or seed)")

@@ -95,6 +95,20 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
     return Prepared(cfg, ds, plan, shape, manifest)
 
 
+def planning_card(device_name: str, total_bytes: int, gpu_memory_cap_gib: float | None) -> Any:
+    """The planner's row for this GPU with the memory the run may use: the card's own, or less under
+    `train.gpu_memory_cap_gib` (a 24 GiB 4090D emulated on an 80 GiB card is planned as 24 GiB)."""
+    from pipeline.plan.gpus import lookup
+
+    try:
+        card = lookup(device_name)
+    except KeyError:
+        raise PipelineError(f"train.deepspeed_config auto: no planner data for GPU '{device_name}'; run "
+                            "`pipeline plan` with a known --gpu and --write-ds-config") from None
+    memory = total_bytes / 2**30
+    return replace(card, memory_gib=min(memory, gpu_memory_cap_gib or memory))
+
+
 def auto_ds_config(shape: ModelShape, plan: BatchPlan, world_size: int,
                    gpu_memory_cap_gib: float | None = None, local_size: int | None = None
                    ) -> tuple[dict[str, Any], bool]:
@@ -102,20 +116,14 @@ def auto_ds_config(shape: ModelShape, plan: BatchPlan, world_size: int,
     `gpu_memory_cap_gib`; a CPU run counts host RAM shared by its ranks), host RAM from the OS; the config's
     micro-batch is kept. `local_size` (ranks per node) defaults to the launcher's LOCAL_SIZE."""
     from pipeline.plan import search as planner
-    from pipeline.plan.gpus import GPU, lookup
+    from pipeline.plan.gpus import GPU
 
     local = local_size or int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     card: GPU
     if accelerator_name() == "cuda":
-        name = torch.cuda.get_device_name(0)
-        try:
-            card = lookup(name)
-        except KeyError:
-            raise PipelineError(f"train.deepspeed_config auto: no planner data for GPU '{name}'; run "
-                                "`pipeline plan` with a known --gpu and --write-ds-config") from None
-        memory = torch.cuda.get_device_properties(0).total_memory / 2**30
-        card = replace(card, memory_gib=min(memory, gpu_memory_cap_gib or memory))
+        card = planning_card(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory,
+                             gpu_memory_cap_gib)
     else:
         card = GPU("CPU rank", ram / max(1, local) / 2**30 * 0.8, 0.5, 20.0, 0, 10.0, True)
     cluster = planner.Cluster(max(1, world_size // local), local, card, ram)

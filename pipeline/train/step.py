@@ -6,22 +6,36 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from pipeline.model import token_losses
+
+
+def reduce_token_losses(per_token: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-token losses (0 where labels are -100) -> (mean loss to backpropagate, the summed loss as a float64
+    tensor on the losses' device, token count).
+
+    The sum is taken in float64 in a fixed order: a vectorised float32 sum can round differently with the
+    buffer's memory alignment, which would make a resumed run's logged loss differ from the uninterrupted one by
+    an ulp. Nothing here waits for the device when `labels` is the host copy: the count comes from it."""
+    count = int((labels != -100).sum())
+    total = (per_token.detach().double().cumsum(0)[-1] if per_token.numel()
+             else per_token.new_zeros((), dtype=torch.float64))
+    return per_token.sum() / max(count, 1), total, count
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Cross-entropy over real tokens only (labels -100 are padding); logits (B, T, V), labels (B, T).
+    """The same reduction from full logits (B, T, V) and labels (B, T): the plain computation, for references."""
+    per_token = token_losses(logits.reshape(-1, logits.size(-1)), labels.to(logits.device).reshape(-1))
+    return reduce_token_losses(per_token, labels)
 
-    Returns (mean loss to backpropagate, the summed loss as a float64 tensor on the logits' device, token count).
-    The sum is taken in float64 in a fixed order: a vectorised float32 sum can round differently with the
-    buffer's memory alignment, which would make a resumed run's logged loss differ from the uninterrupted one by
-    an ulp. Nothing here waits for the device: the count comes from `labels` (pass the host copy)."""
-    labels_dev = labels.to(logits.device, non_blocking=True)
-    per_token = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels_dev.reshape(-1),
-                                ignore_index=-100, reduction="none")  # (B*T,), 0 where ignored
-    count = int((labels != -100).sum()) if labels.device.type == "cpu" else int((labels_dev != -100).sum())
-    total = per_token.detach().double().cumsum(0)[-1] if per_token.numel() else per_token.new_zeros((), dtype=torch.float64)
-    return per_token.sum() / max(count, 1), total, count
+
+def micro_step_loss(engine: Any, batch: dict[str, torch.Tensor], device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Forward one micro-batch through the engine with the model's chunked loss (no full logits)."""
+    labels = batch["labels"]
+    per_token = engine(input_ids=batch["input_ids"].to(device, non_blocking=True),
+                       loss_labels=labels.to(device, non_blocking=True))
+    return reduce_token_losses(per_token, labels)
 
 
 def train_step(engine: Any, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int, lr: float,
@@ -32,9 +46,7 @@ def train_step(engine: Any, batches: Iterator[dict[str, torch.Tensor]], grad_acc
         group["lr"] = lr
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(grad_accum):
-        batch = next(batches)
-        logits = engine(input_ids=batch["input_ids"].to(device, non_blocking=True)).logits
-        loss, total, tokens = lm_loss(logits, batch["labels"])
+        loss, total, tokens = micro_step_loss(engine, next(batches), device)
         engine.backward(loss)
         engine.step()
         loss_sum += total / max(tokens, 1)

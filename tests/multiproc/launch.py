@@ -39,7 +39,8 @@ model: {{preset: tiny}}
 data: {{path: {shards}, num_workers: 1, verify: true}}
 batch: {{micro_batch_size: {micro}, global_batch_size: {global_batch}}}
 optim: {{lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 3, weight_decay: 0.1, grad_clip: 1.0}}
-train: {{max_steps: {steps}, seed: 1234, precision: fp32, deepspeed_config: {ROOT / 'ds_configs' / ds_config}}}
+train: {{max_steps: {steps}, seed: 1234, precision: fp32, deepspeed_config: {ROOT / 'ds_configs' / ds_config},
+        loss_chunk_tokens: 48}}
 eval: {{interval: 10, batches: 2}}
 checkpoint: {{interval: {ckpt_interval}, keep_last: 2}}
 log: {{interval: 1, tensorboard: true}}

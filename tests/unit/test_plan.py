@@ -147,3 +147,10 @@ def test_names_torch_reports_map_to_their_own_row(torch_name: str, row: str, tfl
     assert lookup(torch_name) is GPUS[row]
     assert peak_tflops_for_device(torch_name) == tflops
     assert peak_tflops_for_device("NVIDIA Voodoo2") is None  # MFU shows n/a, the run goes on
+
+
+def test_report_prints_the_assumed_mfu_it_was_given() -> None:
+    r = CliRunner().invoke(main, ["plan", "--model", "7b", "--hostfile", "hostfiles/8node", "--mfu", "0.3"])
+    assert r.exit_code == 0 and "(at 30% MFU" in r.output and "at 45% MFU" not in r.output
+    d = json.loads(CliRunner().invoke(main, ["plan", "--model", "7b", "--mfu", "0.3", "--json"]).output)
+    assert d["mfu_assumed"] == 0.3

@@ -97,6 +97,7 @@ def test_deepspeed_auto_fields_are_filled_and_conflicts_refused() -> None:
 
 @pytest.mark.parametrize("overrides,ds_file,accel,message", [
     ({"optim": {"name": "adamw8bit"}}, "zero3_offload.json", "cuda", "adamw8bit cannot run with ZeRO-3 and offload"),
+    ({"train": {"max_steps": 100, "compile": True}}, "zero3.json", "cuda", "train.compile with ZeRO-3: not supported yet"),
     ({"train": {"max_steps": 100, "precision": "fp16"}}, "zero2.json", "cpu", "fp16 is not supported on the CPU"),
 ])
 def test_unsupported_combinations_are_refused_with_the_matrix(overrides, ds_file, accel, message) -> None:

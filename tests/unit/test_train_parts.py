@@ -61,3 +61,55 @@ def test_loss_counts_real_tokens_only_and_sums_exactly() -> None:
     assert count == 8
     assert torch.allclose(loss, ref, rtol=1e-6)
     assert total.dtype == torch.float64 and abs(float(total) / count - float(ref)) < 1e-6
+
+
+@pytest.mark.parametrize("chunk", [7, 48, None])
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients(chunk: int | None) -> None:
+    from pipeline.model import build_model, resolve_shape
+    from pipeline.train.step import reduce_token_losses
+
+    torch.manual_seed(0)
+    model = build_model(resolve_shape("tiny", {}, 300))
+    model.loss_chunk_tokens = chunk
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 300, (3, 33), generator=g)
+    labels = torch.randint(0, 300, (3, 33), generator=g)
+    labels[2, 20:] = -100
+
+    plain, plain_total, n = lm_loss(model(input_ids=ids).logits, labels)
+    plain.backward()
+    plain_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    chunked, chunked_total, m = reduce_token_losses(model(input_ids=ids, loss_labels=labels), labels)
+    chunked.backward()
+    assert n == m == 86
+    assert torch.allclose(chunked, plain, rtol=1e-6, atol=0)
+    assert abs(float(chunked_total) - float(plain_total)) <= 1e-6 * abs(float(plain_total))
+    for p, ref in zip(model.parameters(), plain_grads, strict=True):
+        assert torch.allclose(p.grad, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_resume_of_nvme_optimizer_checkpoints_is_refused_with_the_reason() -> None:
+    problems = resume_problems(marker(), data_fingerprint="abc", model_shape=SHAPE, world_size=2, zero_stage=3,
+                               nvme_optimizer=True)
+    assert len(problems) == 1 and "freshly initialised weights" in problems[0] and "zero3_offload.json" in problems[0]
+
+
+def test_auto_plan_uses_the_memory_cap() -> None:
+    from pipeline.train.setup import planning_card
+
+    h200 = 143 * 10**9
+    assert planning_card("NVIDIA H200", h200, None).memory_gib == pytest.approx(h200 / 2**30)
+    capped = planning_card("NVIDIA H200", h200, 24.0)
+    assert capped.memory_gib == 24.0 and capped.bf16_tflops == 989.0
+    with pytest.raises(PipelineError, match="no planner data for GPU 'NVIDIA Voodoo2'"):
+        planning_card("NVIDIA Voodoo2", h200, None)
+
+
+def test_missing_transformers_helpers_name_the_version_needed() -> None:
+    from pipeline.errors import ConfigError
+    from pipeline.model import transformers_helper
+
+    assert callable(transformers_helper("transformers.initialization", "no_init_weights"))
+    with pytest.raises(ConfigError, match=r"lacks transformers.integrations.deepspeed.gone.*install transformers>=5,<6"):
+        transformers_helper("transformers.integrations.deepspeed", "gone")
