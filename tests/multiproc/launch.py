@@ -62,10 +62,10 @@ def run(config: Path, timeout: int = 900, **kw) -> subprocess.CompletedProcess:
                           cwd=ROOT)
 
 
-def start(config: Path, log: Path, **kw) -> subprocess.Popen:
+def start(config: Path, log: Path, extra_env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
     f = open(log, "w")
-    return subprocess.Popen(command(config, **kw), env=env(), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                            start_new_session=True)
+    return subprocess.Popen(command(config, **kw), env={**env(), **(extra_env or {})}, stdout=f,
+                            stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:

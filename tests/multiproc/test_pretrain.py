@@ -86,10 +86,10 @@ def test_kill_and_resume_gives_identical_losses(zero_runs: dict[int, Path], shar
     run_dir = tmp_path / "killed"
     cfg = launch.write_config(tmp_path / "k.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json",
                               steps=STEPS)
-    proc = launch.start(cfg, tmp_path / "first.log")
-    launch.wait_for_step(run_dir, 7, proc)
-    launch.kill_group(proc, signal.SIGKILL)
+    # rank 0 SIGKILLs itself right after step 7; the launcher then takes the other rank down
+    proc = launch.start(cfg, tmp_path / "first.log", extra_env={"PIPELINE_FAULT_KILL_AT_STEP": "7"})
     launch.wait_group(proc)
+    assert proc.returncode != 0
     assert ckpt.latest_complete(run_dir) == "step00000005"
     before = launch.losses(run_dir)
     out = launch.run(cfg)
