@@ -184,8 +184,10 @@ def run(cfg: ShardConfig) -> ShardResult:
     return result
 
 
-def _build(cfg: ShardConfig, out: Path, work: Path, manifests: list[TokenizeManifest], dtype: np.dtype, pad_id: int,
-           weights: list[float] | None, args: dict[str, Any], fingerprint: str, t0: float) -> ShardResult:
+def _pack_sources(cfg: ShardConfig, work: Path, dtype: np.dtype, pad_id: int
+                  ) -> tuple[dict[str, list[tuple[np.memmap, np.memmap | None]]], dict[str, dict[str, Any]]]:
+    """Split each source by document and pack each split into rows (a temporary file per source and split);
+    refuse a seq_len that leaves the train split empty, warn about empty val/test splits."""
     width = cfg.seq_len + 1
     readers = [IndexedReader(p) for p, _ in cfg.sources]
     progress = Progress(sum(int(r.lengths.sum()) for r in readers) * dtype.itemsize, "shard", cfg.progress)
@@ -226,50 +228,63 @@ def _build(cfg: ShardConfig, out: Path, work: Path, manifests: list[TokenizeMani
             log.warning("warning: the %s split has 0 samples (%d documents of %s tokens); validation needs more "
                         "documents there: raise its --split ratio or use a shorter --seq-len", split,
                         split_stats[split]["documents"], f"{split_stats[split]['tokens_in']:,}")
+    return packed, split_stats
 
-    shards: dict[str, Any] = {}
-    for si_split, split in enumerate(SPLITS):
-        available = split_stats[split]["per_source_samples"]
-        counts = blend_counts(available, weights) if split == "train" else list(available)
-        rng = np.random.default_rng([cfg.seed, 1, si_split])
-        picks = [(s, i) for s in range(len(available)) for i in draw(available[s], counts[s], rng)]
-        order = rng.permutation(len(picks)) if picks else np.zeros(0, np.int64)
-        src_ids = np.array([p[0] for p in picks], np.int64)[order] if picks else np.zeros(0, np.int64)
-        row_ids = np.array([p[1] for p in picks], np.int64)[order] if picks else np.zeros(0, np.int64)
-        files = []
-        for k, (a, b) in enumerate(_shard_ranges(len(order), width * dtype.itemsize, cfg)):
-            name = f"{split}-{k:05d}"
-            with open(work / f"{name}.bin", "wb") as fb, open(work / f"{name}.len", "wb") as fl:
-                for c in range(a, b, _GATHER_ROWS):
-                    s_ids, r_ids = src_ids[c:min(b, c + _GATHER_ROWS)], row_ids[c:min(b, c + _GATHER_ROWS)]
-                    block = np.empty((len(s_ids), width), dtype)
-                    lens = np.empty(len(s_ids), np.int32)
-                    for s in np.unique(s_ids):
-                        sel = s_ids == s
-                        rows_mm, lens_mm = packed[split][s]
-                        block[sel] = rows_mm[r_ids[sel]]
-                        lens[sel] = lens_mm[r_ids[sel]] if lens_mm is not None else width
-                    fb.write(block.tobytes())
-                    if not cfg.cross_document:
-                        fl.write(lens.tobytes())
-            entry = {"file": f"{name}.bin", "samples": b - a, "bytes": (b - a) * width * dtype.itemsize,
-                     "sha256": sha256_file(work / f"{name}.bin")}
-            if cfg.cross_document:
-                (work / f"{name}.len").unlink()
-            else:
-                entry["lengths_file"] = f"{name}.len"
-                entry["lengths_sha256"] = sha256_file(work / f"{name}.len")
-            files.append(entry)
-        n = len(order)
-        st = split_stats[split]
-        shards[split] = {
-            "samples": n, "tokens": n * width, "documents": st["documents"], "input_tokens": st["tokens_in"],
-            "dropped_tokens": st["dropped_tokens"],
-            "sources": [{"prefix": cfg.sources[s][0], "available_samples": available[s], "drawn_samples": counts[s],
-                         "effective_epochs": round(counts[s] / available[s], 4) if available[s] else 0.0,
-                         "weight": weights[s] if weights else None} for s in range(len(available))],
-            "shards": files,
-        }
+
+def _write_split(cfg: ShardConfig, work: Path, si_split: int, split: str,
+                 packed: list[tuple[np.memmap, np.memmap | None]], st: dict[str, Any], weights: list[float] | None,
+                 dtype: np.dtype) -> dict[str, Any]:
+    """Draw (blend) the split's samples from the packed sources, shuffle them, and write its shard files; returns
+    the split's manifest entry."""
+    width = cfg.seq_len + 1
+    available = st["per_source_samples"]
+    counts = blend_counts(available, weights) if split == "train" else list(available)
+    rng = np.random.default_rng([cfg.seed, 1, si_split])
+    picks = [(s, i) for s in range(len(available)) for i in draw(available[s], counts[s], rng)]
+    order = rng.permutation(len(picks)) if picks else np.zeros(0, np.int64)
+    src_ids = np.array([p[0] for p in picks], np.int64)[order] if picks else np.zeros(0, np.int64)
+    row_ids = np.array([p[1] for p in picks], np.int64)[order] if picks else np.zeros(0, np.int64)
+    files = []
+    for k, (a, b) in enumerate(_shard_ranges(len(order), width * dtype.itemsize, cfg)):
+        name = f"{split}-{k:05d}"
+        with open(work / f"{name}.bin", "wb") as fb, open(work / f"{name}.len", "wb") as fl:
+            for c in range(a, b, _GATHER_ROWS):
+                s_ids, r_ids = src_ids[c:min(b, c + _GATHER_ROWS)], row_ids[c:min(b, c + _GATHER_ROWS)]
+                block = np.empty((len(s_ids), width), dtype)
+                lens = np.empty(len(s_ids), np.int32)
+                for s in np.unique(s_ids):
+                    sel = s_ids == s
+                    rows_mm, lens_mm = packed[s]
+                    block[sel] = rows_mm[r_ids[sel]]
+                    lens[sel] = lens_mm[r_ids[sel]] if lens_mm is not None else width
+                fb.write(block.tobytes())
+                if not cfg.cross_document:
+                    fl.write(lens.tobytes())
+        entry = {"file": f"{name}.bin", "samples": b - a, "bytes": (b - a) * width * dtype.itemsize,
+                 "sha256": sha256_file(work / f"{name}.bin")}
+        if cfg.cross_document:
+            (work / f"{name}.len").unlink()
+        else:
+            entry["lengths_file"] = f"{name}.len"
+            entry["lengths_sha256"] = sha256_file(work / f"{name}.len")
+        files.append(entry)
+    n = len(order)
+    return {
+        "samples": n, "tokens": n * width, "documents": st["documents"], "input_tokens": st["tokens_in"],
+        "dropped_tokens": st["dropped_tokens"],
+        "sources": [{"prefix": cfg.sources[s][0], "available_samples": available[s], "drawn_samples": counts[s],
+                     "effective_epochs": round(counts[s] / available[s], 4) if available[s] else 0.0,
+                     "weight": weights[s] if weights else None} for s in range(len(available))],
+        "shards": files,
+    }
+
+
+def _build(cfg: ShardConfig, out: Path, work: Path, manifests: list[TokenizeManifest], dtype: np.dtype, pad_id: int,
+           weights: list[float] | None, args: dict[str, Any], fingerprint: str, t0: float) -> ShardResult:
+    width = cfg.seq_len + 1
+    packed, split_stats = _pack_sources(cfg, work, dtype, pad_id)
+    shards = {split: _write_split(cfg, work, i, split, packed[split], split_stats[split], weights, dtype)
+              for i, split in enumerate(SPLITS)}
 
     tok = manifests[0]["tokenizer"]
     tokenizer_copy = None
