@@ -173,25 +173,58 @@ def _input_sha256(src: Source) -> str:
     return tokenizer_sha256(src.path) if src.path.is_dir() else sha256_file(src.path)
 
 
+def _tokenizer_path(cfg: TokenizeConfig, sources: list[Source], prefix: Path
+                    ) -> tuple[Path, dict[str, Any] | None]:
+    """The tokenizer to encode with: trained on a seeded sample of the inputs (saved as PREFIX.tokenizer.model,
+    with its training settings returned for the manifest), or the one given."""
+    if not cfg.train_tokenizer:
+        assert cfg.tokenizer is not None
+        return Path(cfg.tokenizer), None
+    docs = _sample_documents(sources, cfg)
+    tok_path = prefix.with_name(prefix.name + ".tokenizer.model")
+    log.info("training a %s tokenizer (vocab %d) on %d documents", cfg.model_type, cfg.vocab_size, len(docs))
+    train_sentencepiece(docs, tok_path, vocab_size=cfg.vocab_size, model_type=cfg.model_type,
+                        seed=cfg.seed, threads=cfg.workers)
+    return tok_path, {"vocab_size": cfg.vocab_size, "model_type": cfg.model_type, "sample_docs": cfg.sample_docs,
+                      "seed": cfg.seed}
+
+
+def _manifest(cfg: TokenizeConfig, sources: list[Source], stats: list[FileStats], sink: _ErrorSink,
+              writer: IndexedWriter, tok: Tokenizer, tok_path: Path, trained: dict[str, Any] | None,
+              dtype: np.dtype, wall: float) -> dict[str, Any]:
+    """PREFIX.manifest.json of a finished run: tokenizer, inputs with their checksums, totals, errors, speed."""
+    total_bytes = sum(_input_size(s) for s in sources)
+    manifest = {
+        "tool": "pipeline tokenize",
+        "version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "tokenizer": {"path": str(Path(tok_path).resolve()), "sha256": tok.sha256(), "kind": tok.kind,
+                      "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
+                      "pad_id": tok.pad_id, "trained": trained},
+        "dtype": dtype.name,
+        "append_eos": cfg.append_eos,
+        "text_key": cfg.text_key,
+        "inputs": [{"path": st.path, "kind": st.kind, "bytes": _input_size(src), "sha256": _input_sha256(src),
+                    "documents": st.documents, "tokens": st.tokens, "skipped": dict(st.skipped)}
+                   for st, src in zip(stats, sources, strict=True)],
+        "totals": {"documents": writer.documents, "tokens": writer.tokens,
+                   "skipped": sum(sink.by_reason.values()), "skipped_by_reason": dict(sink.by_reason),
+                   "input_bytes": total_bytes},
+        "errors": sink.listed,
+        "wall_time_s": round(wall, 3),
+        "throughput": {"docs_per_s": round(writer.documents / wall, 1), "tokens_per_s": round(writer.tokens / wall, 1),
+                       "mb_per_s": round(total_bytes / 1e6 / wall, 3)},
+    }
+    return manifest
+
+
 def run(cfg: TokenizeConfig) -> TokenizeResult:
     t0 = time.perf_counter()
     prefix = Path(cfg.output_prefix)
     _check_writable(prefix)
     sources = resolve_inputs(list(cfg.inputs))
 
-    trained: dict[str, Any] | None = None
-    if cfg.train_tokenizer:
-        docs = _sample_documents(sources, cfg)
-        tok_path = prefix.with_name(prefix.name + ".tokenizer.model")
-        log.info("training a %s tokenizer (vocab %d) on %d documents", cfg.model_type, cfg.vocab_size, len(docs))
-        train_sentencepiece(docs, tok_path, vocab_size=cfg.vocab_size, model_type=cfg.model_type,
-                            seed=cfg.seed, threads=cfg.workers)
-        del docs
-        trained = {"vocab_size": cfg.vocab_size, "model_type": cfg.model_type, "sample_docs": cfg.sample_docs,
-                   "seed": cfg.seed}
-    else:
-        assert cfg.tokenizer is not None
-        tok_path = Path(cfg.tokenizer)
+    tok_path, trained = _tokenizer_path(cfg, sources, prefix)
     tok = Tokenizer(tok_path)
     dtype = token_dtype(tok.vocab_size)
     eos_id = tok.eos_id if cfg.append_eos else None
@@ -246,28 +279,7 @@ def run(cfg: TokenizeConfig) -> TokenizeResult:
             pool.close()
             pool.join()
 
-    wall = time.perf_counter() - t0
-    total_bytes = sum(_input_size(s) for s in sources)
-    manifest = {
-        "tool": "pipeline tokenize",
-        "version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "tokenizer": {"path": str(Path(tok_path).resolve()), "sha256": tok.sha256(), "kind": tok.kind,
-                      "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
-                      "pad_id": tok.pad_id, "trained": trained},
-        "dtype": dtype.name,
-        "append_eos": cfg.append_eos,
-        "text_key": cfg.text_key,
-        "inputs": [{"path": st.path, "kind": st.kind, "bytes": _input_size(src), "sha256": _input_sha256(src),
-                    "documents": st.documents, "tokens": st.tokens, "skipped": dict(st.skipped)}
-                   for st, src in zip(stats, sources, strict=True)],
-        "totals": {"documents": writer.documents, "tokens": writer.tokens,
-                   "skipped": sum(sink.by_reason.values()), "skipped_by_reason": dict(sink.by_reason),
-                   "input_bytes": total_bytes},
-        "errors": sink.listed,
-        "wall_time_s": round(wall, 3),
-        "throughput": {"docs_per_s": round(writer.documents / wall, 1), "tokens_per_s": round(writer.tokens / wall, 1),
-                       "mb_per_s": round(total_bytes / 1e6 / wall, 3)},
-    }
+    manifest = _manifest(cfg, sources, stats, sink, writer, tok, tok_path, trained, dtype,
+                         time.perf_counter() - t0)
     write_json(prefix.with_name(prefix.name + ".manifest.json"), manifest)
     return TokenizeResult(prefix, manifest)
