@@ -14,6 +14,8 @@ export PATH := $(abspath $(BIN)):$(PATH)
 RUN ?= runs/demo
 CKPT ?= $(RUN)
 SPLIT ?= val
+# Extra `pipeline evaluate` options, e.g. EVAL_ARGS="--hostfile hostfiles/8node" for a model larger than one GPU.
+EVAL_ARGS ?=
 
 .PHONY: install test test-fast lint data demo eval bench bench-cpu clean
 
@@ -57,7 +59,7 @@ data/shards-256/manifest.json: data/shakespeare.manifest.json
 	$(BIN)/pipeline shard data/shakespeare --output data/shards-256 --seq-len 256 --split 90,5,5 --overwrite
 
 eval: install
-	$(BIN)/pipeline evaluate --checkpoint $(CKPT) --split $(SPLIT) --prompts configs/demo_prompts.txt
+	$(BIN)/pipeline evaluate --checkpoint $(CKPT) --split $(SPLIT) --prompts configs/demo_prompts.txt $(EVAL_ARGS)
 
 bench: install
 	$(BIN)/python bench/tokenize_bench.py

@@ -157,7 +157,6 @@ def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, maste
     """Check the config, data and DeepSpeed JSON here (a bad one fails in a second, with only our message), then
     build the `deepspeed ... pipeline/pretrain.py` command line, print it, and run it."""
     import os
-    import shutil
     import subprocess
     from pathlib import Path
 
@@ -176,6 +175,20 @@ def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, maste
             click.echo(describe(prepared))
             return
     script = Path(pipeline.__file__).parent / "pretrain.py"
+    cmd = [*_launcher(hostfile, num_gpus, master_port), str(script), "--config", config_path]
+    for s in sets:
+        cmd += ["--set", s]
+    if dry_run:
+        cmd.append("--dry-run")
+    click.echo("+ " + " ".join(cmd), err=True)
+    sys.exit(subprocess.call(cmd, env=os.environ.copy()))
+
+
+def _launcher(hostfile: str | None, num_gpus: int | None, master_port: int | None) -> list[str]:
+    """`deepspeed [--hostfile H | --num_gpus N] [--master_port P]`, the launcher of this environment."""
+    import shutil
+    from pathlib import Path
+
     launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
     if launcher is None:
         raise PipelineError("the `deepspeed` launcher is not installed in this environment (pip install deepspeed)")
@@ -186,13 +199,7 @@ def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, maste
         cmd += ["--num_gpus", str(num_gpus)]
     if master_port:
         cmd += ["--master_port", str(master_port)]
-    cmd += [str(script), "--config", config_path]
-    for s in sets:
-        cmd += ["--set", s]
-    if dry_run:
-        cmd.append("--dry-run")
-    click.echo("+ " + " ".join(cmd), err=True)
-    sys.exit(subprocess.call(cmd, env=os.environ.copy()))
+    return cmd
 
 
 def _launch_world_size(hostfile: str | None, num_gpus: int | None) -> tuple[int | None, int | None]:
@@ -217,18 +224,60 @@ def _launch_world_size(hostfile: str | None, num_gpus: int | None) -> tuple[int 
 @click.option("--output", default=None, help="JSON results (default RUN_DIR/eval/TAG-SPLIT.json).")
 @click.option("--max-new-tokens", type=click.IntRange(0, 100_000), default=48, show_default=True)
 @click.option("--seed", type=int, default=1234, show_default=True, help="Seed of the sampled continuations.")
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto (one process).")
+@click.option("--num-gpus", type=click.IntRange(min=1), default=None,
+              help="Evaluate across N ranks of this machine with ZeRO-3 (a checkpoint larger than one GPU).")
+@click.option("--hostfile", default=None, help="Evaluate across the hosts of a DeepSpeed hostfile with ZeRO-3.")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None, help="Rendezvous port (with "
+              "--num-gpus or --hostfile).")
+@click.option("--launched", is_flag=True, hidden=True, help="Set by the launcher: this process is one rank.")
 @_user_errors
 def evaluate(checkpoint: str, data: str | None, split: str, max_batches: int | None, batch_size: int,
-             prompts: str | None, output: str | None, max_new_tokens: int, seed: int, device: str) -> None:
-    """Held-out loss, perplexity and bits per byte of a checkpoint, sample continuations, and RUN_DIR/loss.png."""
+             prompts: str | None, output: str | None, max_new_tokens: int, seed: int, device: str,
+             num_gpus: int | None, hostfile: str | None, master_port: int | None, launched: bool) -> None:
+    """Held-out loss, perplexity and bits per byte of a checkpoint, sample continuations, and RUN_DIR/loss.png.
+
+    One process by default (bf16 on a GPU). With --num-gpus or --hostfile, the `deepspeed` launcher starts one
+    rank per GPU and the model is split across them with ZeRO-3 (70B on the training cluster); the results file
+    is the same."""
+    import os
+    import subprocess
+    from pathlib import Path
+
     from pipeline.evaluate import run as stage
     from pipeline.evaluate.run import EvalConfig
 
-    result = stage.run(EvalConfig(checkpoint=checkpoint, data=data, split=split, max_batches=max_batches,
-                                  batch_size=batch_size, prompts=prompts, output=output,
-                                  max_new_tokens=max_new_tokens, seed=seed, device=device))
-    click.echo(stage.table(result))
+    cfg = EvalConfig(checkpoint=checkpoint, data=data, split=split, max_batches=max_batches, batch_size=batch_size,
+                     prompts=prompts, output=output, max_new_tokens=max_new_tokens, seed=seed, device=device)
+    if launched:
+        from pipeline.evaluate.distributed import evaluate_on_rank
+
+        evaluate_on_rank(cfg)  # rank 0 writes the results file; the command that launched the ranks prints it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # as pretrain.py: no interpreter teardown, which can hit gloo's shutdown race
+    if not (num_gpus or hostfile):
+        click.echo(stage.table(stage.run(cfg)))
+        return
+    if hostfile and not Path(hostfile).is_file():
+        raise PipelineError(f"--hostfile {hostfile}: no such file (see hostfiles/)")
+    inputs = stage.open_inputs(cfg)  # bad input fails here, in a second, before any rank starts
+    target = stage.result_path(cfg, inputs.run)
+    before = target.stat().st_mtime_ns if target.exists() else None
+    args = ["--checkpoint", checkpoint, "--split", split, "--batch-size", str(batch_size), "--max-new-tokens",
+            str(max_new_tokens), "--seed", str(seed), "--output", str(target)]
+    for flag, value in (("--data", data), ("--max-batches", max_batches), ("--prompts", prompts)):
+        if value is not None:
+            args += [flag, str(value)]
+    cmd = [*_launcher(hostfile, num_gpus, master_port), "--no_local_rank", "--module", "pipeline.cli", "evaluate",
+           *args, "--launched"]
+    click.echo("+ " + " ".join(cmd), err=True)
+    code = subprocess.call(cmd, env=os.environ.copy())
+    if code != 0 or not target.exists() or target.stat().st_mtime_ns == before:
+        raise PipelineError(f"the distributed evaluation failed (exit code {code}); see the ranks' output above")
+    import json
+
+    click.echo(stage.table({**json.loads(target.read_text()), "output": str(target)}))
 
 
 @main.command()

@@ -8,7 +8,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import yaml
@@ -82,23 +82,39 @@ def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.M
 
 @torch.no_grad()
 def perplexity(model: torch.nn.Module, dataset: ShardedDataset, tokenizer: Tokenizer, *, batch_size: int = 8,
-               max_batches: int | None = None, device: torch.device | None = None) -> dict[str, float]:
+               max_batches: int | None = None, device: torch.device | None = None, rank: int = 0,
+               world_size: int = 1) -> dict[str, float]:
     """Loss (nats/token), perplexity and bits per byte over the split's samples in order; bytes are those of
-    the decoded label tokens, so the figure is comparable across tokenizers."""
+    the decoded label tokens, so the figure is comparable across tokenizers. The loss comes from the model's
+    chunked per-token path, so no full (B, T, V) fp32 logits are built.
+
+    Across ranks (ZeRO-3, `world_size` > 1) rank r takes batches r, r + W, ...; every rank runs the same number
+    of forwards (a rank without a batch in the last round repeats batch 0 and discards it), since each forward
+    gathers parameters collectively; the sums are all-reduced in fp64."""
     device = device or torch.device("cpu")
-    nats, tokens, nbytes = 0.0, 0, 0
     n = len(dataset)
     batches = math.ceil(n / batch_size) if max_batches is None else min(max_batches, math.ceil(n / batch_size))
-    for b in range(batches):
-        ids = list(range(b * batch_size, min(n, (b + 1) * batch_size)))
+    sums = [0.0, 0.0, 0.0]  # nats, tokens, bytes
+    for round_start in range(0, batches, world_size):
+        b = round_start + rank
+        mine = b < batches
+        ids = list(range((b if mine else 0) * batch_size, min(n, ((b if mine else 0) + 1) * batch_size)))
         batch = collate_samples(dataset, ids)
-        labels = batch["labels"].to(device)
-        logits = model(input_ids=batch["input_ids"].to(device)).logits
-        nats += torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
-                                                  ignore_index=-100, reduction="sum").item()
-        tokens += int((labels != -100).sum())
+        labels = batch["labels"]
+        losses = model(input_ids=batch["input_ids"].to(device), loss_labels=labels.to(device))
+        if not mine:
+            continue
+        sums[0] += float(losses.double().sum())
+        sums[1] += int((labels != -100).sum())
         for row in labels.tolist():
-            nbytes += len(tokenizer.decode([t for t in row if t >= 0]).encode("utf-8"))
+            sums[2] += len(tokenizer.decode([t for t in row if t >= 0]).encode("utf-8"))
+    if world_size > 1:
+        import torch.distributed as dist
+
+        total = torch.tensor(sums, dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        sums = total.tolist()
+    nats, tokens, nbytes = sums[0], int(sums[1]), int(sums[2])
     loss = nats / max(tokens, 1)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "bits_per_byte": nats / math.log(2) / max(nbytes, 1),
             "tokens": tokens, "bytes": nbytes, "samples": min(n, batches * batch_size)}
@@ -106,14 +122,17 @@ def perplexity(model: torch.nn.Module, dataset: ShardedDataset, tokenizer: Token
 
 @torch.no_grad()
 def generate(model: Any, tokenizer: Tokenizer, prompts: list[str], *, seed: int, max_new_tokens: int,
-             device: torch.device) -> list[dict[str, str]]:
+             device: torch.device, synced: bool = False) -> list[dict[str, str]]:
+    """Greedy and sampled continuations. `synced`: under ZeRO-3 across ranks, every rank generates the same
+    prompts with the same seed, and transformers keeps the ranks' forwards in step until all are done."""
     out = []
     for p in prompts:
         ids = torch.tensor([tokenizer.encode(p)], device=device)
-        greedy = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_id)
+        greedy = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_id,
+                                synced_gpus=synced)
         torch.manual_seed(seed)
         sampled = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_k=50,
-                                 pad_token_id=tokenizer.eos_id)
+                                 pad_token_id=tokenizer.eos_id, synced_gpus=synced)
         out.append({"prompt": p, "greedy": tokenizer.decode(greedy[0, ids.shape[1]:].tolist()),
                     "sampled": tokenizer.decode(sampled[0, ids.shape[1]:].tolist())})
     return out
@@ -203,29 +222,68 @@ def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
     return ShardedDataset(path, split)
 
 
-def run(cfg: EvalConfig) -> dict[str, Any]:
-    t0 = time.perf_counter()
+class Inputs(NamedTuple):
+    """What an evaluation reads before it loads weights, checked the same way in one process and on each rank."""
+
+    prompts: list[str]
+    run: Run
+    dataset: ShardedDataset
+    tokenizer: Tokenizer
+
+
+def open_inputs(cfg: EvalConfig) -> Inputs:
     prompts = _check_arguments(cfg)
-    device = _device(cfg.device)
     r = open_run(cfg.checkpoint)
     dataset = _dataset(r, cfg.data, cfg.split)
     tok_path = dataset.tokenizer_path
     if tok_path is None:
         raise PipelineError(f"{dataset.path}: the tokenizer {dataset.manifest['tokenizer']['path']} is gone; re-run shard")
-    tokenizer = Tokenizer(tok_path)
-    model = load_model(r, device, dataset.manifest["tokenizer"])
-    metrics = perplexity(model, dataset, tokenizer, batch_size=cfg.batch_size, max_batches=cfg.max_batches, device=device)
-    samples = generate(model, tokenizer, prompts, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, device=device)
+    return Inputs(prompts, r, dataset, Tokenizer(tok_path))
+
+
+def check_fits_device(shape: ModelShape, device: torch.device, free_bytes: int, total_bytes: int) -> None:
+    """One process holds the whole model in bf16 on a GPU (2 bytes per parameter) plus room for activations; a
+    checkpoint larger than that is evaluated across ranks with ZeRO-3 instead."""
+    need = shape.num_params() * 2 + 2 * 2**30
+    if device.type == "cuda" and need > free_bytes:
+        raise PipelineError(
+            f"the checkpoint's model needs {need / 2**30:.1f} GiB in bf16 (with 2 GiB for activations), {device} has "
+            f"{free_bytes / 2**30:.1f} of {total_bytes / 2**30:.1f} GiB free; evaluate across GPUs with ZeRO-3: "
+            "pipeline evaluate ... --num-gpus N (this node) or --hostfile HOSTFILE (the training cluster)")
+
+
+def run(cfg: EvalConfig) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    device = _device(cfg.device)
+    inputs = open_inputs(cfg)
+    if device.type == "cuda":
+        check_fits_device(inputs.run.shape, device, *torch.cuda.mem_get_info(device))
+    model = load_model(inputs.run, device, inputs.dataset.manifest["tokenizer"])
+    metrics = perplexity(model, inputs.dataset, inputs.tokenizer, batch_size=cfg.batch_size,
+                         max_batches=cfg.max_batches, device=device)
+    samples = generate(model, inputs.tokenizer, inputs.prompts, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+                       device=device)
+    return write_result(cfg, inputs, metrics, samples, t0)
+
+
+def write_result(cfg: EvalConfig, inputs: Inputs, metrics: dict[str, float], samples: list[dict[str, str]],
+                 t0: float, **extra: Any) -> dict[str, Any]:
+    """The results file (RUN_DIR/eval/TAG-SPLIT.json unless --output) and the loss plot."""
+    r, dataset = inputs.run, inputs.dataset
     plot = plot_losses(r.run_dir)
     result = {"checkpoint": str(r.run_dir / r.tag), "step": r.marker["step"],
               "consumed_tokens": r.marker["consumed_samples"] * dataset.seq_len, "split": cfg.split,
-              "data": str(dataset.path), **metrics, "samples_generated": samples,
+              "data": str(dataset.path), **metrics, "samples_generated": samples, **extra,
               "loss_plot": str(plot) if plot else None, "wall_time_s": round(time.perf_counter() - t0, 2)}
-    out = Path(cfg.output) if cfg.output else r.run_dir / "eval" / f"{r.tag}-{cfg.split}.json"
+    out = result_path(cfg, r)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, result)
     result["output"] = str(out)
     return result
+
+
+def result_path(cfg: EvalConfig, r: Run) -> Path:
+    return Path(cfg.output) if cfg.output else r.run_dir / "eval" / f"{r.tag}-{cfg.split}.json"
 
 
 def table(result: dict[str, Any]) -> str:

@@ -121,11 +121,12 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     return path, tag
 
 
-def consolidated_tensors(run_dir: Path, tag: str) -> Iterator[tuple[str, Any]]:
-    """Full-precision weights of any ZeRO stage (0-3, offload or not), one tensor at a time.
+def consolidated_state(run_dir: Path, tag: str) -> dict[str, Any]:
+    """Full-precision weights of any ZeRO stage (0-3, offload or not) by name, each read when asked for
+    (`materialize`), so that a caller holds one tensor at a time, not the model.
 
-    ZeRO 1-3: DeepSpeed's own zero_to_fp32 reconstruction in lazy mode over mmap'd shards, so peak RAM stays
-    near one tensor, not the model. ZeRO-0: the module state in mp_rank_00_model_states.pt (mmap)."""
+    ZeRO 1-3: DeepSpeed's own zero_to_fp32 reconstruction in lazy mode over mmap'd shards. ZeRO-0: the module
+    state in mp_rank_00_model_states.pt (mmap)."""
     import contextlib
     import io
 
@@ -136,16 +137,22 @@ def consolidated_tensors(run_dir: Path, tag: str) -> Iterator[tuple[str, Any]]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with contextlib.redirect_stdout(io.StringIO()):
-            state = get_fp32_state_dict_from_zero_checkpoint(str(run_dir), tag=tag, lazy_mode=True)
-        for name, lazy in state.items():
-            yield name, lazy.contiguous() if hasattr(lazy, "contiguous") else lazy
-        return
+            return dict(get_fp32_state_dict_from_zero_checkpoint(str(run_dir), tag=tag, lazy_mode=True))
     files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise PipelineError(f"{ckpt_dir}: no DeepSpeed model states (mp_rank_00_model_states.pt)")
-    sd = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)["module"]
-    for name, t in sd.items():
-        yield name, t.float()
+    return dict(torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)["module"])
+
+
+def materialize(value: Any) -> Any:
+    """One entry of `consolidated_state` as an fp32 tensor in RAM."""
+    return value.contiguous().float()
+
+
+def consolidated_tensors(run_dir: Path, tag: str) -> Iterator[tuple[str, Any]]:
+    """`consolidated_state`, one fp32 tensor at a time."""
+    for name, value in consolidated_state(run_dir, tag).items():
+        yield name, materialize(value)
 
 
 def _zero_stage_of(ckpt_dir: Path) -> int:

@@ -1,60 +1,104 @@
 """Initial weights: a deterministic init that is identical for every ZeRO stage and world size, and loading
-weights from safetensors for continued pretraining, tensor by tensor, also into ZeRO-3 partitioned models."""
+weights from safetensors for continued pretraining, also into ZeRO-3 partitioned models. Both go through
+`fill_parameters`, which gathers ZeRO-3 parameters in groups (one collective round per group, not per tensor)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from pipeline.errors import PipelineError
 
+GROUP_NUMEL = 2**28
+"""Elements gathered at once under ZeRO-3 while filling (512 MiB in bf16): whole layers of models up to ~13B, one
+matrix at a time beyond."""
+
+
+def full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
+    """A parameter's real shape; under ZeRO-3 its own shape is empty and `ds_shape` keeps the real one."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def parameter_groups(named: list[tuple[str, torch.nn.Parameter]], max_numel: int
+                     ) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive parameters in groups of at most `max_numel` elements (a larger tensor forms its own group)."""
+    group: list[tuple[str, torch.nn.Parameter]] = []
+    size = 0
+    for name, p in named:
+        n = int(torch.Size(full_shape(p)).numel())
+        if group and size + n > max_numel:
+            yield group
+            group, size = [], 0
+        group.append((name, p))
+        size += n
+    if group:
+        yield group
+
+
+def fill_parameters(model: torch.nn.Module, value: Callable[[int, str, tuple[int, ...]], torch.Tensor] | None, *,
+                    stage3: bool, max_group_numel: int = GROUP_NUMEL) -> None:
+    """Set every parameter to `value(index, name, shape)`. Under ZeRO-3 every rank must call this (the groups are
+    gathered collectively), but only rank 0 passes `value` (None elsewhere): its tensors are broadcast and
+    re-partitioned when each group is released. Without ZeRO-3 every rank passes `value`. `value` must not raise
+    under ZeRO-3 (the other ranks would wait in the gather): check shapes and names before."""
+    import deepspeed
+
+    named = list(model.named_parameters())
+    index = {name: i for i, (name, _) in enumerate(named)}
+    for group in parameter_groups(named, max_group_numel):
+        params = [p for _, p in group]
+        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if stage3 else contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            if value is not None:
+                for name, p in group:
+                    p.data.copy_(value(index[name], name, tuple(p.shape)).to(p.device, p.dtype))
+
 
 def init_weights(model: torch.nn.Module, seed: int, rank: int, stage3: bool) -> None:
     """Deterministic init, identical for every ZeRO stage and world size: N(0, 0.02) for matrices, 1 for norms.
     Each tensor draws from its own generator seeded by (seed, index), so the result does not depend on how
     the model was partitioned."""
-    import deepspeed
 
-    for i, (_, p) in enumerate(model.named_parameters()):
-        ctx = deepspeed.zero.GatheredParameters([p], modifier_rank=0) if stage3 else contextlib.nullcontext()
-        with ctx, torch.no_grad():
-            if rank == 0 or not stage3:
-                g = torch.Generator().manual_seed(seed * 100003 + i)
-                if p.dim() >= 2:
-                    value = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g)
-                else:
-                    value = torch.ones(p.shape, dtype=torch.float32)
-                p.data.copy_(value.to(p.device, p.dtype))
+    def value(i: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if len(shape) >= 2:
+            g = torch.Generator().manual_seed(seed * 100003 + i)
+            return torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g)
+        return torch.ones(shape, dtype=torch.float32)
+
+    fill_parameters(model, value if rank == 0 or not stage3 else None, stage3=stage3)
 
 
 def load_initial_weights(model: torch.nn.Module, path: str, rank: int, stage3: bool) -> None:
-    """Copy weights from a safetensors file or HF model folder, tensor by tensor (no full copy in RAM)."""
-    import deepspeed
+    """Copy weights from a safetensors file or HF model folder, tensor by tensor (no full copy in RAM). Names and
+    shapes are checked on every rank from the files' headers before any gather."""
     from safetensors import safe_open
 
     src = Path(path)
     files = [src] if src.is_file() else sorted(src.glob("*.safetensors"))
     if not files:
         raise PipelineError(f"model.init_from {path}: no .safetensors file there")
-    where = {}
+    where: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         with safe_open(str(f), "pt") as sf:
             for k in sf.keys():
                 where[k] = f
+                shapes[k] = tuple(sf.get_slice(k).get_shape())
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(where))
     if missing:
         raise PipelineError(f"model.init_from {path}: missing {len(missing)} tensors, e.g. {missing[:3]}; "
                             "the checkpoint's shape differs from model.*")
     for name, p in params.items():
-        ctx = deepspeed.zero.GatheredParameters([p], modifier_rank=0) if stage3 else contextlib.nullcontext()
-        with ctx, torch.no_grad():
-            if rank == 0 or not stage3:
-                with safe_open(str(where[name]), "pt") as sf:
-                    t = sf.get_tensor(name)
-                if tuple(t.shape) != tuple(p.shape):
-                    raise PipelineError(f"model.init_from {path}: {name} has shape {tuple(t.shape)}, the model "
-                                        f"expects {tuple(p.shape)}")
-                p.data.copy_(t.to(p.device, p.dtype))
+        if shapes[name] != full_shape(p):
+            raise PipelineError(f"model.init_from {path}: {name} has shape {shapes[name]}, the model expects "
+                                f"{full_shape(p)}")
+
+    def value(i: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        with safe_open(str(where[name]), "pt") as sf:
+            return sf.get_tensor(name)
+
+    fill_parameters(model, value if rank == 0 or not stage3 else None, stage3=stage3)

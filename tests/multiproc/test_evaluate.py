@@ -66,16 +66,14 @@ def test_exported_tokenizer_matches_pipeline_tokenizer(zero_runs: dict[int, Path
 
 
 def test_trained_model_beats_fresh_init_on_held_out_data(zero_runs: dict[int, Path], tmp_path: Path) -> None:
-    from transformers import LlamaForCausalLM
-
-    from pipeline.model import llama_config
+    from pipeline.model import build_model
     from pipeline.train.weights import init_weights
 
     res = evaluate_run(EvalConfig(checkpoint=str(zero_runs[1]), split="val", output=str(tmp_path / "e.json"),
                                   max_new_tokens=8))
     run = open_run(zero_runs[1])
     dataset = ShardedDataset(run.config["data"]["path"], "val")
-    fresh = LlamaForCausalLM(llama_config(run.shape)).eval()
+    fresh = build_model(run.shape).eval()
     init_weights(fresh, 1234, 0, stage3=False)
     base = perplexity(fresh, dataset, Tokenizer(dataset.tokenizer_path))  # type: ignore[arg-type]
     assert res["loss"] < base["loss"] - 0.5 and res["perplexity"] < 0.6 * base["perplexity"]
@@ -92,6 +90,26 @@ def test_zero3_checkpoint_evaluates_like_zero1(zero_runs: dict[int, Path], tmp_p
     b = evaluate_run(EvalConfig(checkpoint=str(zero_runs[3] / "step00000020"), max_batches=2,
                                 output=str(tmp_path / "b.json"), max_new_tokens=2))
     assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-4  # same training, other partitioning
+
+
+def test_zero3_evaluation_across_two_ranks_equals_one_process(zero_runs: dict[int, Path], tmp_path: Path) -> None:
+    """`pipeline evaluate --num-gpus 2`: the model split across two ranks with ZeRO-3 (as a checkpoint larger than
+    one GPU is evaluated); 3 batches over 2 ranks, so one rank runs a discarded extra forward."""
+    one = evaluate_run(EvalConfig(checkpoint=str(zero_runs[1]), max_batches=3, batch_size=4,
+                                  output=str(tmp_path / "one.json"), max_new_tokens=6))
+    cmd = [str(Path(sys.executable).parent / "pipeline"), "evaluate", "--checkpoint", str(zero_runs[1]),
+           "--max-batches", "3", "--batch-size", "4", "--output", str(tmp_path / "two.json"), "--max-new-tokens",
+           "6", "--num-gpus", "2", "--master-port", str(launch.free_port())]
+    res = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "bits per byte" in res.stdout and str(tmp_path / "two.json") in res.stdout
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["ranks"] == 2 and two["zero_stage"] == 3
+    assert (two["tokens"], two["bytes"], two["samples"]) == (one["tokens"], one["bytes"], one["samples"]) == (
+        3 * 4 * 64, one["bytes"], 12)
+    for key in ("loss", "bits_per_byte", "perplexity"):
+        assert abs(two[key] - one[key]) <= 1e-5 * one[key], key
+    assert [s["greedy"] for s in two["samples_generated"]] == [s["greedy"] for s in one["samples_generated"]]
 
 
 def test_error_cases(zero_runs: dict[int, Path], tmp_path: Path, tokenized: Path) -> None:
