@@ -246,9 +246,11 @@ def planned(case: Case, vocab: int, card: Any) -> dict[str, Any]:
                      case.activation_checkpointing, case.micro_batch_size, 1, **kw)
     if case.memory_cap_gib:
         card = replace(card, memory_gib=case.memory_cap_gib)
-    e = estimate(shape_of(case, vocab), case.seq_len, Cluster(1, 1, card, 125 * 10**9), cand)
+    e = estimate(shape_of(case, vocab), case.seq_len, Cluster(1, 1, card, 125 * 10**9, cpu_cores=16), cand)
     return {"plan_tokens_per_s": e.tokens_per_s, "plan_step_time_s": e.step_time_s,
-            "plan_gpu_total_gib": e.gpu["total"] / 2**30}
+            "plan_step_time_range_s": list(e.step_time_range_s),
+            "plan_peak_allocated_gib": e.gpu["peak_allocated"] / 2**30,  # beside torch.cuda.max_memory_allocated
+            "plan_reserved_gib": e.gpu["reserved"] / 2**30}
 
 
 def mfu(result: dict[str, Any], case: Case, vocab: int, peak_tflops: float | None) -> dict[str, Any]:
@@ -278,7 +280,7 @@ def table(results: list[dict[str, Any]]) -> str:
     def f(v: Any, fmt: str) -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else ""
 
-    rows = ["| case | tokens/s | step s | planned step s | peak alloc GiB | planned GiB | MFU (PaLM) | MFU (causal) |",
+    rows = ["| case | tokens/s | step s | planned step s | peak alloc GiB | planned peak GiB | MFU (PaLM) | MFU (causal) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
@@ -286,7 +288,7 @@ def table(results: list[dict[str, Any]]) -> str:
             continue
         rows.append(f"| {r['name']} | {f(r['tokens_per_s'], ',.0f')} | {f(r['step_time_s'], '.3f')} | "
                     f"{f(r.get('plan_step_time_s'), '.3f')} | {f(r.get('peak_allocated_gib'), '.2f')} | "
-                    f"{f(r.get('plan_gpu_total_gib'), '.2f')} | {f(r.get('mfu_palm'), '.1%')} | "
+                    f"{f(r.get('plan_peak_allocated_gib'), '.2f')} | {f(r.get('mfu_palm'), '.1%')} | "
                     f"{f(r.get('mfu_causal'), '.1%')} |")
     return "\n".join(rows)
 

@@ -304,9 +304,16 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> Non
 
 @main.command()
 @click.option("--model", "preset", default="7b", show_default=True, help="Preset: tiny, 125m, 350m, 1b, 7b, 13b, 70b.")
+@click.option("--config", "config_path", default=None, help="Plan exactly this pretrain config (its model, batch, "
+              "DeepSpeed JSON and checkpointing) instead of searching; says whether it fits and what the search "
+              "would choose.")
+@click.option("--set", "sets", multiple=True, help="With --config: override a field, section.key=value.")
+@click.option("--from-run", "from_run", default=None, help="A run folder: the plan for exactly that run beside what it "
+              "measured (peak memory, step time, tokens/s), with the ratios.")
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="Override the preset's layer count (e.g. for test slices).")
 @click.option("--vocab-size", type=click.IntRange(min=1), default=32000, show_default=True)
-@click.option("--seq-len", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sample [default: 4096; with "
+              "--config, the shards' seq_len].")
 @click.option("--hostfile", default=None, help="DeepSpeed hostfile: nodes and GPUs per node from its slots.")
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=1, show_default=True)
@@ -314,24 +321,27 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> Non
               "h100-pcie, h100-nvl, h200, h200-nvl, or a name as nvidia-smi prints it.")
 @click.option("--gpu-mem", default=None, help="Cap the card's memory, e.g. 24GiB (emulating a smaller card).")
 @click.option("--cpu-mem", default="512GB", show_default=True, help="Host RAM per node.")
+@click.option("--cpu-cores", type=click.IntRange(min=1), default=32, show_default=True, help="CPU cores per node "
+              "(DeepSpeed's CPU Adam under offload).")
 @click.option("--nvme", default=None, help="NVMe capacity per node for ZeRO-Infinity, e.g. 4TB (or a mounted path).")
 @click.option("--network", default="100Gbps", show_default=True, help="Inter-node bandwidth per node.")
 @click.option("--global-batch-tokens", default="4M", show_default=True, help="Tokens per optimizer step.")
 @click.option("--micro-batch-size", type=click.IntRange(min=1), default=None, help="Fix the micro-batch instead of searching it.")
-@click.option("--mfu", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.45, show_default=True,
-              help="Assumed MFU of the compute itself (0 < mfu <= 1).")
+@click.option("--mfu", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.40, show_default=True,
+              help="Assumed MFU of the compute itself (0 < mfu <= 1; PaLM count); the time range spans 0.85x-1.125x.")
 @click.option("--tokens", default="1B", show_default=True, help="Token budget for the time estimate.")
 @click.option("--write-ds-config", default=None, help="Write the chosen DeepSpeed JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_user_errors
-def plan(preset: str, layers: int | None, vocab_size: int, seq_len: int, hostfile: str | None, nodes: int,
-         gpus_per_node: int, gpu: str, gpu_mem: str | None, cpu_mem: str, nvme: str | None, network: str,
-         global_batch_tokens: str, micro_batch_size: int | None, mfu: float, tokens: str,
-         write_ds_config: str | None, as_json: bool) -> None:
-    """Will MODEL fit the cluster, how fast will it train, and which DeepSpeed config gets there."""
+def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: str | None, layers: int | None,
+         vocab_size: int, seq_len: int | None, hostfile: str | None, nodes: int, gpus_per_node: int, gpu: str,
+         gpu_mem: str | None, cpu_mem: str, cpu_cores: int, nvme: str | None, network: str, global_batch_tokens: str,
+         micro_batch_size: int | None, mfu: float, tokens: str, write_ds_config: str | None, as_json: bool) -> None:
+    """Will MODEL fit the cluster, how fast will it train, and which DeepSpeed config gets there. Memory is given as
+    peak allocated (what torch.cuda.max_memory_allocated reports) and reserved (what the card must hold), with a
+    margin; time as a point and a low-high range beside the physical ceiling."""
     import json as jsonlib
     import os
-    import shutil
     from dataclasses import replace
 
     from pipeline.atomic import write_json
@@ -339,33 +349,49 @@ def plan(preset: str, layers: int | None, vocab_size: int, seq_len: int, hostfil
     from pipeline.model import resolve_shape
     from pipeline.plan import report as plan_report
     from pipeline.plan import search as planner
-    from pipeline.plan.gpus import lookup
 
+    if sum(x is not None for x in (config_path, from_run)) > 1:
+        raise PipelineError("give one of --config and --from-run")
     try:
-        card = lookup(gpu)
-    except KeyError as e:
-        raise PipelineError(str(e.args[0])) from None
-    try:
-        if gpu_mem:
-            card = replace(card, memory_gib=parse_size(gpu_mem) / 2**30)
-        ram = parse_size(cpu_mem)
-        gbt = int(parse_size(global_batch_tokens.upper().replace("M", "MB").replace("K", "KB")))
         budget = float(parse_size(tokens.upper().replace("B", "G") if tokens[-1:].upper() == "B" else tokens))
-        net = float(network.lower().replace("gbps", "").replace("gb/s", "")) if network else 0.0
-        nvme_bytes = 0
-        if nvme:
-            nvme_bytes = shutil.disk_usage(nvme).free if os.path.isdir(nvme) else parse_size(nvme)
+        gbt = int(parse_size(global_batch_tokens.upper().replace("M", "MB").replace("K", "KB")))
     except ValueError as e:
         raise PipelineError(str(e)) from None
-    for flag, value in (("--gpu-mem", card.memory_gib), ("--cpu-mem", ram), ("--global-batch-tokens", gbt),
-                        ("--tokens", budget), ("--network", net)):
+    for flag, value in (("--global-batch-tokens", gbt), ("--tokens", budget)):
         if not value > 0:
             raise PipelineError(f"{flag} {value:g}: expected a positive amount")
-    if hostfile:
-        nodes, gpus_per_node = plan_report.parse_hostfile(hostfile)
+    cluster = _plan_cluster(hostfile, nodes, gpus_per_node, gpu, gpu_mem, cpu_mem, cpu_cores, nvme, network)
+    if from_run:
+        from pipeline.train import forecast
+
+        ctx = click.get_current_context()
+        given = any(ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT
+                    for k in ("hostfile", "nodes", "gpus_per_node", "gpu", "gpu_mem", "cpu_mem"))
+        f, got, env = forecast.forecast_run(from_run, cluster if given else None, mfu=mfu)
+        click.echo(jsonlib.dumps(forecast.comparison(f, got), indent=2) if as_json else forecast.render_run(f, got, env))
+        return
+    if config_path:
+        from pipeline.train import forecast
+
+        fc = forecast.forecast_config(config_path, list(sets), cluster, seq_len=seq_len, layers=layers,
+                                      vocab_size=vocab_size, mfu=mfu)
+        if as_json:
+            click.echo(jsonlib.dumps({"config": config_path, "seq_len": fc.seq_len, "fits": fc.yours.fits,
+                                      "yours": planner.estimate_dict(fc.yours),
+                                      "search_best": planner.estimate_dict(fc.search.best) if fc.search.best else None},
+                                     indent=2))
+        else:
+            click.echo(forecast.render_config(fc, budget))
+        if not fc.yours.fits:
+            sys.exit(3)
+        return
+    seq = seq_len or 4096
     shape = resolve_shape(preset, {"num_layers": layers} if layers else {}, vocab_size)
-    cluster = planner.Cluster(nodes, gpus_per_node, card, ram, nvme_bytes, net)
-    p = planner.search(shape, seq_len, cluster, gbt, mfu, fixed_micro=micro_batch_size)
+    if seq > shape.max_seq_len:
+        click.echo(f"note: --seq-len {seq} is above the {preset} preset's max_seq_len {shape.max_seq_len}; planned "
+                   "as if its RoPE were extended (continued pretraining at a longer context)", err=True)
+        shape = replace(shape, max_seq_len=seq)
+    p = planner.search(shape, seq, cluster, gbt, mfu, fixed_micro=micro_batch_size)
     if write_ds_config and p.best is not None:
         write_json(write_ds_config, planner.ds_config(p.best, nvme if nvme and os.path.isdir(nvme) else "/local_nvme"))
     if as_json:
@@ -379,6 +405,40 @@ def plan(preset: str, layers: int | None, vocab_size: int, seq_len: int, hostfil
                        f", train.activation_checkpointing: {str(b.activation_checkpointing).lower()}")
     if p.best is None:
         sys.exit(3)
+
+
+def _plan_cluster(hostfile: str | None, nodes: int, gpus_per_node: int, gpu: str, gpu_mem: str | None, cpu_mem: str,
+                  cpu_cores: int, nvme: str | None, network: str) -> Any:
+    """The cluster the planner plans for, from the flags (nodes and GPUs per node from a hostfile when given)."""
+    import os
+    import shutil
+    from dataclasses import replace
+
+    from pipeline.data.config import parse_size
+    from pipeline.plan import report as plan_report
+    from pipeline.plan.gpus import lookup
+    from pipeline.plan.search import Cluster
+
+    try:
+        card = lookup(gpu)
+    except KeyError as e:
+        raise PipelineError(str(e.args[0])) from None
+    try:
+        if gpu_mem:
+            card = replace(card, memory_gib=parse_size(gpu_mem) / 2**30)
+        ram = parse_size(cpu_mem)
+        net = float(network.lower().replace("gbps", "").replace("gb/s", "")) if network else 0.0
+        nvme_bytes = 0
+        if nvme:
+            nvme_bytes = shutil.disk_usage(nvme).free if os.path.isdir(nvme) else parse_size(nvme)
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
+    for flag, value in (("--gpu-mem", card.memory_gib), ("--cpu-mem", ram), ("--network", net)):
+        if not value > 0:
+            raise PipelineError(f"{flag} {value:g}: expected a positive amount")
+    if hostfile:
+        nodes, gpus_per_node = plan_report.parse_hostfile(hostfile)
+    return Cluster(nodes, gpus_per_node, card, ram, nvme_bytes, net, cpu_cores=cpu_cores)
 
 
 if __name__ == "__main__":

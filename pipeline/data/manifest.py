@@ -81,10 +81,21 @@ def read_tokenize_manifest(prefix: str | Path) -> TokenizeManifest:
                        "the prefix)", "re-run `pipeline tokenize`")  # type: ignore[return-value]
 
 
+SHARD_MANIFEST_NEEDS = ("fingerprint", "seq_len", "sample_width", "dtype", "tokenizer", "splits")
+
+
 def read_shard_manifest(path: str | Path) -> ShardManifest:
-    """The manifest of a finished shard run; a clear error when there is none."""
-    return _read(Path(path) / "manifest.json", f"{path}: no manifest.json; not a finished `pipeline shard` output "
-                 "(run `pipeline shard ... --output DIR`)", "re-run `pipeline shard --overwrite`")  # type: ignore[return-value]
+    """The manifest of a finished shard run; a clear error when there is none or it lacks what readers use."""
+    file = Path(path) / "manifest.json"
+    fix = "re-run `pipeline shard --overwrite`"
+    m = _read(file, f"{path}: no manifest.json; not a finished `pipeline shard` output "
+                    "(run `pipeline shard ... --output DIR`)", fix)
+    missing = [k for k in SHARD_MANIFEST_NEEDS if not isinstance(m, dict) or k not in m]
+    if not missing and "vocab_size" not in (m["tokenizer"] or {}):
+        missing = ["tokenizer.vocab_size"]
+    if missing:
+        raise PipelineError(f"{file}: lacks {', '.join(missing)}; not a manifest written by `pipeline shard`; {fix}")
+    return m  # type: ignore[return-value]
 
 
 def _read(path: Path, missing: str, fix: str) -> dict[str, Any]:

@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.plan.search import Estimate, GiB, Plan, activation_bytes
+from pipeline.plan.memory import GiB
+from pipeline.plan.search import Estimate, Plan
 
 
 def _days(tokens: float, tps: float) -> str:
@@ -14,19 +15,26 @@ def _days(tokens: float, tps: float) -> str:
     return f"{d / 365:.1f} years" if d > 365 else f"{d:.1f} days" if d >= 1 else f"{d * 24:.1f} hours"
 
 
-def render(p: Plan, token_budget: float | None = None) -> str:
+def header(p: Plan) -> list[str]:
     c, s = p.cluster, p.shape
-    lines = [f"model {s.num_params() / 1e9:.2f}B parameters (h {s.hidden_size}, {s.num_layers} layers, ffn "
+    return [f"model {s.num_params() / 1e9:.2f}B parameters (h {s.hidden_size}, {s.num_layers} layers, ffn "
              f"{s.ffn_hidden_size}, {s.num_heads} heads / {s.num_kv_heads} kv, vocab {s.vocab_size}), seq {p.seq_len}",
              f"cluster {c.nodes} node(s) x {c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gib:.1f} GiB, "
              f"{c.gpu.bf16_tflops:g} TF bf16 dense, PCIe {c.gpu.pcie_gen}, P2P {'yes' if c.gpu.p2p else 'no'}), "
-             f"{c.cpu_mem_bytes / 1e9:.0f} GB RAM/node, {c.network_gbps:g} Gbps"
+             f"{c.cpu_mem_bytes / 1e9:.0f} GB RAM and {c.cpu_cores} cores/node, {c.network_gbps:g} Gbps"
              + (f", NVMe {c.nvme_bytes / 1e12:.1f} TB/node" if c.nvme_bytes else ", no NVMe")]
+
+
+def render(p: Plan, token_budget: float | None = None) -> str:
+    c = p.cluster
+    lines = header(p)
     if p.best is None:
         lines.append("\nNOTHING FITS. Closest rejected configurations:")
         shown: set[str] = set()
+
         def overshoot(e: Estimate) -> float:  # how far over its worst limit a configuration is
-            ratios = (e.gpu["total"] / (c.gpu.memory_gib * GiB), e.host["total"] / (0.8 * c.cpu_mem_bytes),
+            ratios = ((e.gpu["reserved"] + e.gpu["margin"]) / (c.gpu.memory_gib * GiB),
+                      e.host["total"] / (0.8 * c.cpu_mem_bytes),
                       e.nvme_bytes / c.nvme_bytes if c.nvme_bytes else (2.0 if e.nvme_bytes else 0.0))
             return sum(max(0.0, r - 1.0) for r in ratios)
 
@@ -37,44 +45,16 @@ def render(p: Plan, token_budget: float | None = None) -> str:
         lines.append("What would fit:")
         lines += [f"  - {a}" for a in p.advice]
         return "\n".join(lines)
-    e, cand = p.best, p.best.candidate
-    gb = cand.micro_batch_size * cand.grad_accum * c.world
-    lines += [f"\nchosen: {cand.label()}",
-              f"  global batch {gb} sequences x {p.seq_len} = {gb * p.seq_len / 1e6:.2f}M tokens per step; "
-              f"buckets: reduce {cand.reduce_bucket:.0e}, prefetch {cand.prefetch_bucket:.0e}, "
-              f"max live {cand.max_live:.0e}, sub-group {cand.sub_group:.0e}",
-              "\nper GPU memory                    GiB"]
-    names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
-             "working_layer": "gathered largest layer (ZeRO-3)", "ds_buffers": "DeepSpeed buckets",
-             "activations": "activations" + (" (checkpointed)" if cand.activation_checkpointing else ""),
-             "logits": "logits + loss", "cuda_context": "CUDA context", "fragmentation": "allocator slack (10%)"}
-    for k, label in names.items():
-        lines.append(f"  {label:31s} {e.gpu[k] / GiB:7.2f}")
-    act_other = activation_bytes(s, p.seq_len, cand.micro_batch_size, not cand.activation_checkpointing)["layers"]
-    lines += [f"  {'total':31s} {e.gpu['total'] / GiB:7.2f} of {c.gpu.memory_gib:.1f}",
-              f"  (activations {'without' if cand.activation_checkpointing else 'with'} checkpointing would be "
-              f"{act_other / GiB:.2f} GiB; DeepSpeed's model-state estimator: "
-              f"{e.gpu['model_states_deepspeed'] / GiB:.2f} GiB)",
-              f"\nper node host RAM: pinned {e.host['pinned'] / 1e9:.0f} GB + pageable {e.host['pageable'] / 1e9:.0f} GB"
-              f" = {e.host['total'] / 1e9:.0f} GB of {c.cpu_mem_bytes / 1e9:.0f} GB (limit 80%); "
-              f"NVMe {e.nvme_bytes / 1e12:.2f} TB",
-              f"\nstep time {e.step_time_s:,.1f} s: compute {e.time['compute']:,.1f} s (at {p.mfu_assumed:.0%} MFU"
-              f"{', +1/3 recompute' if cand.activation_checkpointing else ''}), network {e.time['network']:,.1f} s, "
-              f"PCIe {e.time['pcie']:,.1f} s, optimizer {e.time['optimizer']:,.1f} s, "
-              f"collective latency {e.time['collective_latency']:,.1f} s (compute/network/PCIe overlap partly)",
-              f"throughput {e.tokens_per_s:,.0f} tokens/s (physical ceiling at 100% of peak: "
-              f"{e.ceiling_tokens_per_s:,.0f} tokens/s), MFU {e.mfu:.1%}"]
-    budget = token_budget or 1e9
-    lines.append(f"time to {budget / 1e9:g}B tokens: {_days(budget, e.tokens_per_s)}; to 20 tokens/parameter "
-                 f"({20 * s.num_params() / 1e9:,.0f}B tokens): {_days(20 * s.num_params(), e.tokens_per_s)}")
+    e = p.best
+    lines += describe_estimate(p, e, token_budget)
     if p.ranked[1:]:
         lines.append("\nrunners-up                                                        tok/s   GPU GiB  host GB")
-        seen = {cand.label()}
+        seen = {e.candidate.label()}
         for r in p.ranked[1:]:
             if r.candidate.label() in seen:
                 continue
             seen.add(r.candidate.label())
-            lines.append(f"  {r.candidate.label():62s} {r.tokens_per_s:7,.0f} {r.gpu['total'] / GiB:8.1f} "
+            lines.append(f"  {r.candidate.label():62s} {r.tokens_per_s:7,.0f} {r.gpu['reserved'] / GiB:8.1f} "
                          f"{r.host['total'] / 1e9:8.0f}")
             if len(seen) > 5:
                 break
@@ -83,11 +63,65 @@ def render(p: Plan, token_budget: float | None = None) -> str:
     for r in p.rejected:
         key = (r.candidate.stage, r.candidate.offload_optimizer, r.candidate.offload_param,
                r.candidate.activation_checkpointing)
-        if key not in best_of or r.gpu["total"] < best_of[key].gpu["total"]:
+        if key not in best_of or r.gpu["reserved"] < best_of[key].gpu["reserved"]:
             best_of[key] = r
-    for r in sorted(best_of.values(), key=lambda r: r.gpu["total"])[:8]:
+    for r in sorted(best_of.values(), key=lambda r: r.gpu["reserved"])[:8]:
         lines.append(f"  {r.candidate.label():62s} {'; '.join(r.why_not)}")
     return "\n".join(lines)
+
+
+def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, title: str = "chosen") -> list[str]:
+    """One configuration's memory, host RAM, step time (point and range) and throughput, for people."""
+    c, s, cand = p.cluster, p.shape, e.candidate
+    gb = cand.micro_batch_size * cand.grad_accum * c.world
+    lines = [f"\n{title}: {cand.label()}" + ("" if e.fits else "  -- DOES NOT FIT: " + "; ".join(e.why_not)),
+             f"  global batch {gb} sequences x {p.seq_len} = {gb * p.seq_len / 1e6:.2f}M tokens per step; "
+             f"buckets: reduce {cand.reduce_bucket:.0e}, prefetch {cand.prefetch_bucket:.0e}, "
+             f"max live {cand.max_live:.0e}, sub-group {cand.sub_group:.0e}"]
+    if p.global_batch_tokens and abs(gb * p.seq_len - p.global_batch_tokens) > 0.01 * p.global_batch_tokens:
+        lines.append(f"  note: {p.global_batch_tokens / 1e6:.2f}M tokens were asked for; whole micro-batches on "
+                     f"{c.world} GPUs give {gb * p.seq_len / 1e6:.2f}M")
+    lines += [f"  {w}" for w in e.warnings]
+    lines.append("\nper GPU memory                    GiB")
+    names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
+             "working_layer": "gathered largest layer (ZeRO-3)", "ds_buffers": "DeepSpeed buckets",
+             "activations": "activations" + (" (checkpointed)" if cand.activation_checkpointing else ""),
+             "logits": "loss (logits, one chunk)" if e.gpu["logits"] else "loss"}
+    for k, label in names.items():
+        lines.append(f"  {label:31s} {e.gpu[k] / GiB:7.2f}")
+    g = e.gpu
+    card = c.gpu.memory_gib
+    lines += [f"  {'peak allocated':31s} {g['peak_allocated'] / GiB:7.2f}   (torch.cuda.max_memory_allocated; at the "
+              f"{'end' if g['peak_phase_backward'] else 'start'} of the backward)",
+              f"  {'reserved':31s} {g['reserved'] / GiB:7.2f}   (+10% allocator slack, +"
+              f"{g['cuda_context'] / GiB:.1f} CUDA context: what the card must hold)",
+              f"  {'margin kept':31s} {g['margin'] / GiB:7.2f}   (max(1.5 GiB, 7%)); card {card:.1f}, "
+              f"free after all: {card - (g['reserved'] + g['margin']) / GiB:.2f}"]
+    h = e.host
+    lines.append(f"\nper node host RAM: pinned {h['pinned'] / 1e9:.0f} GB (as torch rounds it) + pageable "
+                 f"{h['pageable'] / 1e9:.0f} GB = {h['itemized'] / 1e9:.0f} GB"
+                 + (f" (DeepSpeed's estimator: {h['deepspeed_estimate'] / 1e9:.0f} GB)" if h["deepspeed_estimate"]
+                    else "")
+                 + f"; limit 80% of {c.cpu_mem_bytes / 1e9:.0f} GB; NVMe {e.nvme_bytes / 1e12:.2f} TB")
+    t = e.time
+    lo, hi = e.step_time_range_s
+    tlo, thi = e.tokens_per_s_range
+    lines += [f"\nstep time {e.step_time_s:,.2f} s (range {lo:,.2f}-{hi:,.2f} s): compute {t['compute']:,.2f} s "
+              f"(at {p.mfu_assumed:.0%} MFU{', +1/3 recompute' if cand.activation_checkpointing else ''}), network "
+              f"{t['network']:,.2f} s, PCIe {t['pcie']:,.2f} s, optimizer {t['optimizer']:,.2f} s, collective "
+              f"latency {t['collective_latency']:,.2f} s, overhead {t['overhead']:,.2f} s (compute/network/PCIe "
+              "overlap partly)",
+              f"throughput {e.tokens_per_s:,.0f} tokens/s (range {tlo:,.0f}-{thi:,.0f}; physical ceiling at 100% of "
+              f"peak: {e.ceiling_tokens_per_s:,.0f}), MFU {e.mfu:.1%} (PaLM count: 6N + 12*L*h*s per token)",
+              "  the range spans compute efficiency "
+              f"{p.mfu_assumed * 0.85:.0%}-{min(1.0, p.mfu_assumed * 1.125):.0%} and the network's "
+              + ("6-12 GB/s per 100 Gbps (sockets: no GPUDirect RDMA on GeForce)" if not c.gpu.p2p
+                 else "90-98% of line rate")]
+    budget = token_budget or 1e9
+    lines.append(f"time to {budget / 1e9:g}B tokens: {_days(budget, e.tokens_per_s)} (range "
+                 f"{_days(budget, thi)} to {_days(budget, tlo)}); to 20 tokens/parameter "
+                 f"({20 * s.num_params() / 1e9:,.0f}B tokens): {_days(20 * s.num_params(), e.tokens_per_s)}")
+    return lines
 
 
 def parse_hostfile(path: str) -> tuple[int, int]:

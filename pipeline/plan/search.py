@@ -1,35 +1,43 @@
 """Planner: will a model fit a cluster, how fast will it really train, and the DeepSpeed config that gets there.
-Pure arithmetic: no CUDA calls. Every throughput is printed beside its physical ceiling (100% of peak).
+Pure arithmetic: no CUDA calls. Every throughput is printed beside its physical ceiling (100% of peak) and as a
+low-high range.
 
-Memory: model states follow DeepSpeed's own estimators exactly (`estimate_zero2/3_model_states_mem_needs`);
-activations use per-layer counts for this Llama block (bf16, SDPA/flash attention, so no s^2 scores stored);
-DeepSpeed buffers come from the bucket sizes. Time: compute at an assumed MFU, ZeRO collectives over the network,
-PCIe traffic (GeForce cards have no GPUDirect RDMA, so network bytes cross PCIe too), CPU/NVMe optimizer steps.
+Memory (pipeline.plan.memory): model states follow DeepSpeed's own estimators; activations use coefficients
+measured on a real transformers Llama layer; the GPU figure is given like with like (`peak_allocated`, what
+torch.cuda.max_memory_allocated reports) and as what the card must hold (`reserved`), and a plan keeps a margin.
+Host RAM is counted buffer by buffer as DeepSpeed pins it. Time: compute at an assumed MFU (34-45% is what
+DeepSpeed runs reach), ZeRO collectives over the node's NIC (GeForce has no GPUDirect RDMA: NCCL over sockets
+reaches 6-12 GB/s on 100 Gbps), PCIe per node (a node's cards share its host memory), CPU/NVMe optimizer steps.
 Overlap: the largest of compute/network/PCIe per micro-step, plus a quarter of the others (prefetch hides most,
-not all). Calibration anchor: Llama-2-70B geometry, 4 layers, seq 4096, ZeRO-3 offload on an H200 at 24 GiB:
-2.3 s/step measured; this model says 1.9 s.
+not all). Anchors (H200, tests/unit/test_plan.py): see ANCHORS there.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pipeline.model import ModelShape
 from pipeline.plan.gpus import GPU
+from pipeline.plan.memory import GiB, gpu_memory, host_memory
 
-GiB = 2**30
-RANK_HOST_OVERHEAD = 6 * GiB        # torch + CUDA libraries + DeepSpeed per rank process, host RAM
-CUDA_CONTEXT = int(0.8 * GiB)       # CUDA context, cuBLAS/NCCL workspaces
-FRAGMENTATION = 1.10                # allocator slack on top of live tensors
 HOST_RAM_LIMIT = 0.80               # refuse plans above 80% of a node's RAM (host OOM kills are silent)
 ADAM_BYTES_PER_PARAM = 32           # CPU Adam traffic: read p, g, m, v (16 B fp32), write p, m, v, bf16 copy
+CPU_ADAM_PARAMS_PER_CORE_S = 0.85e9  # DeepSpeed's CPUAdam, one thread, measured 0.81-0.89e9 params/s
 OVERLAP_RESIDUE = 0.25
 COLLECTIVE_LATENCY_S = 2e-4
-# Measured on an H200 capped at 24 GiB (70B geometry): DeepSpeed's defaults (5e8 reduce, 1e9 live) ran out of memory,
-# 1e8/1e8/3e8 peaked at 5.8 GiB. Only sizes at or near the measured-safe ones are offered.
+STEP_OVERHEAD_S = 0.02              # engine bookkeeping per optimizer step (clipping, norms, scheduler)
+MFU_RANGE = (0.85, 1.125)           # around the assumed MFU: 0.34-0.45 at the default 0.40
+# Fraction of a NIC's line rate that NCCL reaches: with GPUDirect RDMA ~98% (12.2 GB/s busbw on 100 Gbps, an NCCL
+# maintainer); GeForce has none, so traffic is staged through host memory and sockets reach 6-12 GB/s.
+NET_EFFICIENCY_RDMA = (0.90, 0.94, 0.98)   # low, point, high
+NET_EFFICIENCY_SOCKETS = (0.48, 0.72, 0.96)
+# Measured on an H200 capped at 24 GiB (70B geometry): DeepSpeed's defaults (5e8 reduce, 5e7 prefetch, 1e9 live)
+# ran out of memory, 1e8/1e8/3e8 peaked at 5.8 GiB. Only sizes at or below the largest measured-safe set are
+# offered, and a config with larger ones is not vouched for: the buffer arithmetic cannot explain that OOM.
 BUCKETS_ZERO3 = [(1e8, 1e8, 3e8), (2e8, 2e8, 5e8)]  # reduce, prefetch, max-live
+MEASURED_SAFE_ZERO3 = BUCKETS_ZERO3[-1]
+NEAR_TIE = 0.02                     # throughputs within 2% are a tie, broken toward less memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +49,9 @@ class Cluster:
     nvme_bytes: int = 0
     network_gbps: float = 100.0
     nvme_gbs: float = 3.0           # per node, sequential read/write
-    cpu_mem_bw_gbs: float = 80.0    # effective host memory bandwidth per node for CPU Adam
+    cpu_mem_bw_gbs: float = 80.0    # effective host memory bandwidth per node (CPU Adam; PCIe DMA shares it)
+    cpu_cores: int = 32             # per node: DeepSpeed's CPU Adam runs on them
+    disk_bytes: int = 0             # free space for checkpoints per node (0: not counted)
 
     @property
     def world(self) -> int:
@@ -60,6 +70,7 @@ class Candidate:
     prefetch_bucket: float = 5e7
     max_live: float = 1e9
     sub_group: float = 1e9
+    max_reuse: float | None = None  # stage3_max_reuse_distance; None: equal to max_live (what ds_config writes)
 
     def label(self) -> str:
         off = "" if self.offload_optimizer == "none" else f" + {self.offload_optimizer} offload (opt"
@@ -82,146 +93,131 @@ class Estimate:
     mfu: float
     fits: bool
     why_not: list[str] = field(default_factory=list)
+    step_time_range_s: tuple[float, float] = (0.0, 0.0)
+    tokens_per_s_range: tuple[float, float] = (0.0, 0.0)
+    warnings: list[str] = field(default_factory=list)
 
 
-def deepspeed_model_states(stage: int, psi: int, largest_layer: int, gpus_per_node: int, nodes: int,
-                           offload_optimizer: bool, offload_param: bool, buffer_factor: float = 1.5) -> tuple[int, int]:
-    """(cpu bytes per node, gpu bytes per GPU) for model states, exactly as DeepSpeed's estimators compute them
-    (stage 2/3; stages 0/1 by the same accounting), zero.Init assumed."""
-    g = nodes * gpus_per_node
-    if stage == 3:
-        ll = 4 * largest_layer
-        if offload_optimizer and offload_param:
-            return int(psi * 18 * (1 / nodes) * buffer_factor), int(ll)
-        if offload_optimizer:
-            return int(psi * 16 * (1 / nodes) * buffer_factor), int(ll + int(2 * psi / g))
-        return int(largest_layer * 4 * gpus_per_node * buffer_factor), int(ll + int(18 * psi / g))
-    if stage == 2 or (stage == 1 and offload_optimizer):
-        if offload_optimizer:
-            return int(psi * max(4 * g, 16) * buffer_factor), int(2 * psi)
-        return int(psi * 4 * gpus_per_node * buffer_factor), int(2 * psi + int(18 * psi / g))
-    if stage == 1:  # 16-bit params and grads whole; fp32 grads, master and Adam moments partitioned
-        return int(psi * 4 * gpus_per_node * buffer_factor), int(4 * psi + int(16 * psi / g))
-    return int(psi * 4 * gpus_per_node * buffer_factor), int(20 * psi)  # ZeRO-0: everything on every GPU
+def _net_efficiency(c: Cluster) -> tuple[float, float, float]:
+    return NET_EFFICIENCY_RDMA if c.gpu.p2p else NET_EFFICIENCY_SOCKETS
 
 
-def _state_split(stage: int, psi: int, g: int, off_opt: bool, off_param: bool) -> dict[str, float]:
-    """The same GPU model-state bytes, split into parameters / gradients / optimizer states."""
-    if stage == 3:
-        return {"params": 0 if off_param else 2 * psi / g, "grads": 0 if off_opt else 6 * psi / g,
-                "optimizer": 0 if off_opt else 12 * psi / g}
-    if stage == 2:
-        return {"params": 2 * psi, "grads": 0 if off_opt else 6 * psi / g, "optimizer": 0 if off_opt else 12 * psi / g}
-    if stage == 1:
-        return {"params": 2 * psi, "grads": 2 * psi + (0 if off_opt else 4 * psi / g),
-                "optimizer": 0 if off_opt else 12 * psi / g}
-    return {"params": 2 * psi, "grads": 6 * psi, "optimizer": 12 * psi}
-
-
-def activation_bytes(shape: ModelShape, seq_len: int, micro: int, checkpointing: bool) -> dict[str, float]:
-    """Activation memory of one micro-batch (bf16). Per layer: attention norm in/out, q, k, v, attention output
-    (10 s b h + 4 s b h_kv), SwiGLU gate, up, act, product (8 s b f), flash-attention row stats (4 s b a).
-    Full recompute keeps each layer's input (2 s b h) plus one layer's activations while it is recomputed.
-    Logits: bf16 output, fp32 copy and fp32 log-softmax for the loss (12 s b V)."""
-    sb = seq_len * micro
-    h_kv = shape.num_kv_heads * shape.head_dim
-    per_layer = sb * (10 * shape.hidden_size + 4 * h_kv + 8 * shape.ffn_hidden_size) + 4 * sb * shape.num_heads
-    layers = (shape.num_layers * 2 * sb * shape.hidden_size + per_layer) if checkpointing else shape.num_layers * per_layer
-    return {"layers": float(layers), "logits": float(12 * sb * shape.vocab_size),
-            "embeddings": float(4 * sb * shape.hidden_size)}
-
-
-def _bandwidths(c: Cluster) -> tuple[float, float]:
-    """(collective bandwidth per GPU in bytes/s, PCIe bytes/s per direction)."""
-    pcie = c.gpu.pcie_gbs * 1e9
-    intra = c.gpu.nvlink_gbs * 1e9 if c.gpu.nvlink_gbs else (pcie / 2 if not c.gpu.p2p else pcie)
-    if c.nodes == 1:
-        return intra, pcie
-    # NCCL reaches ~12.2 GB/s busbw on 100 Gbps (98% of line rate); the NIC is shared by a node's GPUs.
-    net = c.network_gbps / 8 * 1e9 * 0.98 / c.gpus_per_node
-    return min(net, intra), pcie
-
-
-def estimate(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu_assumed: float = 0.45) -> Estimate:
-    psi, g = shape.num_params(), c.world
+def _step_time(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu: float, net_eff: float
+               ) -> dict[str, float]:
+    """Seconds per optimizer step, by part. Collective bytes are per rank; a ring over the nodes carries about a
+    rank's volume across each node's NIC, which all of the node's GPUs share."""
+    psi, g, gpn = shape.num_params(), c.world, c.gpus_per_node
     off_opt, off_par = cand.offload_optimizer != "none", cand.offload_param != "none"
-    _, states_gpu = deepspeed_model_states(cand.stage, psi, shape.largest_layer_params(), c.gpus_per_node, c.nodes,
-                                           off_opt, off_par)
-    split = _state_split(cand.stage, psi, g, off_opt, off_par)
-    act = activation_bytes(shape, seq_len, cand.micro_batch_size, cand.activation_checkpointing)
-    if cand.stage == 3:
-        buffers = 2 * max(0.0, cand.max_live - shape.largest_layer_params()) + 2 * cand.prefetch_bucket \
-            + 2 * 2 * cand.reduce_bucket
-        working = 4.0 * shape.largest_layer_params()  # gathered 16-bit params + grads of the largest layer
-    else:
-        buffers = 4.5 * 2 * cand.reduce_bucket if cand.stage in (1, 2) else 2 * 2.5e7
-        working = 0.0
-    live = sum(split.values()) + working + buffers + sum(act.values())
-    gpu = {**split, "working_layer": working, "ds_buffers": buffers, "activations": act["layers"] + act["embeddings"],
-           "logits": act["logits"], "cuda_context": CUDA_CONTEXT,
-           "fragmentation": (FRAGMENTATION - 1) * live}
-    gpu["total"] = sum(gpu.values())
-    gpu["model_states_deepspeed"] = states_gpu
+    pcie = c.gpu.pcie_gbs * 1e9
+    intra = c.gpu.nvlink_gbs * 1e9 if c.gpu.nvlink_gbs else (pcie if c.gpu.p2p else pcie / 2)
+    coll_bw = intra if c.nodes == 1 else min(intra, c.network_gbps / 8 * 1e9 * net_eff)
+    # A node's cards copy through one host: its memory bandwidth (shared with CPU Adam) bounds their sum.
+    node_pcie = min(gpn * pcie, c.cpu_mem_bw_gbs * 1e9 / 2)
 
-    # Host memory per node: offloaded states (pinned 16-bit params + fp32 grads; pageable fp32 master + Adam).
-    host_pinned, host_pageable, nvme = 0.0, 0.0, 0.0
-    per_node = psi / c.nodes
-    if cand.offload_optimizer == "cpu":
-        host_pinned += 4 * per_node
-        host_pageable += 12 * per_node
-    elif cand.offload_optimizer == "nvme":
-        nvme += 16 * per_node
-        host_pinned += 4 * cand.sub_group * 4 * c.gpus_per_node
-    if cand.offload_param == "cpu":
-        host_pinned += 2 * per_node
-    elif cand.offload_param == "nvme":
-        nvme += 2 * per_node
-        host_pinned += 5 * 1e8 * 2 * c.gpus_per_node
-    host = {"pinned": host_pinned, "pageable": host_pageable + RANK_HOST_OVERHEAD * c.gpus_per_node}
-    host["total"] = host["pinned"] + host["pageable"]
-
-    # Time per optimizer step.
-    coll_bw, pcie_bw = _bandwidths(c)
     tokens_micro = cand.micro_batch_size * seq_len
     peak = c.gpu.bf16_tflops * 1e12
-    fpt = shape.flops_per_token(seq_len)
-    hw_fpt = fpt * (4 / 3 if cand.activation_checkpointing else 1)
-    compute = tokens_micro * hw_fpt / (peak * mfu_assumed)
+    hw_fpt = shape.flops_per_token(seq_len) * (4 / 3 if cand.activation_checkpointing else 1)
+    compute = tokens_micro * hw_fpt / (peak * mfu)
+
     share = (g - 1) / g if g > 1 else 0.0
-    net_micro = (3 * 2 * psi * share) if cand.stage == 3 else (2 * psi * share if cand.stage == 2 else 0.0)
-    net_step = {0: 4 * psi * share, 1: 4 * psi * share + 2 * psi * share, 2: 2 * psi * share, 3: 0.0}[cand.stage]
-    pcie_micro = (4 * psi if off_par else 0.0) + (0 if c.gpu.p2p and c.nodes == 1 else net_micro * 2 / 3)
-    pcie_step = (6 * psi / g if off_opt and not off_par else 0.0) + (net_step if not c.gpu.p2p else 0.0)
+    gathers = 0
+    if cand.stage == 3:
+        gathers = 2  # forward and backward all-gather of every parameter
+        layer = shape.layer_params()
+        if cand.activation_checkpointing and (cand.max_reuse or cand.max_live) < layer:
+            gathers += 1  # the recompute gathers each layer again: it was released (reuse distance < a layer)
+    net_micro = (gathers * 2 * psi + 2 * psi) * share if cand.stage == 3 else (2 * psi * share if cand.stage == 2
+                                                                                else 0.0)
+    net_step = {0: 4 * psi * share, 1: 6 * psi * share, 2: 2 * psi * share, 3: 0.0}[cand.stage]
+    # PCIe per GPU per micro-step, the busier direction: offloaded parameter partitions in for each gather,
+    # offloaded gradient partitions out, and collectives staged through host memory without P2P/GPUDirect RDMA.
+    staged = c.nodes > 1 or not c.gpu.p2p
+    h2d = (gathers if off_par else 0) * 2 * psi / g + (net_micro / 2 if staged else 0.0)
+    d2h = (2 * psi / g if off_opt else 0.0) + (net_micro / 2 if staged else 0.0)
+    pcie_micro_t = gpn * max(h2d, d2h) / node_pcie
+    pcie_step_t = ((2 * psi / g if off_opt and not off_par else 0.0) + (net_step if staged else 0.0)) * gpn / node_pcie
     n_coll = (3 * psi / cand.reduce_bucket) if cand.stage == 3 else 0.0
-    net_t, pcie_t = net_micro / coll_bw if net_micro else 0.0, pcie_micro / pcie_bw
-    parts = [compute, net_t, pcie_t]
+    net_t = net_micro / coll_bw if net_micro else 0.0
+    parts = [compute, net_t, pcie_micro_t]
     micro_t = max(parts) + OVERLAP_RESIDUE * (sum(parts) - max(parts)) + n_coll * COLLECTIVE_LATENCY_S
+    per_node = psi / c.nodes
     if off_opt:
-        opt_t = per_node * ADAM_BYTES_PER_PARAM / (c.cpu_mem_bw_gbs * 1e9)
+        rate = min(c.cpu_cores * CPU_ADAM_PARAMS_PER_CORE_S, c.cpu_mem_bw_gbs * 1e9 / ADAM_BYTES_PER_PARAM)
+        opt_t = per_node / rate
         if cand.offload_optimizer == "nvme":
             opt_t += 2 * 16 * per_node / (c.nvme_gbs * 1e9)
     else:
         opt_t = (psi / g if cand.stage else psi) * ADAM_BYTES_PER_PARAM / (c.gpu.mem_bw_gbs * 1e9)
-    step_comm = (net_step / coll_bw if net_step else 0.0) + pcie_step / pcie_bw
-    step_t = cand.grad_accum * micro_t + opt_t + step_comm
-    tokens_step = tokens_micro * cand.grad_accum * g
-    tps = tokens_step / step_t
-    ceiling = g * peak / fpt
-    time = {"compute": cand.grad_accum * compute, "network": cand.grad_accum * net_t + (net_step / coll_bw if net_step
-                                                                                         else 0.0),
-            "pcie": cand.grad_accum * pcie_t + pcie_step / pcie_bw, "optimizer": opt_t,
-            "collective_latency": cand.grad_accum * n_coll * COLLECTIVE_LATENCY_S}
-    why = []
+    step_net_t = net_step / coll_bw if net_step else 0.0
+    total = cand.grad_accum * micro_t + opt_t + step_net_t + pcie_step_t + STEP_OVERHEAD_S
+    return {"total": total, "compute": cand.grad_accum * compute, "network": cand.grad_accum * net_t + step_net_t,
+            "pcie": cand.grad_accum * pcie_micro_t + pcie_step_t, "optimizer": opt_t,
+            "collective_latency": cand.grad_accum * n_coll * COLLECTIVE_LATENCY_S, "overhead": STEP_OVERHEAD_S}
+
+
+def estimate(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu_assumed: float = 0.40,
+             loss_chunk_tokens: int | None = None) -> Estimate:
+    """One configuration: memory, time (point and range), fit. `loss_chunk_tokens`: the trainer's chunked loss
+    (pipeline.model.loss_chunk_tokens); None models a plain loss over full logits."""
+    gpu = gpu_memory(shape, seq_len, c, cand, loss_chunk_tokens)
+    host = host_memory(shape, c, cand)
+    psi = shape.num_params()
+    nvme = 0.0
+    if cand.offload_optimizer == "nvme":
+        nvme += 16 * psi / c.nodes
+    if cand.offload_param == "nvme":
+        nvme += 2 * psi / c.nodes
+    lo_eff, point_eff, hi_eff = _net_efficiency(c)
+    t = _step_time(shape, seq_len, c, cand, mfu_assumed, point_eff)
+    fast = _step_time(shape, seq_len, c, cand, min(1.0, mfu_assumed * MFU_RANGE[1]), hi_eff)["total"]
+    slow = _step_time(shape, seq_len, c, cand, mfu_assumed * MFU_RANGE[0], lo_eff)["total"]
+    g = c.world
+    tokens_step = cand.micro_batch_size * seq_len * cand.grad_accum * g
+    fpt = shape.flops_per_token(seq_len)
+    peak = c.gpu.bf16_tflops * 1e12
+    tps = tokens_step / t["total"]
+    why: list[str] = []
+    warnings: list[str] = []
     limit = c.gpu.memory_gib * GiB
-    if gpu["total"] > limit:
-        why.append(f"GPU memory {gpu['total'] / GiB:.1f} GiB > {c.gpu.memory_gib:.1f} GiB")
+    if gpu["reserved"] + gpu["margin"] > limit:
+        why.append(f"GPU memory {gpu['reserved'] / GiB:.1f} GiB + {gpu['margin'] / GiB:.1f} GiB margin > "
+                   f"{c.gpu.memory_gib:.1f} GiB")
     if host["total"] > HOST_RAM_LIMIT * c.cpu_mem_bytes:
         why.append(f"host RAM {host['total'] / 1e9:.0f} GB per node > 80% of {c.cpu_mem_bytes / 1e9:.0f} GB")
     if nvme > c.nvme_bytes:
         why.append(f"NVMe {nvme / 1e12:.2f} TB per node needed, {c.nvme_bytes / 1e12:.2f} TB given")
+    if cand.stage == 3 and any(v > m for v, m in zip((cand.reduce_bucket, cand.prefetch_bucket, cand.max_live),
+                                                     MEASURED_SAFE_ZERO3, strict=True)):
+        sizes = f"reduce {cand.reduce_bucket:.0e}, prefetch {cand.prefetch_bucket:.0e}, max live {cand.max_live:.0e}"
+        why.append(f"ZeRO-3 buckets ({sizes}) above the largest measured to fit (2e8, 2e8, 5e8): DeepSpeed's "
+                   "defaults ran out of memory on a 24 GiB card with a 70B slice that the buffer arithmetic puts "
+                   "at 9 GiB; use the planner's sizes (--write-ds-config)")
     # No clamp to the ceiling: with 0 < MFU <= 1 the compute time alone keeps tokens/s below it, and a figure
     # above it would be a planner bug to see, not to hide.
-    return Estimate(cand, gpu, host, nvme, time, step_t, tps, ceiling, tps * fpt / (g * peak), not why, why)
+    return Estimate(cand, gpu, host, nvme, {k: v for k, v in t.items() if k != "total"}, t["total"], tps,
+                    g * peak / fpt, tps * fpt / (g * peak), not why, why,
+                    step_time_range_s=(fast, slow), tokens_per_s_range=(tokens_step / slow, tokens_step / fast),
+                    warnings=warnings)
+
+
+def candidate_from_ds(ds: dict[str, Any], micro_batch_size: int, grad_accum: int,
+                      activation_checkpointing: bool) -> Candidate:
+    """The configuration a DeepSpeed JSON describes; fields it leaves out (or "auto") take DeepSpeed's defaults."""
+    zero = ds.get("zero_optimization") or {}
+
+    def num(key: str, default: float) -> float:
+        v = zero.get(key, default)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+    def device(key: str) -> str:
+        d = (zero.get(key) or {}).get("device", "none")
+        return d if d in ("cpu", "nvme") else "none"
+
+    stage = zero.get("stage", 0)
+    return Candidate(int(stage) if isinstance(stage, int) else 0, device("offload_optimizer"), device("offload_param"),
+                     activation_checkpointing, micro_batch_size, grad_accum, num("reduce_bucket_size", 5e8),
+                     num("stage3_prefetch_bucket_size", 5e7), num("stage3_max_live_parameters", 1e9),
+                     num("sub_group_size", 1e9), num("stage3_max_reuse_distance", 1e9))
 
 
 def candidates(c: Cluster, seq_len: int, global_batch_tokens: int, micro_sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
@@ -253,37 +249,75 @@ class Plan:
     ranked: list[Estimate]
     rejected: list[Estimate]
     advice: list[str]
-    mfu_assumed: float = 0.45
+    mfu_assumed: float = 0.40
+    global_batch_tokens: int = 0
+    """What was asked; the chosen configuration's own global batch may differ (rounded to whole micro-batches)."""
 
     def to_dict(self) -> dict[str, Any]:
-        def est(e: Estimate) -> dict[str, Any]:
-            return {"config": asdict(e.candidate), "label": e.candidate.label(), "gpu_bytes": e.gpu,
-                    "host_bytes_per_node": e.host, "nvme_bytes_per_node": e.nvme_bytes, "time_s": e.time,
-                    "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
-                    "ceiling_tokens_per_s": e.ceiling_tokens_per_s, "mfu": e.mfu, "fits": e.fits, "why_not": e.why_not}
         return {"model": self.shape.as_dict(), "params": self.shape.num_params(), "seq_len": self.seq_len,
                 "cluster": {**asdict(self.cluster), "gpu": asdict(self.cluster.gpu)},
-                "best": est(self.best) if self.best else None, "runners_up": [est(e) for e in self.ranked[1:6]],
-                "advice": self.advice, "mfu_assumed": self.mfu_assumed}
+                "best": estimate_dict(self.best) if self.best else None,
+                "runners_up": [estimate_dict(e) for e in self.ranked[1:6]],
+                "advice": self.advice, "mfu_assumed": self.mfu_assumed, "mfu_convention": MFU_CONVENTION,
+                "global_batch_tokens_requested": self.global_batch_tokens}
+
+
+MFU_CONVENTION = "PaLM: 6N + 12*L*h*s FLOPs per token (as TinyLlama and torchtitan count)"
+
+
+def estimate_dict(e: Estimate) -> dict[str, Any]:
+    return {"config": asdict(e.candidate), "label": e.candidate.label(), "gpu_bytes": e.gpu,
+            "peak_allocated": e.gpu["peak_allocated"], "reserved": e.gpu["reserved"], "margin": e.gpu["margin"],
+            "host_bytes_per_node": e.host, "nvme_bytes_per_node": e.nvme_bytes, "time_s": e.time,
+            "step_time_s": e.step_time_s, "step_time_range_s": list(e.step_time_range_s),
+            "tokens_per_s": e.tokens_per_s, "tokens_per_s_range": list(e.tokens_per_s_range),
+            "ceiling_tokens_per_s": e.ceiling_tokens_per_s, "mfu": e.mfu, "fits": e.fits, "why_not": e.why_not,
+            "warnings": e.warnings}
+
+
+def trainer_loss_chunk(shape: ModelShape) -> int:
+    """The chunk our trainer computes its loss in by default (pipeline.model), so the plan counts its logits."""
+    from pipeline.model import loss_chunk_tokens
+
+    return loss_chunk_tokens(shape.vocab_size)
+
+
+def choose(fitting: list[Estimate]) -> list[Estimate]:
+    """Fastest first; throughputs within NEAR_TIE of the fastest count as a tie, broken toward less memory."""
+    if not fitting:
+        return []
+    ranked = sorted(fitting, key=lambda e: (-e.tokens_per_s, e.gpu["reserved"]))
+    best_tps = ranked[0].tokens_per_s
+    ties = sorted((e for e in ranked if e.tokens_per_s >= (1 - NEAR_TIE) * best_tps), key=lambda e: e.gpu["reserved"])
+    return [ties[0]] + [e for e in ranked if e is not ties[0]]
 
 
 def search(shape: ModelShape, seq_len: int, c: Cluster, global_batch_tokens: int = 4 * 2**20,
-           mfu_assumed: float = 0.45, fixed_micro: int | None = None) -> Plan:
-    ests = [estimate(shape, seq_len, c, cand, mfu_assumed)
+           mfu_assumed: float = 0.40, fixed_micro: int | None = None, loss_chunk_tokens: int | None = -1) -> Plan:
+    """All candidate configurations, fitting ones ranked. `loss_chunk_tokens` -1: the trainer's default chunk."""
+    chunk = trainer_loss_chunk(shape) if loss_chunk_tokens == -1 else loss_chunk_tokens
+    ests = [estimate(shape, seq_len, c, cand, mfu_assumed, chunk)
             for cand in candidates(c, seq_len, global_batch_tokens, fixed_micro=fixed_micro)]
-    fitting = sorted((e for e in ests if e.fits), key=lambda e: (-e.tokens_per_s, e.gpu["total"]))
+    fitting = choose([e for e in ests if e.fits])
     rejected = sorted((e for e in ests if not e.fits), key=lambda e: -e.tokens_per_s)
     advice = [] if fitting else _advice(shape, seq_len, c, global_batch_tokens, mfu_assumed)
-    return Plan(shape, seq_len, c, fitting[0] if fitting else None, fitting, rejected, advice, mfu_assumed)
+    return Plan(shape, seq_len, c, fitting[0] if fitting else None, fitting, rejected, advice, mfu_assumed,
+                global_batch_tokens)
 
 
 def _advice(shape: ModelShape, seq_len: int, c: Cluster, gbt: int, mfu: float) -> list[str]:
     tips = []
     psi = shape.num_params()
-    need = (18 * psi * 1.0 + RANK_HOST_OVERHEAD * c.world) / (HOST_RAM_LIMIT * c.cpu_mem_bytes)
-    if need > c.nodes:
-        tips.append(f"fp32 master weights, gradients and Adam moments alone are {16 * psi / 1e9:,.0f} GB; with CPU offload they need about "
-                    f"{math.ceil(need)} nodes of {c.cpu_mem_bytes / 1e9:.0f} GB RAM (you have {c.nodes})")
+    offload = estimate(shape, seq_len, c, Candidate(3, "cpu", "cpu", True, 1, 1, *BUCKETS_ZERO3[0], 1e8), mfu)
+    if offload.host["total"] > HOST_RAM_LIMIT * c.cpu_mem_bytes:
+        per_node_limit = HOST_RAM_LIMIT * c.cpu_mem_bytes
+        nodes_needed = next((n for n in range(c.nodes + 1, 1025)
+                             if host_memory(shape, replace(c, nodes=n), offload.candidate)["total"] <= per_node_limit),
+                            1024)
+        tips.append(f"fp32 master weights, gradients and Adam moments alone are {16 * psi / 1e9:,.0f} GB; ZeRO-3 with "
+                    f"CPU offload needs {offload.host['total'] / 1e9:,.0f} GB of host RAM per node here (80% limit: "
+                    f"{per_node_limit / 1e9:,.0f} GB): about {nodes_needed} nodes of "
+                    f"{c.cpu_mem_bytes / 1e9:.0f} GB RAM (you have {c.nodes})")
     if not c.nvme_bytes:
         nv = replace(c, nvme_bytes=10**15)
         if search(shape, seq_len, nv, gbt, mfu).best is not None:

@@ -27,7 +27,7 @@ from pipeline.train.engine import build_engine
 from pipeline.train.metrics import MetricsSink, Throughput, format_line, mem_gib
 from pipeline.train.resume import choose_resume, resume_problems
 from pipeline.train.schedule import lr_at, max_steps_for
-from pipeline.train.setup import Dist, apply_memory_cap, init_distributed
+from pipeline.train.setup import Dist, apply_memory_cap, environment, init_distributed
 from pipeline.train.step import micro_step_loss, train_step
 
 log = logging.getLogger("pipeline.pretrain")
@@ -112,6 +112,7 @@ def start_or_resume(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, 
     if env.rank == 0:
         write_text(run_dir / "config.yaml", dump(cfg))
         write_json(run_dir / "ds_config.json", ds)
+        write_json(run_dir / "environment.json", environment(env.world_size, env.device))
     return state
 
 

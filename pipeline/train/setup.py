@@ -109,6 +109,42 @@ def planning_card(device_name: str, total_bytes: int, gpu_memory_cap_gib: float 
     return replace(card, memory_gib=min(memory, gpu_memory_cap_gib or memory))
 
 
+def ranks_per_node(world_size: int) -> int:
+    """Ranks on this node, as the launcher says (LOCAL_SIZE), else the whole world."""
+    return int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+
+
+def host_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_card(ram_bytes: float, ranks: int) -> Any:
+    """A CPU rank as the planner's "card": its share of host RAM, a nominal 0.5 TF. Only for the arithmetic of
+    CPU test runs; the planner's GPU physics (MFU, PCIe) says nothing true about them."""
+    from pipeline.plan.gpus import GPU
+
+    return GPU("CPU rank", ram_bytes / max(1, ranks) / 2**30 * 0.8, 0.5, 20.0, 0, 10.0, True)
+
+
+def environment(world_size: int, device: torch.device) -> dict[str, Any]:
+    """What a run ran on (RUN_DIR/environment.json), so `pipeline plan --from-run` can plan the same cluster."""
+    import importlib.metadata as md
+
+    local = ranks_per_node(world_size)
+    info: dict[str, Any] = {"world_size": world_size, "ranks_per_node": local, "nodes": max(1, world_size // local),
+                            "device": "cpu", "device_memory_bytes": None, "host_ram_bytes": host_ram_bytes(),
+                            "cpu_cores": os.cpu_count()}
+    if device.type == "cuda":
+        info["device"] = torch.cuda.get_device_name(device)
+        info["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    for pkg in ("torch", "deepspeed", "transformers"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = None
+    return info
+
+
 def auto_ds_config(shape: ModelShape, plan: BatchPlan, world_size: int,
                    gpu_memory_cap_gib: float | None = None, local_size: int | None = None
                    ) -> tuple[dict[str, Any], bool]:
@@ -118,14 +154,14 @@ def auto_ds_config(shape: ModelShape, plan: BatchPlan, world_size: int,
     from pipeline.plan import search as planner
     from pipeline.plan.gpus import GPU
 
-    local = local_size or int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = local_size or ranks_per_node(world_size)
+    ram = host_ram_bytes()
     card: GPU
     if accelerator_name() == "cuda":
         card = planning_card(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory,
                              gpu_memory_cap_gib)
     else:
-        card = GPU("CPU rank", ram / max(1, local) / 2**30 * 0.8, 0.5, 20.0, 0, 10.0, True)
+        card = cpu_card(ram, local)
     cluster = planner.Cluster(max(1, world_size // local), local, card, ram)
     result = planner.search(shape, plan.seq_len, cluster, plan.tokens_per_step, fixed_micro=plan.micro_batch_size)
     if result.best is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.plan.search import _state_split
+from pipeline.plan.memory import state_split
 from tests.multiproc import launch
 
 pytestmark = pytest.mark.slow
@@ -27,6 +27,30 @@ def test_model_state_bytes_match_a_real_engine(shards: Path, tmp_path: Path, pre
     res = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     measured = json.loads(out.read_text())
-    planned = _state_split(stage, measured["psi"], 2, False, False)
+    planned = state_split(stage, measured["psi"], 2, False, False)
     for key in ("params", "grads", "optimizer"):
         assert measured[key] == pytest.approx(planned[key], rel=0.10), (key, measured, planned)
+
+
+def test_from_run_puts_the_plan_beside_what_the_run_measured(zero_runs: dict[int, Path]) -> None:
+    import statistics
+
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    run_dir = zero_runs[3]
+    env = json.loads((run_dir / "environment.json").read_text())
+    assert env["world_size"] == 2 and env["device"] == "cpu" and env["deepspeed"]
+    r = CliRunner().invoke(main, ["plan", "--from-run", str(run_dir)])
+    assert r.exit_code == 0, r.output
+    assert "measured/planned" in r.output and "ZeRO-3" in r.output and "a CPU run" in r.output
+    d = json.loads(CliRunner().invoke(main, ["plan", "--from-run", str(run_dir), "--json"]).output)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row][1:]
+    assert d["tokens_per_s"]["measured"] == pytest.approx(statistics.median(tps))
+    assert d["step_time_s"]["measured"] == pytest.approx(8 * 64 / statistics.median(tps))  # global batch 8 x seq 64
+    for key in ("peak_memory_gib", "step_time_s", "tokens_per_s"):
+        assert d[key]["predicted"] > 0 and d[key]["ratio"] == pytest.approx(d[key]["measured"] / d[key]["predicted"])
+    r = CliRunner().invoke(main, ["plan", "--from-run", str(run_dir), "--nodes", "1", "--gpus-per-node", "4"])
+    assert r.exit_code == 2 and "the run had 2 ranks" in r.output

@@ -1,0 +1,164 @@
+"""Memory of one training configuration: per GPU (live tensors at the peak, what the card must hold, the margin
+kept) and per node in host RAM. Pure arithmetic over the model shape; the coefficients are measured (see each).
+
+GPU, like with like: `peak_allocated` is what `torch.cuda.max_memory_allocated` reports (live tensors at the
+peak); `reserved` adds the allocator's slack and the CUDA context, and is what the card must hold. A plan fits
+when `reserved` plus a margin (max(1.5 GiB, 7% of the card)) is within the card."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from pipeline.model import ModelShape
+
+if TYPE_CHECKING:
+    from pipeline.plan.search import Candidate, Cluster
+
+GiB = 2**30
+CUDA_CONTEXT = int(0.8 * GiB)       # CUDA context, cuBLAS/NCCL workspaces: outside max_memory_allocated
+FRAGMENTATION = 1.10                # caching-allocator slack on top of live tensors
+MARGIN_MIN_BYTES = int(1.5 * GiB)
+MARGIN_FRACTION = 0.07
+RANK_HOST_OVERHEAD = 6 * GiB        # torch + CUDA libraries + DeepSpeed per rank process, host RAM
+
+# Bytes saved for the backward per token by one transformers LlamaDecoderLayer in bf16 with SDPA, measured with
+# saved-tensor hooks (bench/activation_bytes.py; tests/unit/test_plan_memory.py re-measures it):
+# 20 h (bf16 inputs/outputs of q, k, v, o, the residuals, and the fp32 RMSNorm intermediates) + 4 h_kv (k, v)
+# + 8 f (SwiGLU gate, up, act, product) + 5 a (attention's fp32 log-sum-exp and its bf16 output per head).
+ACT_PER_H, ACT_PER_HKV, ACT_PER_F, ACT_PER_HEAD = 20, 4, 8, 5
+# The plain loss over full logits: bf16 logits, their fp32 copy, fp32 log-softmax and the fp32 gradient.
+LOGIT_BYTES = 14
+
+
+def layer_activation_bytes_per_token(shape: ModelShape) -> int:
+    h_kv = shape.num_kv_heads * shape.head_dim
+    return (ACT_PER_H * shape.hidden_size + ACT_PER_HKV * h_kv + ACT_PER_F * shape.ffn_hidden_size
+            + ACT_PER_HEAD * shape.num_heads)
+
+
+def activation_bytes(shape: ModelShape, seq_len: int, micro: int, checkpointing: bool,
+                     loss_chunk_tokens: int | None = None) -> dict[str, float]:
+    """Activation memory of one micro-batch (bf16): `layers` at the end of the forward (full recompute keeps each
+    layer's bf16 input plus one layer's activations while it is recomputed), `one_layer`, `logits` (the loss's
+    peak: full logits, or one chunk of `loss_chunk_tokens` as our trainer computes it) and `embeddings`."""
+    sb = seq_len * micro
+    one = float(sb * layer_activation_bytes_per_token(shape))
+    layers = shape.num_layers * 2 * sb * shape.hidden_size + one if checkpointing else shape.num_layers * one
+    logit_tokens = sb if loss_chunk_tokens is None else min(sb, loss_chunk_tokens)
+    return {"layers": float(layers), "one_layer": one, "logits": float(LOGIT_BYTES * logit_tokens * shape.vocab_size),
+            "embeddings": float(4 * sb * shape.hidden_size)}
+
+
+def deepspeed_model_states(stage: int, psi: int, largest_layer: int, gpus_per_node: int, nodes: int,
+                           offload_optimizer: bool, offload_param: bool, buffer_factor: float = 1.5) -> tuple[int, int]:
+    """(cpu bytes per node, gpu bytes per GPU) for model states, exactly as DeepSpeed's estimators compute them
+    (stage 2/3; stages 0/1 by the same accounting), zero.Init assumed."""
+    g = nodes * gpus_per_node
+    if stage == 3:
+        ll = 4 * largest_layer
+        if offload_optimizer and offload_param:
+            return int(psi * 18 * (1 / nodes) * buffer_factor), int(ll)
+        if offload_optimizer:
+            return int(psi * 16 * (1 / nodes) * buffer_factor), int(ll + int(2 * psi / g))
+        return int(largest_layer * 4 * gpus_per_node * buffer_factor), int(ll + int(18 * psi / g))
+    if stage == 2 or (stage == 1 and offload_optimizer):
+        if offload_optimizer:
+            return int(psi * max(4 * g, 16) * buffer_factor), int(2 * psi)
+        return int(psi * 4 * gpus_per_node * buffer_factor), int(2 * psi + int(18 * psi / g))
+    if stage == 1:  # 16-bit params and grads whole; fp32 grads, master and Adam moments partitioned
+        return int(psi * 4 * gpus_per_node * buffer_factor), int(4 * psi + int(16 * psi / g))
+    return int(psi * 4 * gpus_per_node * buffer_factor), int(20 * psi)  # ZeRO-0: everything on every GPU
+
+
+def state_split(stage: int, psi: int, g: int, off_opt: bool, off_param: bool) -> dict[str, float]:
+    """GPU model-state bytes per GPU as a real engine holds them (checked against one in
+    tests/multiproc/test_plan_measured.py): parameters, gradients (bf16 and fp32 partitions), optimizer states."""
+    if stage == 3:
+        return {"params": 0 if off_param else 2 * psi / g, "grads": 0 if off_opt else 6 * psi / g,
+                "optimizer": 0 if off_opt else 12 * psi / g}
+    if stage == 2:
+        return {"params": 2 * psi, "grads": 0 if off_opt else 6 * psi / g, "optimizer": 0 if off_opt else 12 * psi / g}
+    if stage == 1:
+        return {"params": 2 * psi, "grads": 2 * psi + (0 if off_opt else 4 * psi / g),
+                "optimizer": 0 if off_opt else 12 * psi / g}
+    return {"params": 2 * psi, "grads": 6 * psi, "optimizer": 12 * psi}
+
+
+def margin_bytes(card_gib: float) -> float:
+    return max(MARGIN_MIN_BYTES, MARGIN_FRACTION * card_gib * GiB)
+
+
+def gpu_memory(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate,
+               loss_chunk_tokens: int | None) -> dict[str, float]:
+    """Per-GPU bytes. The peak is the larger of two moments: the start of the backward (every activation and the
+    loss's logits and their gradient alive) and its end (buckets full, ZeRO-0/1's whole bf16 gradients alive).
+    Model states and ZeRO-3's gathered layer and buffers are alive at both."""
+    psi, g = shape.num_params(), c.world
+    off_opt, off_par = cand.offload_optimizer != "none", cand.offload_param != "none"
+    split = state_split(cand.stage, psi, g, off_opt, off_par)
+    act = activation_bytes(shape, seq_len, cand.micro_batch_size, cand.activation_checkpointing, loss_chunk_tokens)
+    largest = shape.largest_layer_params()
+    if cand.stage == 3:
+        buffers = 2 * max(0.0, cand.max_live - largest) + 2 * cand.prefetch_bucket + 2 * 2 * cand.reduce_bucket
+        working = 4.0 * largest  # gathered 16-bit params + grads of the largest layer
+        transient_grads = 0.0
+    else:
+        buffers = 4.5 * 2 * cand.reduce_bucket if cand.stage in (1, 2) else 2 * 2.5e7
+        working = 0.0
+        # bf16 gradients exist from the backward until the step; stage 0/1 keep them whole, stage 2 in buckets.
+        transient_grads = 2.0 * psi if cand.stage in (0, 1) else 0.0
+    static = sum(split.values()) - transient_grads + working
+    forward = act["layers"] + act["embeddings"] + act["logits"]  # the loss's backward starts with all of it alive
+    if cand.stage == 3:
+        forward += buffers  # ZeRO-3's buffers live through the forward as well
+    backward = buffers + transient_grads + act["one_layer"]  # the end of the backward: gradients, few activations
+    peak = static + max(forward, backward)
+    reserved = peak * FRAGMENTATION + CUDA_CONTEXT
+    return {**split, "working_layer": working, "ds_buffers": buffers, "activations": act["layers"] + act["embeddings"],
+            "logits": act["logits"], "peak_phase_backward": float(backward > forward),
+            "peak_allocated": peak, "reserved": reserved, "margin": margin_bytes(c.gpu.memory_gib),
+            "cuda_context": float(CUDA_CONTEXT), "fragmentation": peak * (FRAGMENTATION - 1), "total": reserved}
+
+
+def pinned(nbytes: float, pieces: int = 1) -> float:
+    """Pinned host memory as torch allocates it: each of `pieces` equal allocations rounded up to a power of two
+    (the caching host allocator's rounding, kept for the life of the process)."""
+    if nbytes <= 0:
+        return 0.0
+    piece = nbytes / pieces
+    return pieces * float(2 ** math.ceil(math.log2(piece)))
+
+
+def host_memory(shape: ModelShape, c: Cluster, cand: Candidate) -> dict[str, float]:
+    """Host RAM per node, buffer by buffer as DeepSpeed 0.19 allocates them per rank (ZeRO-3: one pinned bf16
+    gradient-accumulation buffer, pinned bf16 parameter partitions per param group, a pinned fp32 gradient buffer
+    per optimizer sub-group; pageable fp32 master weights and Adam moments), plus each rank's process."""
+    psi, g, gpn = shape.num_params(), c.world, c.gpus_per_node
+    part = psi / g  # parameters one rank owns
+    pin, pageable = 0.0, 0.0
+    subgroups = max(1, math.ceil(part / cand.sub_group))
+    if cand.offload_optimizer == "cpu":
+        if cand.stage == 3:
+            pin += pinned(2 * part)                                       # bf16 gradient accumulation
+            pin += pinned(4 * part, subgroups)                           # fp32 gradients per sub-group
+            pageable += 12 * part                                         # fp32 master, Adam m and v
+        else:
+            pin += pinned(4 * part) + pinned(4 * part)                    # fp32 gradients, fp32 master
+            pageable += 8 * part
+    elif cand.offload_optimizer == "nvme":
+        pin += pinned(4 * cand.sub_group * 4, 4)                          # swap buffers
+        pin += pinned(2 * part)
+    if cand.offload_param == "cpu":
+        pin += pinned(2 * part)                                           # bf16 partitions (the decay group)
+    elif cand.offload_param == "nvme":
+        pin += pinned(5 * 1e8 * 2, 5)
+    per_node_pinned, per_node_pageable = pin * gpn, pageable * gpn + RANK_HOST_OVERHEAD * gpn
+    out = {"pinned": per_node_pinned, "pageable": per_node_pageable,
+           "itemized": per_node_pinned + per_node_pageable, "deepspeed_estimate": 0.0}
+    if cand.offload_optimizer == "cpu" and cand.stage in (2, 3):
+        cpu, _ = deepspeed_model_states(cand.stage, psi, shape.largest_layer_params(), gpn, c.nodes, True,
+                                        cand.offload_param == "cpu")
+        out["deepspeed_estimate"] = float(cpu) + RANK_HOST_OVERHEAD * gpn
+    out["total"] = out["itemized"]  # DeepSpeed's estimate (a flat 1.5x buffer factor) is shown beside it
+    return out

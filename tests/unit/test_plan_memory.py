@@ -1,0 +1,173 @@
+"""The planner's memory and time model item by item: activation bytes measured on a real transformers layer,
+host RAM buffer by buffer, the margin, the network and PCIe per node, time as a range, ties toward less memory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.model import PRESETS, ModelShape
+from pipeline.plan.gpus import GPUS
+from pipeline.plan.memory import activation_bytes, layer_activation_bytes_per_token, pinned
+from pipeline.plan.search import Candidate, Cluster, choose, estimate, search
+
+GiB = 2**30
+SEED = Cluster(8, 1, GPUS["4090d"], 512 * 10**9)
+FOUR_BY_FOUR = Cluster(4, 4, GPUS["4090d"], 512 * 10**9)
+
+
+def saved_bytes_per_token(shape: ModelShape, seq: int = 128) -> float:
+    """Bytes a bf16 transformers LlamaDecoderLayer saves for its backward, per token, by saved-tensor hooks
+    (distinct storages; the layer's parameters, its input and the RoPE tables shared by all layers excluded)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from pipeline.model import llama_config
+
+    cfg = llama_config(shape)
+    layer = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16)
+    x = torch.randn(1, seq, shape.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(seq)[None]
+    cos, sin = (t.to(torch.bfloat16) for t in LlamaRotaryEmbedding(cfg)(x, pos))
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {
+        t.untyped_storage().data_ptr() for t in (x, cos, sin)}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin))
+    return sum(seen.values()) / seq
+
+
+@pytest.mark.parametrize("shape", [
+    ModelShape(hidden_size=256, num_layers=1, ffn_hidden_size=688, num_heads=4, num_kv_heads=2, vocab_size=500),
+    ModelShape(hidden_size=512, num_layers=1, ffn_hidden_size=1376, num_heads=8, num_kv_heads=8, vocab_size=500),
+    ModelShape(hidden_size=384, num_layers=1, ffn_hidden_size=1536, num_heads=6, num_kv_heads=2, vocab_size=500),
+])
+def test_activation_coefficients_are_what_a_real_llama_layer_saves(shape: ModelShape) -> None:
+    measured = saved_bytes_per_token(shape)
+    assert layer_activation_bytes_per_token(shape) == pytest.approx(measured, rel=0.02)
+
+
+def test_the_trainers_chunked_loss_holds_one_chunk_of_logits() -> None:
+    full = activation_bytes(PRESETS["1b"], 2048, 8, False)["logits"]
+    assert full == 14 * 2048 * 8 * 32000
+    assert activation_bytes(PRESETS["1b"], 2048, 8, False, loss_chunk_tokens=2097)["logits"] == 14 * 2097 * 32000
+
+
+def test_pinned_buffers_round_up_to_powers_of_two() -> None:
+    assert pinned(3 * 2**30) == 4 * 2**30 and pinned(2**30) == 2**30
+    assert pinned(10 * 4e8, 10) == 10 * 2**29 and pinned(0) == 0
+
+
+def test_host_ram_70b_refused_on_4x4_and_accepted_on_8x1() -> None:
+    """ZeRO-3 offload of 70B: 465 GB per 512 GB node on 4 nodes x 4 cards (DeepSpeed's estimator: 466 + the
+    processes), above the 80% limit; 225 GB per node on 8 x 1."""
+    offload = Candidate(3, "cpu", "cpu", True, 1, 61, 1e8, 1e8, 3e8, 1e8)
+    e = estimate(PRESETS["70b"], 4096, FOUR_BY_FOUR, offload)
+    assert e.host["total"] / 1e9 == pytest.approx(465, rel=0.03) and not e.fits
+    assert any("host RAM 465 GB per node > 80% of 512 GB" in w for w in e.why_not)
+    assert e.host["deepspeed_estimate"] / 1e9 == pytest.approx(466 + 24, rel=0.01)
+    best = search(PRESETS["70b"], 4096, FOUR_BY_FOUR).best  # optimizer-only offload may still fit: within 80%
+    assert best is None or (best.candidate.offload_param == "none" and best.host["total"] <= 0.8 * 512e9)
+    eight = estimate(PRESETS["70b"], 4096, SEED, replace(offload, grad_accum=122))
+    assert eight.host["total"] / 1e9 == pytest.approx(225, rel=0.03) and eight.fits
+
+
+def test_every_accepted_plan_keeps_the_stated_margin() -> None:
+    for name in ("1b", "7b", "13b", "70b"):
+        for cluster in (SEED, FOUR_BY_FOUR):
+            for e in search(PRESETS[name], 4096, cluster).ranked:
+                assert e.gpu["reserved"] + max(1.5 * GiB, 0.07 * 23.6 * GiB) <= 23.6 * GiB
+                assert e.gpu["peak_allocated"] < e.gpu["reserved"]
+    r = CliRunner().invoke(main, ["plan", "--model", "13b", "--hostfile", "hostfiles/8node"])
+    assert r.exit_code == 0 and "margin kept" in r.output and "max(1.5 GiB, 7%)" in r.output
+
+
+def test_network_is_charged_per_node_and_recompute_regathers() -> None:
+    cand = Candidate(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
+    four = estimate(PRESETS["70b"], 4096, FOUR_BY_FOUR, cand).time["network"]
+    sixteen = estimate(PRESETS["70b"], 4096, Cluster(16, 1, GPUS["4090d"], 512 * 10**9), cand).time["network"]
+    assert four == pytest.approx(sixteen, rel=0.01)  # one rank's volume crosses each node's NIC, not four
+    # A 70B layer (856M parameters) is beyond a reuse distance of 3e8: the recompute gathers it again.
+    reused = estimate(PRESETS["70b"], 4096, FOUR_BY_FOUR, replace(cand, max_reuse=1e9)).time["network"]
+    assert four / reused == pytest.approx(4 / 3, rel=0.01)  # forward, recompute, backward gathers + reduce-scatter
+
+
+def test_pcie_of_a_nodes_cards_shares_one_host() -> None:
+    cand = Candidate(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
+    shared = estimate(PRESETS["7b"], 4096, FOUR_BY_FOUR, cand).time["pcie"]
+    alone = estimate(PRESETS["7b"], 4096, Cluster(16, 1, GPUS["4090d"], 512 * 10**9), cand).time["pcie"]
+    assert shared == pytest.approx(alone * 4 * 25 / 40, rel=0.01)  # 4 x 25 GB/s of cards, 40 GB/s of host DMA
+
+
+def test_time_is_a_range_around_the_point_and_printed() -> None:
+    e = search(PRESETS["7b"], 4096, SEED).best
+    assert e is not None
+    lo, hi = e.step_time_range_s
+    assert lo < e.step_time_s < hi and hi / lo > 1.2  # 34-45% MFU and 6-12 GB/s
+    r = CliRunner().invoke(main, ["plan", "--model", "7b", "--hostfile", "hostfiles/8node", "--json"])
+    d = json.loads(r.output)["best"]
+    for key in ("peak_allocated", "reserved", "margin", "step_time_range_s", "tokens_per_s_range"):
+        assert key in d
+    assert d["tokens_per_s_range"][0] < d["tokens_per_s"] < d["tokens_per_s_range"][1]
+    text = CliRunner().invoke(main, ["plan", "--model", "7b", "--hostfile", "hostfiles/8node"]).output
+    assert "tokens/s (range" in text and "peak allocated" in text and "PaLM count" in text
+
+
+def test_near_ties_go_to_less_memory() -> None:
+    p = search(PRESETS["7b"], 4096, SEED)
+    fast = p.ranked[0]
+    cheaper = replace(fast, tokens_per_s=fast.tokens_per_s * 1.01, gpu={**fast.gpu, "reserved": fast.gpu["reserved"] + GiB})
+    assert choose([cheaper, fast])[0] is fast
+    much_faster = replace(cheaper, tokens_per_s=fast.tokens_per_s * 1.05)
+    assert choose([much_faster, fast])[0] is much_faster
+
+
+def test_a_rounded_global_batch_is_said() -> None:
+    r = CliRunner().invoke(main, ["plan", "--model", "7b", "--hostfile", "hostfiles/8node",
+                                  "--global-batch-tokens", "3M"])
+    assert r.exit_code == 0 and "were asked for; whole micro-batches on 8 GPUs give" in r.output
+
+
+def test_plan_config_evaluates_the_run_about_to_launch(tmp_path) -> None:
+    r = CliRunner().invoke(main, ["plan", "--config", "configs/70b_8node.yaml", "--hostfile", "hostfiles/8node",
+                                  "--seq-len", "4096"])
+    assert r.exit_code == 0, r.output
+    assert "your config: ZeRO-3 + cpu offload (opt, params) + ckpt, micro 2 x GA 61" in r.output
+    assert "FITS: +" in r.output and "the search would choose" in r.output and "seq_len 4096 from --seq-len" in r.output
+    # The same run with DeepSpeed's default ZeRO-3 buckets on a 24 GiB-capped H200, 2 layers: predicted not to fit.
+    ds = tmp_path / "defaults.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                    "offload_param": {"device": "cpu"}}}))
+    r = CliRunner().invoke(main, ["plan", "--config", "configs/70b_8node.yaml", "--set",
+                                  f"train.deepspeed_config={ds}", "--set", "batch.micro_batch_size=1",
+                                  "--set", "batch.global_batch_size=1", "--layers", "2", "--gpu", "h200",
+                                  "--gpu-mem", "24GiB", "--seq-len", "4096", "--json"])
+    assert r.exit_code == 3, r.output
+    d = json.loads(r.output)
+    assert d["fits"] is False and "above the largest measured to fit" in d["yours"]["why_not"][0]
+    assert d["yours"]["config"]["max_live"] == 1e9 and d["search_best"]["config"]["max_live"] <= 5e8
+
+
+def test_plan_config_takes_seq_len_from_the_shards(tmp_path) -> None:
+    from pipeline.data.manifest import read_shard_manifest  # noqa: F401 - the shards' reader is what is used
+
+    cfg = tmp_path / "c.yaml"
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "manifest.json").write_text("{}")
+    cfg.write_text(f"model: {{preset: tiny}}\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+                   "global_batch_size: 4}\ntrain: {max_steps: 1, deepspeed_config: ds_configs/zero2.json}\n")
+    r = CliRunner().invoke(main, ["plan", "--config", str(cfg)])
+    assert r.exit_code == 2 and "manifest.json" in r.output  # a damaged manifest is named, not a traceback
+    r = CliRunner().invoke(main, ["plan", "--config", str(cfg), "--from-run", str(tmp_path)])
+    assert r.exit_code == 2 and "one of --config and --from-run" in r.output
