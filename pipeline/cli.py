@@ -433,6 +433,8 @@ def _plan_cluster(hostfile: str | None, nodes: int, gpus_per_node: int, gpu: str
             nvme_bytes = shutil.disk_usage(nvme).free if os.path.isdir(nvme) else parse_size(nvme)
     except ValueError as e:
         raise PipelineError(str(e)) from None
+    if nvme and not nvme_bytes > 0:
+        raise PipelineError(f"--nvme {nvme}: expected a positive size such as 4TB, or a mounted folder with free space")
     for flag, value in (("--gpu-mem", card.memory_gib), ("--cpu-mem", ram), ("--network", net)):
         if not value > 0:
             raise PipelineError(f"{flag} {value:g}: expected a positive amount")

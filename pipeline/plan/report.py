@@ -79,8 +79,8 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
              f"buckets: reduce {cand.reduce_bucket:.0e}, prefetch {cand.prefetch_bucket:.0e}, "
              f"max live {cand.max_live:.0e}, sub-group {cand.sub_group:.0e}"]
     if p.global_batch_tokens and abs(gb * p.seq_len - p.global_batch_tokens) > 0.01 * p.global_batch_tokens:
-        lines.append(f"  note: {p.global_batch_tokens / 1e6:.2f}M tokens were asked for; whole micro-batches on "
-                     f"{c.world} GPUs give {gb * p.seq_len / 1e6:.2f}M")
+        lines.append(f"  note: {p.global_batch_tokens:,} tokens per step were asked for; whole micro-batches on "
+                     f"{c.world} GPUs give {gb * p.seq_len:,}")
     lines += [f"  {w}" for w in e.warnings]
     lines.append("\nper GPU memory                    GiB")
     names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",

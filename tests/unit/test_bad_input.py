@@ -76,6 +76,9 @@ CASES = [
     ("plan --network 0 --nodes 2", "--network"),
     ("plan --layers 0", "'--layers'"),
     ("plan --tokens 0", "--tokens"),
+    ("plan --nvme -3TB", "--nvme -3TB"),
+    ("plan --config {T}/none.yaml", "no such config file"),
+    ("plan --from-run {T}", "not a run folder"),
     ("plan --micro-batch-size -1", "'--micro-batch-size'"),
     ("plan --gpu voodoo2", "unknown GPU 'voodoo2'"),
 ]

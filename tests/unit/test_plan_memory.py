@@ -135,7 +135,7 @@ def test_near_ties_go_to_less_memory() -> None:
 def test_a_rounded_global_batch_is_said() -> None:
     r = CliRunner().invoke(main, ["plan", "--model", "7b", "--hostfile", "hostfiles/8node",
                                   "--global-batch-tokens", "3M"])
-    assert r.exit_code == 0 and "were asked for; whole micro-batches on 8 GPUs give" in r.output
+    assert r.exit_code == 0 and "3,000,000 tokens per step were asked for; whole micro-batches on 8 GPUs give" in r.output
 
 
 def test_plan_config_evaluates_the_run_about_to_launch(tmp_path) -> None:
