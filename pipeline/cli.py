@@ -171,6 +171,7 @@ def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, maste
     world, per_node = _launch_world_size(hostfile, num_gpus)
     if world is not None:
         prepared = prepare(cfg, world, per_node)  # the same checks every rank makes, before any process starts
+        _check_checkpoint_space(prepared, world, per_node or world)
         if dry_run:
             click.echo(describe(prepared))
             return
@@ -182,6 +183,21 @@ def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, maste
         cmd.append("--dry-run")
     click.echo("+ " + " ".join(cmd), err=True)
     sys.exit(subprocess.call(cmd, env=os.environ.copy()))
+
+
+def _check_checkpoint_space(prepared: Any, world: int, per_node: int) -> None:
+    """Refuse a run whose checkpoints cannot be saved safely on this node's disk (the first node's: the busiest)."""
+    from pipeline.plan.memory import checkpoint_bytes
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.ds_config import zero_stage
+
+    cfg = prepared.cfg
+    if not cfg.checkpoint.enabled:
+        return
+    size = checkpoint_bytes(prepared.shape, zero_stage(prepared.ds), world, per_node,
+                            module_bytes=4 if cfg.train.precision == "fp32" else 2)
+    if problem := ckpt.space_problem(cfg.run_dir, size["per_node"], cfg.checkpoint.keep_last):
+        raise PipelineError(problem)
 
 
 def _launcher(hostfile: str | None, num_gpus: int | None, master_port: int | None) -> list[str]:
@@ -323,6 +339,10 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> Non
 @click.option("--cpu-mem", default="512GB", show_default=True, help="Host RAM per node.")
 @click.option("--cpu-cores", type=click.IntRange(min=1), default=32, show_default=True, help="CPU cores per node "
               "(DeepSpeed's CPU Adam under offload).")
+@click.option("--cpu-mem-bw", default="80GB/s", show_default=True, help="Host memory bandwidth per node (CPU Adam "
+              "and the cards' copies share it).")
+@click.option("--disk", default=None, help="Free disk per node at the run folder, for checkpoints (e.g. 40GB, or the "
+              "folder itself).")
 @click.option("--nvme", default=None, help="NVMe capacity per node for ZeRO-Infinity, e.g. 4TB (or a mounted path).")
 @click.option("--network", default="100Gbps", show_default=True, help="Inter-node bandwidth per node.")
 @click.option("--global-batch-tokens", default="4M", show_default=True, help="Tokens per optimizer step.")
@@ -332,14 +352,17 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> Non
 @click.option("--tokens", default="1B", show_default=True, help="Token budget for the time estimate.")
 @click.option("--write-ds-config", default=None, help="Write the chosen DeepSpeed JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--fits-table", is_flag=True, help="Print the README's table: presets 1b-70b on each reference hostfile.")
 @_user_errors
 def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: str | None, layers: int | None,
          vocab_size: int, seq_len: int | None, hostfile: str | None, nodes: int, gpus_per_node: int, gpu: str,
-         gpu_mem: str | None, cpu_mem: str, cpu_cores: int, nvme: str | None, network: str, global_batch_tokens: str,
-         micro_batch_size: int | None, mfu: float, tokens: str, write_ds_config: str | None, as_json: bool) -> None:
+         gpu_mem: str | None, cpu_mem: str, cpu_cores: int, cpu_mem_bw: str, disk: str | None, nvme: str | None,
+         network: str, global_batch_tokens: str, micro_batch_size: int | None, mfu: float, tokens: str,
+         write_ds_config: str | None, as_json: bool, fits_table: bool) -> None:
     """Will MODEL fit the cluster, how fast will it train, and which DeepSpeed config gets there. Memory is given as
     peak allocated (what torch.cuda.max_memory_allocated reports) and reserved (what the card must hold), with a
-    margin; time as a point and a low-high range beside the physical ceiling."""
+    margin; time as a point and a low-high range beside the physical ceiling. A hostfile's `# cluster:` line
+    (see hostfiles/) gives the nodes' GPU, RAM, cores, memory bandwidth, disk and network; flags override it."""
     import json as jsonlib
     import os
     from dataclasses import replace
@@ -360,14 +383,32 @@ def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: 
     for flag, value in (("--global-batch-tokens", gbt), ("--tokens", budget)):
         if not value > 0:
             raise PipelineError(f"{flag} {value:g}: expected a positive amount")
-    cluster = _plan_cluster(hostfile, nodes, gpus_per_node, gpu, gpu_mem, cpu_mem, cpu_cores, nvme, network)
+    ctx = click.get_current_context()
+    given = {k for k in ctx.params if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
+    values = {"gpu": gpu, "gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "cpu_cores": str(cpu_cores),
+              "cpu_mem_bw": cpu_mem_bw, "disk": disk, "nvme": nvme, "network": network}
+    if fits_table:
+        from pathlib import Path
+
+        import pipeline
+
+        hostfiles = Path(pipeline.__file__).resolve().parents[1] / "hostfiles"
+        rows = []
+        for hf in ("8node", "4node4gpu"):
+            c, _ = _plan_cluster(str(hostfiles / hf), 1, 1, values, set())
+            for name in ("1b", "7b", "13b", "70b"):
+                rows.append((name, f"hostfiles/{hf}", planner.search(resolve_shape(name, {}, vocab_size),
+                                                                     seq_len or 4096, c, gbt, mfu)))
+        click.echo(plan_report.fits_table(rows, budget))
+        return
+    cluster, source = _plan_cluster(hostfile, nodes, gpus_per_node, values, given)
+    if source and not as_json:
+        click.echo(source)
     if from_run:
         from pipeline.train import forecast
 
-        ctx = click.get_current_context()
-        given = any(ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT
-                    for k in ("hostfile", "nodes", "gpus_per_node", "gpu", "gpu_mem", "cpu_mem"))
-        f, got, env = forecast.forecast_run(from_run, cluster if given else None, mfu=mfu)
+        cluster_given = bool(given & {"hostfile", "nodes", "gpus_per_node", "gpu", "gpu_mem", "cpu_mem"})
+        f, got, env = forecast.forecast_run(from_run, cluster if cluster_given else None, mfu=mfu)
         click.echo(jsonlib.dumps(forecast.comparison(f, got), indent=2) if as_json else forecast.render_run(f, got, env))
         return
     if config_path:
@@ -407,9 +448,10 @@ def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: 
         sys.exit(3)
 
 
-def _plan_cluster(hostfile: str | None, nodes: int, gpus_per_node: int, gpu: str, gpu_mem: str | None, cpu_mem: str,
-                  cpu_cores: int, nvme: str | None, network: str) -> Any:
-    """The cluster the planner plans for, from the flags (nodes and GPUs per node from a hostfile when given)."""
+def _plan_cluster(hostfile: str | None, nodes: int, gpus_per_node: int, values: dict[str, str | None],
+                  given: set[str]) -> tuple[Any, str]:
+    """The cluster the planner plans for: nodes and GPUs per node from a hostfile when given, each node's facts from
+    its `# cluster:` line unless a flag was given, else the flags' defaults; and a line saying which was which."""
     import os
     import shutil
     from dataclasses import replace
@@ -419,28 +461,54 @@ def _plan_cluster(hostfile: str | None, nodes: int, gpus_per_node: int, gpu: str
     from pipeline.plan.gpus import lookup
     from pipeline.plan.search import Cluster
 
-    try:
-        card = lookup(gpu)
-    except KeyError as e:
-        raise PipelineError(str(e.args[0])) from None
-    try:
-        if gpu_mem:
-            card = replace(card, memory_gib=parse_size(gpu_mem) / 2**30)
-        ram = parse_size(cpu_mem)
-        net = float(network.lower().replace("gbps", "").replace("gb/s", "")) if network else 0.0
-        nvme_bytes = 0
-        if nvme:
-            nvme_bytes = shutil.disk_usage(nvme).free if os.path.isdir(nvme) else parse_size(nvme)
-    except ValueError as e:
-        raise PipelineError(str(e)) from None
-    if nvme and not nvme_bytes > 0:
-        raise PipelineError(f"--nvme {nvme}: expected a positive size such as 4TB, or a mounted folder with free space")
-    for flag, value in (("--gpu-mem", card.memory_gib), ("--cpu-mem", ram), ("--network", net)):
-        if not value > 0:
-            raise PipelineError(f"{flag} {value:g}: expected a positive amount")
+    source = ""
     if hostfile:
         nodes, gpus_per_node = plan_report.parse_hostfile(hostfile)
-    return Cluster(nodes, gpus_per_node, card, ram, nvme_bytes, net, cpu_cores=cpu_cores)
+        facts = plan_report.hostfile_facts(hostfile)
+        used = {k: v for k, v in facts.items() if k not in given}
+        values = {**values, **used}
+        defaults = sorted(k for k in ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network")
+                          if k not in facts and k not in given)
+        source = (f"cluster facts from {hostfile}: " + (" ".join(f"{k}={v}" for k, v in used.items()) or "none")
+                  + (f"; defaults for {', '.join(defaults)}" if defaults else "")
+                  + ("" if facts else " (the hostfile has no '# cluster:' line; see hostfiles/8node)"))
+
+    def size(flag: str, allow_dir: bool = False) -> int:
+        text = values.get(flag)
+        if not text:
+            return 0
+        if allow_dir and os.path.isdir(text):
+            return shutil.disk_usage(text).free
+        try:
+            n = parse_size(text.replace("/s", "").replace("/S", ""))
+        except ValueError as e:
+            raise PipelineError(f"--{flag.replace('_', '-')}: {e}") from None
+        if not n > 0:
+            raise PipelineError(f"--{flag.replace('_', '-')} {text}: expected a positive size")
+        return n
+
+    try:
+        card = lookup(str(values["gpu"]))
+    except KeyError as e:
+        raise PipelineError(str(e.args[0])) from None
+    if values.get("gpu_mem"):
+        card = replace(card, memory_gib=size("gpu_mem") / 2**30)
+    network = str(values.get("network") or "")
+    try:
+        net = float(network.lower().replace("gbps", "").replace("gb/s", "")) if network else 0.0
+        cores = int(str(values["cpu_cores"]))
+    except ValueError:
+        raise PipelineError(f"--network {network} / --cpu-cores {values['cpu_cores']}: expected numbers such as "
+                            "100Gbps and 32") from None
+    if not net > 0:
+        raise PipelineError(f"--network {network}: expected a positive amount such as 100Gbps")
+    if cores < 1:
+        raise PipelineError(f"cpu_cores {cores}: expected 1 or more")
+    cluster = Cluster(nodes, gpus_per_node, card, size("cpu_mem"), size("nvme", allow_dir=True), net,
+                      cpu_mem_bw_gbs=size("cpu_mem_bw") / 1e9, cpu_cores=cores, disk_bytes=size("disk", allow_dir=True))
+    if not cluster.cpu_mem_bytes or not cluster.cpu_mem_bw_gbs:
+        raise PipelineError("--cpu-mem and --cpu-mem-bw must be positive sizes")
+    return cluster, source
 
 
 if __name__ == "__main__":

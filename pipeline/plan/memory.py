@@ -162,3 +162,14 @@ def host_memory(shape: ModelShape, c: Cluster, cand: Candidate) -> dict[str, flo
         out["deepspeed_estimate"] = float(cpu) + RANK_HOST_OVERHEAD * gpn
     out["total"] = out["itemized"]  # DeepSpeed's estimate (a flat 1.5x buffer factor) is shown beside it
     return out
+
+
+def checkpoint_bytes(shape: ModelShape, stage: int, world: int, ranks_per_node: int, module_bytes: int = 2
+                     ) -> dict[str, float]:
+    """Bytes one DeepSpeed checkpoint puts on the busiest node (the first): every rank writes its optimizer shard
+    (fp32 master weights and Adam moments of the parameters it owns, 12 bytes each), and for ZeRO 0-2 rank 0 also
+    writes the whole 16-bit module (`module_bytes` 4 for fp32 runs). `weights_only` is the exported bf16 model."""
+    psi = shape.num_params()
+    per_node = 12 * psi / world * ranks_per_node + (module_bytes * psi if stage < 3 else 0.0)
+    return {"per_node": per_node, "total": 12.0 * psi + (module_bytes * psi if stage < 3 else 0.0),
+            "weights_only": 2.0 * psi}

@@ -103,6 +103,10 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
                  + (f" (DeepSpeed's estimator: {h['deepspeed_estimate'] / 1e9:.0f} GB)" if h["deepspeed_estimate"]
                     else "")
                  + f"; limit 80% of {c.cpu_mem_bytes / 1e9:.0f} GB; NVMe {e.nvme_bytes / 1e12:.2f} TB")
+    ck = e.checkpoint
+    lines.append(f"checkpoint: {ck['per_node'] / 1e9:,.1f} GB on the first node ({ck['total'] / 1e9:,.0f} GB in all; "
+                 f"weights only {ck['weights_only'] / 1e9:,.1f} GB)"
+                 + (f"; disk {c.disk_bytes / 1e9:,.0f} GB per node" if c.disk_bytes else "; disk not given (--disk)"))
     t = e.time
     lo, hi = e.step_time_range_s
     tlo, thi = e.tokens_per_s_range
@@ -153,3 +157,45 @@ def hostfile_slots(path: str) -> list[int]:
     if not slots:
         raise PipelineError(f"{path}: no hosts")
     return slots
+
+
+HOSTFILE_FACTS = ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network", "nvme")
+
+
+def hostfile_facts(path: str) -> dict[str, str]:
+    """The cluster facts of a hostfile's `# cluster: key=value ...` line (see hostfiles/): what each node has, for
+    the planner and people. Empty when the hostfile has none."""
+    facts: dict[str, str] = {}
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            m = re.match(r"^#\s*cluster:\s*(.*)$", line.strip())
+            if not m:
+                continue
+            for item in m.group(1).split():
+                key, sep, value = item.partition("=")
+                if not sep or not value or key not in HOSTFILE_FACTS:
+                    raise PipelineError(f"{path}:{n}: '{item}' in the cluster line; expected key=value with keys "
+                                        f"{', '.join(HOSTFILE_FACTS)}")
+                facts[key] = value
+    return facts
+
+
+def fits_table(rows: list[tuple[str, str, Plan]], token_budget: float = 1e9) -> str:
+    """Markdown: for each (preset, hostfile, plan), what fits, how fast, and what it needs per node."""
+    out = ["| model | cluster | fits | tokens/s | days per 1B tokens | host RAM per node | checkpoint per node |",
+           "|---|---|---|---:|---:|---:|---:|"]
+    for preset, hostfile, p in rows:
+        c = p.cluster
+        where = f"{Path(hostfile).name} ({c.nodes}x{c.gpus_per_node}, {c.cpu_mem_bytes / 1e9:.0f} GB)"
+        e = p.best
+        if e is None:
+            closest = min(p.rejected, key=lambda r: len(r.why_not))
+            reason = "; ".join(a for a in p.advice if "largest preset" not in a) or closest.why_not[0]
+            out.append(f"| {preset} | {where} | no: {reason} | | | | |")
+            continue
+        lo, hi = e.tokens_per_s_range
+        days = f"{token_budget / hi / 86400:.2f}-{token_budget / lo / 86400:.2f}"
+        note = " (a safe save does not fit the disk)" if any("checkpoint disk" in w for w in e.warnings) else ""
+        out.append(f"| {preset} | {where} | {e.candidate.label()} | {lo:,.0f}-{hi:,.0f} | {days} | "
+                   f"{e.host['total'] / 1e9:,.0f} GB | {e.checkpoint['per_node'] / 1e9:,.0f} GB{note} |")
+    return "\n".join(out)

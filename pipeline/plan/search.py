@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline.model import ModelShape
 from pipeline.plan.gpus import GPU
-from pipeline.plan.memory import GiB, gpu_memory, host_memory
+from pipeline.plan.memory import GiB, checkpoint_bytes, gpu_memory, host_memory
 
 HOST_RAM_LIMIT = 0.80               # refuse plans above 80% of a node's RAM (host OOM kills are silent)
 ADAM_BYTES_PER_PARAM = 32           # CPU Adam traffic: read p, g, m, v (16 B fp32), write p, m, v, bf16 copy
@@ -96,6 +96,7 @@ class Estimate:
     step_time_range_s: tuple[float, float] = (0.0, 0.0)
     tokens_per_s_range: tuple[float, float] = (0.0, 0.0)
     warnings: list[str] = field(default_factory=list)
+    checkpoint: dict[str, float] = field(default_factory=dict)
 
 
 def _net_efficiency(c: Cluster) -> tuple[float, float, float]:
@@ -156,9 +157,10 @@ def _step_time(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu
 
 
 def estimate(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu_assumed: float = 0.40,
-             loss_chunk_tokens: int | None = None) -> Estimate:
+             loss_chunk_tokens: int | None = None, keep_last: int = 1) -> Estimate:
     """One configuration: memory, time (point and range), fit. `loss_chunk_tokens`: the trainer's chunked loss
-    (pipeline.model.loss_chunk_tokens); None models a plain loss over full logits."""
+    (pipeline.model.loss_chunk_tokens); None models a plain loss over full logits. `keep_last`: checkpoints kept
+    (checkpoint.keep_last); a safe save writes one more before the oldest goes."""
     gpu = gpu_memory(shape, seq_len, c, cand, loss_chunk_tokens)
     host = host_memory(shape, c, cand)
     psi = shape.num_params()
@@ -192,12 +194,24 @@ def estimate(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu_a
         why.append(f"ZeRO-3 buckets ({sizes}) above the largest measured to fit (2e8, 2e8, 5e8): DeepSpeed's "
                    "defaults ran out of memory on a 24 GiB card with a 70B slice that the buffer arithmetic puts "
                    "at 9 GiB; use the planner's sizes (--write-ds-config)")
+    ckpt = checkpoint_bytes(shape, cand.stage, c.world, c.gpus_per_node)
+    if c.disk_bytes:
+        safe = (keep_last + 1) * ckpt["per_node"]
+        ways_out = ("put run_dir on a larger disk or a shared mount, train a smaller model, or spread it over more "
+                    "nodes")
+        if ckpt["per_node"] > c.disk_bytes:
+            why.append(f"checkpoint {ckpt['per_node'] / 1e9:.0f} GB per node (model and optimizer shards) > disk "
+                       f"{c.disk_bytes / 1e9:.0f} GB: no checkpoint can be saved; {ways_out}")
+        elif safe > c.disk_bytes:
+            warnings.append(f"checkpoint disk: a safe save keeps {keep_last} checkpoint(s) while writing the next: "
+                            f"{safe / 1e9:.0f} GB per node > disk {c.disk_bytes / 1e9:.0f} GB; the first save that "
+                            f"does not fit fails the run; {ways_out}")
     # No clamp to the ceiling: with 0 < MFU <= 1 the compute time alone keeps tokens/s below it, and a figure
     # above it would be a planner bug to see, not to hide.
     return Estimate(cand, gpu, host, nvme, {k: v for k, v in t.items() if k != "total"}, t["total"], tps,
                     g * peak / fpt, tps * fpt / (g * peak), not why, why,
                     step_time_range_s=(fast, slow), tokens_per_s_range=(tokens_step / slow, tokens_step / fast),
-                    warnings=warnings)
+                    warnings=warnings, checkpoint=ckpt)
 
 
 def candidate_from_ds(ds: dict[str, Any], micro_batch_size: int, grad_accum: int,
@@ -272,7 +286,7 @@ def estimate_dict(e: Estimate) -> dict[str, Any]:
             "step_time_s": e.step_time_s, "step_time_range_s": list(e.step_time_range_s),
             "tokens_per_s": e.tokens_per_s, "tokens_per_s_range": list(e.tokens_per_s_range),
             "ceiling_tokens_per_s": e.ceiling_tokens_per_s, "mfu": e.mfu, "fits": e.fits, "why_not": e.why_not,
-            "warnings": e.warnings}
+            "warnings": e.warnings, "checkpoint_bytes": e.checkpoint}
 
 
 def trainer_loss_chunk(shape: ModelShape) -> int:

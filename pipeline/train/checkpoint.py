@@ -161,3 +161,21 @@ def _zero_stage_of(ckpt_dir: Path) -> int:
     f = next(ckpt_dir.glob("*_optim_states.pt"))
     sd = torch.load(f, map_location="cpu", mmap=True, weights_only=False)
     return int(sd.get("optimizer_state_dict", {}).get("zero_stage", 0))
+
+
+def space_problem(run_dir: Path, per_node_bytes: float, keep_last: int) -> str | None:
+    """Whether this node's disk at `run_dir` holds `keep_last` checkpoints plus the one being written (a save never
+    deletes the previous checkpoint first). Checkpoints already in the run folder count toward that budget."""
+    folder = Path(run_dir).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    existing = sum(f.stat().st_size for d in Path(run_dir).glob("step*") if d.is_dir() for f in d.rglob("*")
+                   if f.is_file()) if Path(run_dir).is_dir() else 0
+    need = (keep_last + 1) * per_node_bytes - existing
+    free = shutil.disk_usage(folder).free
+    if need <= free:
+        return None
+    return (f"run_dir {run_dir}: a checkpoint is {per_node_bytes / 1e9:,.1f} GB on this node; keeping {keep_last} "
+            f"while the next is written needs {need / 1e9:,.1f} GB more, and {folder} has {free / 1e9:,.1f} GB free. "
+            "Put run_dir on a larger disk or a shared mount, set checkpoint.keep_last lower, use more nodes (ZeRO "
+            "spreads the optimizer shards), or a smaller model; checkpoint.enabled: false runs without saving")

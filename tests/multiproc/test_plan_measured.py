@@ -54,3 +54,14 @@ def test_from_run_puts_the_plan_beside_what_the_run_measured(zero_runs: dict[int
         assert d[key]["predicted"] > 0 and d[key]["ratio"] == pytest.approx(d[key]["measured"] / d[key]["predicted"])
     r = CliRunner().invoke(main, ["plan", "--from-run", str(run_dir), "--nodes", "1", "--gpus-per-node", "4"])
     assert r.exit_code == 2 and "the run had 2 ranks" in r.output
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_checkpoint_bytes_match_what_deepspeed_writes(zero_runs: dict[int, Path], stage: int) -> None:
+    from pipeline.evaluate.run import open_run
+    from pipeline.plan.memory import checkpoint_bytes
+
+    run = open_run(zero_runs[stage])
+    written = sum(f.stat().st_size for f in (run.run_dir / run.tag).iterdir() if f.suffix == ".pt")
+    planned = checkpoint_bytes(run.shape, stage, 2, 2, module_bytes=4)  # fp32 run: a 4-byte module
+    assert written == pytest.approx(planned["per_node"], rel=0.15), (written, planned)

@@ -171,3 +171,57 @@ def test_plan_config_takes_seq_len_from_the_shards(tmp_path) -> None:
     assert r.exit_code == 2 and "manifest.json" in r.output  # a damaged manifest is named, not a traceback
     r = CliRunner().invoke(main, ["plan", "--config", str(cfg), "--from-run", str(tmp_path)])
     assert r.exit_code == 2 and "one of --config and --from-run" in r.output
+
+
+def test_pretrain_refuses_a_run_whose_checkpoints_do_not_fit_the_disk(tmp_path, shards) -> None:
+    """70B at the fixture's vocabulary: a ZeRO-2 checkpoint is ~1.1 TB on the first node, more than this disk has."""
+    import shutil
+
+    if shutil.disk_usage(tmp_path).free > 2 * 10**12:
+        pytest.skip("this disk has over 2 TB free")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_dir: {tmp_path}/run\nmodel: {{preset: 70b}}\ndata: {{path: {shards}}}\n"
+                   "batch: {micro_batch_size: 1, global_batch_size: 2}\n"
+                   "train: {max_steps: 1, deepspeed_config: ds_configs/zero2.json}\n")
+    r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--num-gpus", "2", "--dry-run"])
+    assert r.exit_code == 2 and "a checkpoint is" in r.output and "GB free" in r.output, r.output
+    assert "checkpoint.keep_last" in r.output and not (tmp_path / "run").exists()
+    r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--num-gpus", "2", "--dry-run", "--set",
+                                  "checkpoint.enabled=false"])
+    assert r.exit_code == 0, r.output
+
+
+def test_reference_hostfiles_carry_their_clusters() -> None:
+    r = CliRunner().invoke(main, ["plan", "--model", "7b", "--hostfile", "hostfiles/4node4gpu"])
+    assert "cluster facts from hostfiles/4node4gpu: gpu=4090d cpu_mem=120GB cpu_cores=10" in r.output
+    assert "defaults for network" in r.output and "120 GB RAM and 10 cores/node" in r.output
+    assert "a safe save keeps 1 checkpoint(s) while writing the next" in r.output  # 2 x 20 GB > the 40 GB disk
+    r = CliRunner().invoke(main, ["plan", "--model", "13b", "--hostfile", "hostfiles/4node4gpu", "--json"])
+    d = json.loads(r.output)["best"]
+    assert d is None or any("checkpoint disk" in w for w in d["warnings"]) or any("checkpoint" in w for w in d["why_not"])
+    r = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", "hostfiles/4node4gpu"])
+    assert r.exit_code == 3 and "host RAM" in r.output and "(80% limit: 96 GB)" in r.output
+    r = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", "hostfiles/4node4gpu", "--cpu-mem", "512GB"])
+    assert "cpu_mem=120GB" not in r.output.splitlines()[0] and "512 GB RAM and 10 cores/node" in r.output  # flag wins
+    # The 8 x 1 cluster's answer is the same with its facts as with the flags it had before.
+    a = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", "hostfiles/8node", "--json"]).output
+    assert json.loads(a)["best"]["label"] == "ZeRO-3 + cpu offload (opt, params) + ckpt, micro 2 x GA 61"
+
+
+def test_a_hostfile_without_facts_plans_with_named_defaults(tmp_path) -> None:
+    hf = tmp_path / "hosts"
+    hf.write_text("a slots=2\nb slots=2\n")
+    r = CliRunner().invoke(main, ["plan", "--model", "1b", "--hostfile", str(hf)])
+    assert r.exit_code == 0 and "has no '# cluster:' line" in r.output and "defaults for cpu_cores, cpu_mem" in r.output
+    hf.write_text("# cluster: gpu=4090d ram=1TB\na slots=2\n")
+    r = CliRunner().invoke(main, ["plan", "--model", "1b", "--hostfile", str(hf)])
+    assert r.exit_code == 2 and "hosts:1: 'ram=1TB'" in r.output
+
+
+def test_the_readme_fits_table_is_what_the_planner_says() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- fits-table -->")[1].strip()
+    r = CliRunner().invoke(main, ["plan", "--fits-table"])
+    assert r.exit_code == 0 and block == r.output.strip(), "regenerate with `pipeline plan --fits-table`"
