@@ -151,13 +151,15 @@ def shard(sources: tuple[str, ...], output: str | None, seq_len: int | None, spl
 @click.option("--master-port", type=click.IntRange(1, 65535), default=None, help="Rendezvous port (default: DeepSpeed's 29500).")
 @click.option("--set", "sets", multiple=True, help="Override a config field: section.key=value (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Resolve and print the config, batch plan and DeepSpeed JSON; no training.")
+@click.option("--max-restarts", type=click.IntRange(0, 1000), default=0, show_default=True,
+              help="Relaunch after a failed launch (a rank killed, a node lost, a hung peer), each time from the "
+              "latest complete checkpoint. Not after a mistake in the input or a stop on a non-finite loss (exit 2).")
 @_user_errors
 def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, master_port: int | None,
-             sets: tuple[str, ...], dry_run: bool) -> None:
+             sets: tuple[str, ...], dry_run: bool, max_restarts: int) -> None:
     """Check the config, data and DeepSpeed JSON here (a bad one fails in a second, with only our message), then
-    build the `deepspeed ... pipeline/pretrain.py` command line, print it, and run it."""
-    import os
-    import subprocess
+    build the `deepspeed ... pipeline/pretrain.py` command line, print it, and run it (again, with
+    --max-restarts)."""
     from pathlib import Path
 
     import pipeline
@@ -182,7 +184,28 @@ def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, maste
     if dry_run:
         cmd.append("--dry-run")
     click.echo("+ " + " ".join(cmd), err=True)
-    sys.exit(subprocess.call(cmd, env=os.environ.copy()))
+    sys.exit(_launch_with_restarts(cmd, max_restarts))
+
+
+def _launch_with_restarts(cmd: list[str], max_restarts: int) -> int:
+    """Run the launcher; after a failure that a relaunch can fix, run it again (the run resumes from its latest
+    complete checkpoint), up to `max_restarts` times. Exit code 2 is ours for a mistake in the input or a run
+    stopped on purpose (non-finite loss, full disk): a relaunch would fail the same way."""
+    import os
+    import subprocess
+    import time
+
+    restarts = 0
+    while True:
+        started = time.monotonic()
+        code = subprocess.call(cmd, env=os.environ.copy())
+        if code in (0, 2, 130) or restarts >= max_restarts:
+            if code not in (0, 2, 130) and max_restarts:
+                click.echo(f"launch failed with exit code {code}; no restarts left ({max_restarts} used)", err=True)
+            return code
+        restarts += 1
+        click.echo(f"launch failed with exit code {code} after {time.monotonic() - started:.0f} s; restart "
+                   f"{restarts} of {max_restarts}, from the latest complete checkpoint", err=True)
 
 
 def _check_checkpoint_space(prepared: Any, world: int, per_node: int) -> None:

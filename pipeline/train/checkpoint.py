@@ -9,7 +9,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from pipeline.atomic import write_json, write_text
 from pipeline.errors import PipelineError
@@ -28,6 +28,8 @@ class Marker(TypedDict):
     tokenizer_sha256: str
     model_shape: dict[str, Any]
     world_size: int
+    files: NotRequired[dict[str, dict[str, Any]]]
+    """Every file of the checkpoint, relative to its folder: {"size": bytes, "sha256": hex (checkpoint.verify)}."""
 
 
 _TAG = re.compile(r"^step(\d{8})$")
@@ -76,32 +78,134 @@ def prune(run_dir: Path, keep_last: int) -> list[str]:
     return doomed
 
 
+class _GuardedWrites:
+    """Stands in for DeepSpeed's checkpoint engine during one save: every file a rank writes is recorded (size,
+    and sha256 when verifying), and a failed write (a full disk) is recorded instead of raised, so that this rank
+    still reaches DeepSpeed's barriers and no rank hangs; the failure is raised on every rank after the save."""
+
+    def __init__(self, inner: Any, root: Path, *, verify: bool, step: int, last_rank: bool):
+        self.inner, self.root, self.verify, self.step, self.last_rank = inner, root, verify, step, last_rank
+        self.files: dict[str, dict[str, Any]] = {}
+        self.error: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def save(self, state_dict: Any, path: str) -> Any:
+        import errno
+
+        from pipeline.train import faults
+
+        if self.error:
+            return None
+        try:
+            if self.last_rank and faults.armed("ENOSPC_IN_SAVE", self.step):
+                faults.fired()
+                raise OSError(errno.ENOSPC, "No space left on device (injected by PIPELINE_FAULT_ENOSPC_IN_SAVE)")
+            out = self.inner.save(state_dict, path)
+        except OSError as e:
+            self.error = f"{path}: {e.strerror or e}"
+            Path(path).unlink(missing_ok=True)  # no half-written file that looks whole
+            return None
+        entry: dict[str, Any] = {"size": Path(path).stat().st_size}
+        if self.verify:
+            entry["sha256"] = file_sha256(Path(path))
+        self.files[str(Path(path).relative_to(self.root))] = entry
+        if self.last_rank and faults.armed("KILL_IN_SAVE", self.step):
+            faults.kill_self()
+        return out
+
+
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 class Checkpointer:
     """Saves a DeepSpeed engine as `step{N:08d}` in the run folder: every rank writes its shards, then rank 0
-    writes the marker and `latest` and prunes to `keep_last`, with a barrier on either side so no rank runs ahead
-    of a checkpoint that is not complete."""
+    writes the marker (listing every file with its size, and sha256 under `verify`) and `latest`, and prunes to
+    `keep_last`, with a barrier on either side so no rank runs ahead of a checkpoint that is not complete. A write
+    that fails (a full disk) stops every rank with one message; the previous checkpoint stays the latest."""
 
-    def __init__(self, engine: Any, run_dir: Path, *, keep_last: int, rank: int, config: dict[str, Any],
-                 last_saved: int = -1, enabled: bool = True):
+    def __init__(self, engine: Any, run_dir: Path, *, keep_last: int, rank: int, world_size: int,
+                 config: dict[str, Any], last_saved: int = -1, enabled: bool = True, verify: bool = False,
+                 size_hint: float = 0.0):
         self.engine, self.run_dir, self.keep_last, self.rank, self.config = engine, run_dir, keep_last, rank, config
-        self.last_saved, self.enabled = last_saved, enabled
+        self.world_size, self.last_saved, self.enabled, self.verify = world_size, last_saved, enabled, verify
+        self.size_hint = size_hint
 
     def save(self, marker: Marker) -> None:
         import deepspeed.comm as dist
+        import torch.distributed as tdist
 
         if not self.enabled:
             self.last_saved = marker["step"]
             return
         tag = tag_for(marker["step"])
-        self.engine.save_checkpoint(str(self.run_dir), tag=tag, client_state={**marker, "config": self.config},
-                                    save_latest=False)
-        dist.barrier()
         if self.rank == 0:
-            mark_complete(self.run_dir, tag, marker)
+            (self.run_dir / tag / MARKER).unlink(missing_ok=True)  # a re-save makes the tag incomplete until done
+        dist.barrier()
+        guard = _GuardedWrites(self.engine.checkpoint_engine, self.run_dir / tag, verify=self.verify,
+                               step=marker["step"], last_rank=self.rank == self.world_size - 1)
+        self.engine.checkpoint_engine = guard
+        try:
+            self.engine.save_checkpoint(str(self.run_dir), tag=tag, client_state={**marker, "config": self.config},
+                                        save_latest=False)
+        finally:
+            self.engine.checkpoint_engine = guard.inner
+        reports: list[Any] = [None] * self.world_size
+        tdist.all_gather_object(reports, (guard.error, guard.files))
+        errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(reports) if err]
+        if errors:
+            free = shutil.disk_usage(self.run_dir).free
+            latest = latest_complete(self.run_dir)
+            raise PipelineError(
+                f"checkpoint {tag} could not be saved ({errors[0]}); {free / 1e9:,.1f} GB free at {self.run_dir}"
+                + (f", a checkpoint needs about {self.size_hint / 1e9:,.1f} GB on a node" if self.size_hint else "")
+                + f". The run stops; {latest or 'no checkpoint'} stays the latest complete checkpoint and the "
+                f"incomplete {tag}/ can be deleted. Free space or move run_dir, then resume with the same command")
+        if self.rank == 0:
+            files: dict[str, dict[str, Any]] = {}
+            for _, written in reports:
+                files.update(written)
+            mark_complete(self.run_dir, tag, {**marker, "files": files})
             prune(self.run_dir, self.keep_last)
             log.info("saved checkpoint %s/%s", self.run_dir, tag)
         dist.barrier()
         self.last_saved = marker["step"]
+
+
+def damage(run_dir: Path, tag: str, verify: bool) -> str | None:
+    """What is wrong with a complete checkpoint's files against its marker (None: intact). Sizes always; sha256
+    when `verify` and the marker has them. Markers from before files were listed are taken as they are."""
+    files = read_marker(run_dir, tag).get("files") or {}
+    for name, want in sorted(files.items()):
+        path = Path(run_dir) / tag / name
+        if not path.is_file():
+            return f"{path}: missing"
+        size = path.stat().st_size
+        if size != want["size"]:
+            return f"{path}: {size:,} bytes, the marker says {want['size']:,} (truncated or damaged)"
+        if verify and "sha256" in want and file_sha256(path) != want["sha256"]:
+            return f"{path}: sha256 differs from the marker's (damaged)"
+    return None
+
+
+def newest_intact(run_dir: Path, tags: list[str], verify: bool) -> tuple[str | None, list[str]]:
+    """The newest complete checkpoint whose files are intact, and a warning for each newer one skipped. Nothing is
+    deleted."""
+    warnings: list[str] = []
+    for tag in reversed(tags):
+        problem = damage(run_dir, tag, verify)
+        if problem is None:
+            return tag, warnings
+        warnings.append(f"checkpoint {tag} skipped: {problem}; resuming from an earlier one (nothing deleted)")
+    return None, warnings
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:

@@ -81,7 +81,13 @@ class TrainSection:
     peak_tflops: float | None = None
     """The card's dense bf16 peak for MFU, for a GPU the table does not know (null: from the table by name)."""
     comm_timeout_minutes: float = 30.0
-    """How long a collective waits for a missing rank before the run fails (a dead peer otherwise hangs it)."""
+    """How long a rank waits for the others (a collective, or a step that makes no progress because a peer hung)
+    before the run fails; the launch then exits instead of hanging."""
+    on_nonfinite: str = "stop"
+    """A non-finite loss or gradient norm. stop: halt at that step, name its samples, save nothing (the last good
+    checkpoint stays the latest). skip: DeepSpeed drops that update; counted and logged."""
+    max_nonfinite_in_a_row: int = 3
+    """With on_nonfinite: skip, stop after this many skipped updates in a row."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,6 +105,9 @@ class CheckpointSection:
     resume: str = "auto"
     """auto: continue from the latest complete checkpoint in run_dir; never: start fresh (refuses a run_dir
     that holds checkpoints); or a tag such as step00000100."""
+    verify: bool = False
+    """Record each checkpoint file's sha256 when saving and check it on resume (sizes are always checked). Costs a
+    read of every file at each save."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -267,6 +276,10 @@ def check(cfg: PretrainConfig) -> list[str]:
         p.append(f"train.peak_tflops {t.peak_tflops}: expected the card's dense bf16 TFLOP/s, e.g. 147.1")
     if t.comm_timeout_minutes <= 0:
         p.append("train.comm_timeout_minutes: expected a positive number of minutes")
+    if t.on_nonfinite not in ("stop", "skip"):
+        p.append(f"train.on_nonfinite {t.on_nonfinite}: expected stop or skip")
+    if t.max_nonfinite_in_a_row < 1:
+        p.append("train.max_nonfinite_in_a_row: expected 1 or more")
     if cfg.eval.interval < 1 or cfg.eval.batches < 0:
         p.append("eval.interval must be >= 1 and eval.batches >= 0")
     if cfg.checkpoint.interval < 1 or cfg.checkpoint.keep_last < 1:

@@ -104,6 +104,16 @@ def resolve(cfg: PretrainConfig, ds_raw: dict[str, Any], plan: BatchPlan, *, acc
     if cfg.train.compile and stage == 3:
         p.append("train.compile with ZeRO-3: not supported yet (ZeRO-3's parameter hooks break the compiled "
                  "graphs); use ZeRO-1/2 or compile: false")
+    if prec == "bf16" and stage in (1, 2):
+        # DeepSpeed's ZeRO-1/2 skip an update whose gradient norm is not finite (fp32 and fp16 always, ZeRO-3 in
+        # every precision) but apply it in bf16 unless told to check: a NaN would then reach the weights.
+        ds["bf16"].setdefault("check_grad_overflow", True)
+    if cfg.train.on_nonfinite == "skip" and stage == 0:
+        p.append("train.on_nonfinite skip needs ZeRO 1-3 (DeepSpeed drops a non-finite update there); with ZeRO-0 "
+                 "use stop")
+    if cfg.train.on_nonfinite == "skip" and cfg.optim.grad_clip == 0:
+        p.append("train.on_nonfinite skip needs optim.grad_clip > 0: DeepSpeed finds a non-finite gradient through "
+                 "the norm it computes for clipping")
     if prec == "fp16" and accelerator == "cpu":
         p.append("train.precision fp16 is not supported on the CPU accelerator; use bf16 or fp32")
     if "pipeline" in ds or ds.get("pipeline_parallel_size", 1) not in (1, None):

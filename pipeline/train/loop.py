@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +19,12 @@ from pipeline.errors import PipelineError
 from pipeline.model import ModelShape
 from pipeline.plan.gpus import peak_tflops_for_device
 from pipeline.train import checkpoint as ckpt
+from pipeline.train import faults
 from pipeline.train.config import PretrainConfig, dump
 from pipeline.train.ds_config import BatchPlan, zero_stage
 from pipeline.train.ds_workarounds import replay_adam_beta_powers
 from pipeline.train.engine import build_engine
+from pipeline.train.guards import NonFinite, Watchdog, checkpoint_size
 from pipeline.train.metrics import MetricsSink, Throughput, format_line, mem_gib
 from pipeline.train.resume import choose_resume, resume_problems
 from pipeline.train.schedule import lr_at, max_steps_for
@@ -92,7 +93,7 @@ def start_or_resume(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, 
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    tag = choose_resume(cfg.checkpoint.resume, ckpt.complete_tags(run_dir), str(run_dir))
+    tag = resume_tag(cfg, run_dir, env, checkpoint_size(cfg, ds, shape, env) if cfg.checkpoint.enabled else 0.0)
     if tag and (problems := resume_problems(
             ckpt.read_marker(run_dir, tag), data_fingerprint=train_data.fingerprint, model_shape=shape.as_dict(),
             world_size=env.world_size, zero_stage=zero_stage(ds),
@@ -116,6 +117,36 @@ def start_or_resume(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, 
     return state
 
 
+def resume_tag(cfg: PretrainConfig, run_dir: Path, env: Dist, checkpoint_bytes: float) -> str | None:
+    """The checkpoint this launch continues from: rank 0 reads the run folder (skipping complete checkpoints whose
+    files are damaged, with a warning each) and every rank takes its answer, so all agree or all fail alike. Warns
+    when the disk cannot hold `checkpoint.keep_last` checkpoints plus the next (`pipeline pretrain` refuses it)."""
+    import torch.distributed as tdist
+
+    answer: list[Any] = [None, [], None]  # tag, warnings, error
+    if env.rank == 0:
+        try:
+            tags = ckpt.complete_tags(run_dir)
+            tag = choose_resume(cfg.checkpoint.resume, tags, str(run_dir))
+            if tag is not None and cfg.checkpoint.resume == "auto":
+                tag, warnings = ckpt.newest_intact(run_dir, tags, cfg.checkpoint.verify)
+                answer[:2] = [tag, warnings]
+            elif tag is not None:
+                if problem := ckpt.damage(run_dir, tag, cfg.checkpoint.verify):
+                    raise PipelineError(f"checkpoint.resume {tag}: {problem}")
+                answer[0] = tag
+        except PipelineError as e:
+            answer[2] = str(e)
+        for w in answer[1]:
+            log.warning("%s", w)
+        if checkpoint_bytes and (problem := ckpt.space_problem(run_dir, checkpoint_bytes, cfg.checkpoint.keep_last)):
+            log.warning("warning: %s", problem)
+    tdist.broadcast_object_list(answer, src=0)
+    if answer[2]:
+        raise PipelineError(answer[2])
+    return answer[0]
+
+
 def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: ModelShape,
         manifest: ShardManifest, env: Dist) -> None:
     """Step until `max_steps` or a stop signal: log, validate and checkpoint at their intervals."""
@@ -126,8 +157,9 @@ def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPla
     metrics = MetricsSink(run_dir, rank=env.rank, tensorboard=cfg.log.tensorboard,
                           resumed_at=state.step if state.resumed else None)
     checkpointer = ckpt.Checkpointer(engine, run_dir, keep_last=cfg.checkpoint.keep_last, rank=env.rank,
-                                     config=cfg.to_dict(), last_saved=state.step if state.resumed else -1,
-                                     enabled=cfg.checkpoint.enabled)
+                                     world_size=env.world_size, config=cfg.to_dict(),
+                                     last_saved=state.step if state.resumed else -1, enabled=cfg.checkpoint.enabled,
+                                     verify=cfg.checkpoint.verify, size_hint=checkpoint_size(cfg, ds, shape, env))
 
     def marker() -> ckpt.Marker:
         return {"step": state.step, "consumed_samples": state.consumed_samples,
@@ -139,16 +171,16 @@ def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPla
                                 data_parallel_size=env.world_size, rank=env.rank,
                                 consumed_samples=state.consumed_samples, num_workers=cfg.data.num_workers))
     stop = StopFlag()
-    # Test hook: PIPELINE_FAULT_KILL_AT_STEP=N kills rank 0 with SIGKILL once step N is logged and saved (if due),
-    # a crash at a known point; on a fast machine a kill sent from outside lands steps later than asked.
-    crash_at = int(os.environ.get("PIPELINE_FAULT_KILL_AT_STEP", "0"))
+    watchdog = Watchdog(cfg.train.comm_timeout_minutes * 60, env.rank)
     peak = peak_for(device, cfg.train.peak_tflops, env.rank)
     throughput = Throughput(state.step)
+    nonfinite = NonFinite(cfg, state, plan, engine, env.rank)
     last_loss = float("nan")
     engine.train()
     while state.step < max_steps:
         lr = lr_at(state.step, cfg, max_steps)
-        step_loss = train_step(engine, batches, plan.grad_accum, lr, device)
+        poison = env.rank == 0 and faults.armed("NONFINITE_AT_STEP", state.step + 1)
+        step_loss = train_step(engine, batches, plan.grad_accum, lr, device, poison=poison)
         state.step += 1
         state.consumed_samples += plan.global_batch_size
         throughput.add(plan.tokens_per_step)
@@ -156,6 +188,8 @@ def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPla
         flag = torch.stack([step_loss, torch.tensor(float(stop.requested), dtype=torch.float64, device=device)])
         dist.all_reduce(flag)
         last_loss = flag[0].item() / env.world_size
+        watchdog.beat()
+        nonfinite.check(last_loss, latest=ckpt.latest_complete(run_dir) if env.rank == 0 else None)
         if state.step % cfg.log.interval == 0 or state.step == max_steps:
             tps, eta = throughput.take(state.step, max_steps)
             rec = step_record(state, engine, ds, plan, shape, env, loss=last_loss, lr=lr, tokens_per_s=tps, peak=peak)
@@ -169,9 +203,10 @@ def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPla
                 log.info("step %d | val loss %.4f | val ppl %.2f", state.step, val_loss, math.exp(min(val_loss, 50)))
             metrics.emit({"step": state.step, "val_loss": val_loss})
         if state.step % cfg.checkpoint.interval == 0:
-            checkpointer.save(marker())
-        if state.step == crash_at and env.rank == 0:
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the crash-and-resume tests
+            with watchdog.paused():
+                checkpointer.save(marker())
+        if env.rank == 0 and faults.armed("KILL_AT_STEP", state.step):
+            faults.kill_self()
         if flag[1].item() > 0:
             if checkpointer.last_saved != state.step:
                 checkpointer.save(marker())
@@ -179,7 +214,9 @@ def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPla
                 log.info("stopped by signal at step %d; checkpoint saved, resume with the same command", state.step)
             break
     if checkpointer.last_saved != state.step:
-        checkpointer.save(marker())
+        with watchdog.paused():
+            checkpointer.save(marker())
+    watchdog.stop()
     metrics.close()
     dist.barrier()
     if env.rank == 0 and math.isnan(last_loss):

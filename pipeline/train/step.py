@@ -39,14 +39,17 @@ def micro_step_loss(engine: Any, batch: dict[str, torch.Tensor], device: torch.d
 
 
 def train_step(engine: Any, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int, lr: float,
-               device: torch.device) -> torch.Tensor:
+               device: torch.device, poison: bool = False) -> torch.Tensor:
     """Set the learning rate, run `grad_accum` micro-steps (forward, backward, DeepSpeed's step, which applies
-    the update at the accumulation boundary) and return the mean per-token loss as a float64 device tensor."""
+    the update at the accumulation boundary) and return the mean per-token loss as a float64 device tensor.
+    `poison` (tests only, pipeline.train.faults) makes the first micro-step's loss NaN."""
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(grad_accum):
+    for i in range(grad_accum):
         loss, total, tokens = micro_step_loss(engine, next(batches), device)
+        if poison and i == 0:
+            loss, total = loss * float("nan"), total * float("nan")
         engine.backward(loss)
         engine.step()
         loss_sum += total / max(tokens, 1)

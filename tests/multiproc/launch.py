@@ -57,9 +57,9 @@ def command(config: Path, *, num_gpus: int = 2, port: int | None = None, sets: t
     return cmd
 
 
-def run(config: Path, timeout: int = 900, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(command(config, **kw), env=env(), capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+def run(config: Path, timeout: int = 900, extra_env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(command(config, **kw), env={**env(), **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
 
 
 def start(config: Path, log: Path, extra_env: dict[str, str] | None = None, **kw) -> subprocess.Popen:

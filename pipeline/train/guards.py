@@ -1,0 +1,115 @@
+"""What stops a run that went wrong instead of letting it hang or train on garbage: a watchdog for a peer that
+stopped answering, the non-finite loss policy, and the checkpoint size the disk checks use."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from pipeline.data.loader import GlobalOrder
+from pipeline.errors import PipelineError
+from pipeline.model import ModelShape
+from pipeline.train.config import PretrainConfig
+
+log = logging.getLogger("pipeline.pretrain")
+
+
+class Watchdog:
+    """Exits this rank when no step finishes within `timeout_s` (train.comm_timeout_minutes): a peer that hangs
+    (SIGSTOP, a stuck driver) leaves the others waiting in a collective that may never time out (DeepSpeed's CPU
+    shared-memory all-reduce spins), so the launch would hang forever. Exiting makes the launcher stop every rank
+    and the launch fail. Saves are long and legitimate: the watchdog is paused around them."""
+
+    def __init__(self, timeout_s: float, rank: int):
+        self.timeout_s, self.rank = timeout_s, rank
+        self._last = time.monotonic()
+        self._paused = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="pipeline-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self.beat()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(10.0, self.timeout_s / 4)):
+            idle = time.monotonic() - self._last
+            if not self._paused and idle > self.timeout_s:
+                print(f"error: rank {self.rank}: no training step finished for {idle:.0f} s "
+                      f"(train.comm_timeout_minutes {self.timeout_s / 60:g}); another rank has hung or died. "
+                      "Exiting so that the launch fails instead of hanging; resume with the same command",
+                      file=sys.stderr, flush=True)
+                os._exit(3)
+
+
+class NonFinite:
+    """`train.on_nonfinite`. DeepSpeed does not apply an update whose gradient norm is not finite (ZeRO 1-3; it
+    counts it in `skipped_steps`, the same on every rank), so the weights stay good; this decides what the run
+    does about it, from values every rank has (the all-reduced loss and the skip count), so all ranks agree."""
+
+    def __init__(self, cfg: PretrainConfig, state: Any, plan: Any, engine: Any, rank: int):
+        self.cfg, self.state, self.plan, self.engine, self.rank = cfg, state, plan, engine, rank
+        self.skipped_before = int(getattr(engine, "skipped_steps", 0))
+        self.in_a_row = 0
+        self.total = 0
+
+    def check(self, loss: float, latest: str | None) -> None:
+        import math
+
+        skipped = int(getattr(self.engine, "skipped_steps", 0))
+        dropped = skipped > self.skipped_before
+        self.skipped_before = skipped
+        if math.isfinite(loss) and not dropped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        step = self.state.step
+        what = f"loss {loss}" if not math.isfinite(loss) else "a non-finite gradient norm"
+        ids = self.sample_ids()
+        shown = ", ".join(map(str, ids[:16])) + (f", ... ({len(ids)} samples)" if len(ids) > 16 else "")
+        applied = "DeepSpeed did not apply that update" if dropped else "that update may have been applied"
+        if self.cfg.train.on_nonfinite == "stop" or self.in_a_row > self.cfg.train.max_nonfinite_in_a_row:
+            why = ("train.on_nonfinite is stop" if self.cfg.train.on_nonfinite == "stop"
+                   else f"{self.in_a_row} in a row > train.max_nonfinite_in_a_row")
+            raise PipelineError(
+                f"step {step}: {what} ({why}); {applied} and nothing was saved, so {latest or 'no checkpoint'} "
+                f"stays the latest. The step's samples (train split ids): {shown}. Look at them, lower optim.lr, "
+                "or set train.on_nonfinite: skip; then resume with the same command")
+        if self.rank == 0:
+            log.warning("step %d: %s; %s (skipped %d in a row, %d in this launch); samples %s", step, what, applied,
+                        self.in_a_row, self.total, shown)
+
+    def sample_ids(self) -> list[int]:
+        """The train-split sample ids of the step just taken (the loader's order is the same for any world size)."""
+        order = GlobalOrder(len(self.state.train_data), self.cfg.train.seed)
+        start = self.state.consumed_samples - self.plan.global_batch_size
+        return [order[start + i] for i in range(self.plan.global_batch_size)]
+
+
+def checkpoint_size(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, env: Any) -> float:
+    """Bytes one checkpoint puts on the busiest node, by the planner's count."""
+    from pipeline.plan.memory import checkpoint_bytes
+    from pipeline.train.ds_config import zero_stage
+    from pipeline.train.setup import ranks_per_node
+
+    return checkpoint_bytes(shape, zero_stage(ds), env.world_size, ranks_per_node(env.world_size),
+                            module_bytes=4 if cfg.train.precision == "fp32" else 2)["per_node"]
