@@ -75,6 +75,10 @@ def prune(run_dir: Path, keep_last: int) -> list[str]:
     for t in doomed:
         if t != latest:
             shutil.rmtree(run_dir / t, ignore_errors=True)
+    kept = set(complete_tags(run_dir))
+    for u in run_dir.glob(f"step*{UNIVERSAL}"):  # universal copies of checkpoints that are gone
+        if u.name[: -len(UNIVERSAL)] not in kept:
+            shutil.rmtree(u, ignore_errors=True)
     return doomed
 
 
@@ -178,6 +182,35 @@ class Checkpointer:
             log.info("saved checkpoint %s/%s", self.run_dir, tag)
         dist.barrier()
         self.last_saved = marker["step"]
+
+
+UNIVERSAL = ".universal"
+
+
+def universal(run_dir: Path, tag: str) -> tuple[str, bool]:
+    """`TAG.universal`, DeepSpeed's universal form of checkpoint `tag` (optimizer states per parameter, loadable
+    by any world size), converted with its own ds_to_universal once, into a temporary folder renamed when done.
+    Returns (tag to load, whether it was converted now)."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    out = Path(run_dir) / f"{tag}{UNIVERSAL}"
+    if (out / MARKER).exists():
+        return out.name, False
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    tmp = Path(run_dir) / f".{tag}{UNIVERSAL}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    args = SimpleNamespace(input_folder=str(Path(run_dir) / tag), output_folder=str(tmp), num_extract_workers=2,
+                           num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        ds_to_universal(args)
+    (Path(run_dir) / "latest_universal").unlink(missing_ok=True)  # it names the temporary folder; not ours to keep
+    write_json(tmp / MARKER, read_marker(run_dir, tag))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out.name, True
 
 
 def damage(run_dir: Path, tag: str, verify: bool) -> str | None:

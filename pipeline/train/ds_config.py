@@ -38,9 +38,13 @@ def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
     per_step = b.micro_batch_size * world_size
     if global_batch % per_step:
         lo, hi = (global_batch // per_step) * per_step, math.ceil(global_batch / per_step) * per_step
+        micros = [m for m in range(1, 65) if global_batch % (m * world_size) == 0]
+        micro_hint = (f"batch.micro_batch_size {' or '.join(map(str, micros[-3:]))} keeps it"
+                      if micros else f"no micro_batch_size divides it on {world_size} ranks")
         raise ConfigError([f"batch: global batch {global_batch} sequences is not divisible by micro_batch_size "
-                           f"{b.micro_batch_size} x {world_size} data-parallel ranks = {per_step}; "
-                           f"use {f'{lo} or {hi}' if lo else hi}, or change micro_batch_size"])
+                           f"{b.micro_batch_size} x {world_size} data-parallel ranks = {per_step}; {micro_hint}; "
+                           f"or --set batch.global_batch_size={f'{lo} or {hi}' if lo else hi} (a resumed run then "
+                           "trains with another batch than it started with)"])
     return BatchPlan(b.micro_batch_size, world_size, global_batch // per_step, global_batch, seq_len)
 
 

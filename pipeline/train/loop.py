@@ -100,21 +100,48 @@ def start_or_resume(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, 
             nvme_optimizer=ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme")):
         raise PipelineError(f"cannot resume {run_dir}/{tag}: " + "; ".join(problems) +
                             " (use a new run_dir to start fresh)")
-    engine = build_engine(cfg, ds, shape, manifest["tokenizer"], env.rank)
+    load_tag, engine_ds = tag, ds
+    if tag and ckpt.read_marker(run_dir, tag)["world_size"] != env.world_size and zero_stage(ds) > 0:
+        # Another world size: DeepSpeed's universal checkpoint re-partitions the optimizer states. Rank 0 converts
+        # once (kept beside the checkpoint for the next launch); the engine loads it with load_universal.
+        load_tag = universal_checkpoint(run_dir, tag, env)
+        engine_ds = {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
+    engine = build_engine(cfg, engine_ds, shape, manifest["tokenizer"], env.rank)
     state = RunState(engine, train_data, val_data, 0, 0, resumed=tag is not None)
     if tag:
-        engine.load_checkpoint(str(run_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
+        engine.load_checkpoint(str(run_dir), tag=load_tag, load_optimizer_states=True,
+                               load_lr_scheduler_states=False)
         replay_adam_beta_powers(engine.optimizer, env.device)
         marker = ckpt.read_marker(run_dir, tag)
         state.step, state.consumed_samples = marker["step"], marker["consumed_samples"]
         if env.rank == 0:
-            log.info("resumed from %s/%s: step %d, %d samples consumed", run_dir, tag, state.step,
-                     state.consumed_samples)
+            log.info("resumed from %s/%s: step %d, %d samples consumed%s", run_dir, tag, state.step,
+                     state.consumed_samples, f" (saved by {marker['world_size']} ranks, now {env.world_size}: "
+                     f"through the universal checkpoint {load_tag})" if load_tag != tag else "")
     if env.rank == 0:
         write_text(run_dir / "config.yaml", dump(cfg))
         write_json(run_dir / "ds_config.json", ds)
         write_json(run_dir / "environment.json", environment(env.world_size, env.device))
     return state
+
+
+def universal_checkpoint(run_dir: Path, tag: str, env: Dist) -> str:
+    """The universal form of checkpoint `tag` (rank 0 converts it once; every rank waits for it)."""
+    import torch.distributed as tdist
+
+    answer: list[Any] = [None, None]
+    if env.rank == 0:
+        try:
+            answer[0], converted = ckpt.universal(run_dir, tag)
+            if converted:
+                log.info("converted %s/%s to DeepSpeed's universal checkpoint %s (once; kept for later launches)",
+                         run_dir, tag, answer[0])
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, not only rank 0
+            answer[1] = f"converting {run_dir}/{tag} to a universal checkpoint failed: {type(e).__name__}: {e}"
+    tdist.broadcast_object_list(answer, src=0)
+    if answer[1]:
+        raise PipelineError(answer[1])
+    return str(answer[0])
 
 
 def resume_tag(cfg: PretrainConfig, run_dir: Path, env: Dist, checkpoint_bytes: float) -> str | None:

@@ -40,8 +40,7 @@ def resume_problems(marker: Marker, *, data_fingerprint: str, model_shape: dict[
                         f"{marker['data_fingerprint']} (other shards, seq_len or seed)")
     if marker["model_shape"] != model_shape:
         problems.append(f"model shape {model_shape} differs from the checkpoint's {marker['model_shape']}")
-    if marker["world_size"] != world_size and zero_stage > 0:
-        problems.append(f"world size {world_size} differs from the checkpoint's {marker['world_size']}: "
-                        f"ZeRO-{zero_stage} optimizer partitions are per rank; convert with DeepSpeed's "
-                        "ds_to_universal first")
+    if marker["world_size"] != world_size and nvme_optimizer:
+        problems.append(f"world size {world_size} differs from the checkpoint's {marker['world_size']} and the "
+                        "optimizer is on NVMe; DeepSpeed's universal checkpoint does not cover NVMe swap files")
     return problems

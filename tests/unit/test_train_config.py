@@ -75,7 +75,8 @@ def test_batch_arithmetic() -> None:
     cfg = from_dict(BASE)
     plan = batch_plan(cfg, 2, 64)
     assert (plan.grad_accum, plan.global_batch_size, plan.tokens_per_step) == (4, 16, 1024)
-    with pytest.raises(ConfigError, match=r"not divisible by micro_batch_size 2 x 3 data-parallel ranks = 6; use 12 or 18"):
+    with pytest.raises(ConfigError, match=r"not divisible by micro_batch_size 2 x 3 data-parallel ranks = 6; no micro_batch_size divides it on 3 "
+                       r"ranks; or --set batch.global_batch_size=12 or 18"):
         batch_plan(cfg, 3, 64)
     tok = from_dict({**BASE, "batch": {"micro_batch_size": 2, "global_batch_tokens": 1000}})
     with pytest.raises(ConfigError, match="not a multiple of seq_len 64; use 1024"):
@@ -176,7 +177,7 @@ def test_pipeline_pretrain_checks_before_launching(shards: Path, tmp_path: Path)
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=4\nnode2 slots=4\n")
     r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--hostfile", str(hostfile), "--dry-run"])
-    assert r.exit_code == 2 and "micro_batch_size 2 x 8 data-parallel ranks = 16; use 16" in r.output, r.output
+    assert r.exit_code == 2 and "micro_batch_size 2 x 8 data-parallel ranks = 16; batch.micro_batch_size 1 keeps it; or --set batch.global_batch_size=16" in r.output, r.output
     r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--hostfile", str(hostfile), "--dry-run",
                                   "--set", "batch.global_batch_size=32"])
     assert r.exit_code == 0 and "micro 2 x data-parallel 8 x grad-accum 2" in r.output, r.output

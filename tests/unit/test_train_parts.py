@@ -38,9 +38,22 @@ def test_resume_refuses_other_data_shape_or_zero_world() -> None:
     assert resume_problems(marker(), **same) == []  # type: ignore[arg-type]
     assert "data fingerprint xyz differs" in resume_problems(marker(), **{**same, "data_fingerprint": "xyz"})[0]  # type: ignore[arg-type]
     assert "model shape" in resume_problems(marker(), **{**same, "model_shape": {"hidden_size": 32}})[0]  # type: ignore[arg-type]
-    assert "ZeRO-1 optimizer partitions are per rank" in resume_problems(marker(), **{**same, "world_size": 4})[0]  # type: ignore[arg-type]
-    # ZeRO-0 keeps whole optimizer states: any world size resumes.
-    assert resume_problems(marker(), **{**same, "world_size": 4, "zero_stage": 0}) == []  # type: ignore[arg-type]
+    # Another world size resumes (through a universal checkpoint; tests/multiproc/test_resume_world_size.py), except
+    # with the optimizer on NVMe, whose swap files the universal checkpoint does not cover.
+    assert resume_problems(marker(), **{**same, "world_size": 4}) == []  # type: ignore[arg-type]
+    assert "optimizer is on NVMe" in resume_problems(marker(), **{**same, "world_size": 4, "nvme_optimizer": True})[-1]  # type: ignore[arg-type]
+
+
+def test_976_sequences_on_7_nodes_are_refused_with_the_choices() -> None:
+    from pipeline.errors import ConfigError
+    from pipeline.train.config import from_dict
+    from pipeline.train.ds_config import batch_plan
+
+    cfg = from_dict({"batch": {"micro_batch_size": 2, "global_batch_size": 976}, "train": {"max_steps": 1}})
+    with pytest.raises(ConfigError, match=r"no micro_batch_size divides it on 7 ranks; or --set "
+                                          r"batch.global_batch_size=966 or 980"):
+        batch_plan(cfg, 7, 4096)
+    assert batch_plan(cfg, 8, 4096).grad_accum == 61
 
 
 def test_each_rank_gets_the_gpu_of_its_local_rank() -> None:
