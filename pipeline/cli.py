@@ -65,19 +65,26 @@ def main(verbose: bool) -> None:
 @click.option("--append-eos/--no-append-eos", default=True, show_default=True, help="End each document with </s>.")
 @click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
               help="skip: count bad records by reason and go on; fail: stop at the first (exit 2).")
+@click.option("--max-record-bytes", default="256MB", show_default=True,
+              help="A JSON line is parsed whole; a longer one is a bad record (--on-error applies). .txt files "
+              "and long texts are read and encoded in pieces whatever their size.")
 @_user_errors
 def tokenize(inputs: tuple[str, ...], output_prefix: str, tokenizer: str | None, train_tokenizer: bool,
              vocab_size: int, model_type: str, sample_docs: int, seed: int, text_key: str, workers: int,
-             append_eos: bool, on_error: str) -> None:
+             append_eos: bool, on_error: str, max_record_bytes: str) -> None:
     """Tokenize INPUT... (.jsonl, .txt, .parquet, optionally .gz/.zst; folders; globs; save_to_disk datasets)
     into a Megatron indexed dataset."""
     from pipeline.data import tokenize as tokenizing
-    from pipeline.data.config import TokenizeConfig
+    from pipeline.data.config import TokenizeConfig, parse_size
 
+    try:
+        max_record = parse_size(max_record_bytes)
+    except ValueError as e:
+        raise PipelineError(f"--max-record-bytes: {e}") from None
     cfg = TokenizeConfig(inputs=inputs, output_prefix=output_prefix, tokenizer=tokenizer,
                          train_tokenizer=train_tokenizer, vocab_size=vocab_size, model_type=model_type,
                          sample_docs=sample_docs, seed=seed, text_key=text_key, workers=workers,
-                         append_eos=append_eos, on_error=on_error)
+                         append_eos=append_eos, on_error=on_error, max_record_bytes=max_record)
     result = tokenizing.run(cfg)
     click.echo(result.summary)
 

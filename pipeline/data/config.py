@@ -29,9 +29,15 @@ class TokenizeConfig:
     """skip: count and report bad records; fail: stop at the first one (exit code 2)."""
     progress: bool | None = None
     """None: a progress bar only when stderr is a terminal."""
+    max_record_bytes: int = 256 << 20
+    """A JSON line is parsed whole: a longer one is a bad record (--on-error applies)."""
+    piece_chars: int = 1 << 20
+    """A document longer than this is encoded in pieces of about this many characters (pipeline.data.pieces)."""
 
     def __post_init__(self) -> None:
         problems = []
+        if self.max_record_bytes < 1 or self.piece_chars < 1:
+            problems.append("--max-record-bytes and the piece size must be positive")
         if not self.inputs:
             problems.append("INPUT: give at least one file, directory or glob")
         if self.train_tokenizer == (self.tokenizer is not None):

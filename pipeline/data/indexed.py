@@ -43,6 +43,7 @@ class IndexedWriter:
         self._lens: BinaryIO = open(self._len_path, "wb")
         self.documents = 0
         self.tokens = 0
+        self._open_doc = 0  # tokens of a document whose last piece has not come yet
 
     def add(self, ids: np.ndarray) -> None:
         arr = np.asarray(ids)
@@ -52,6 +53,27 @@ class IndexedWriter:
         self._lens.write(struct.pack("<i", len(arr)))
         self.documents += 1
         self.tokens += len(arr)
+
+    def add_pieces(self, lengths: np.ndarray, lasts: np.ndarray, flat_ids: np.ndarray) -> int:
+        """Append pieces of documents: `flat_ids` is their concatenation, `lengths` their token counts, `lasts`
+        whether each ends its document (a document's pieces may span several calls). Returns documents ended."""
+        flat = np.asarray(flat_ids)
+        if flat.dtype != self.dtype:
+            flat = flat.astype(self.dtype)
+        self._bin.write(flat.tobytes())
+        ends = []
+        for n, last in zip(lengths.tolist(), lasts.tolist(), strict=True):
+            self._open_doc += n
+            if last:
+                if self._open_doc >= 2**31:
+                    raise PipelineError(f"a document of {self._open_doc:,} tokens: more than the index format's "
+                                        "int32 length; split such a file into several documents")
+                ends.append(self._open_doc)
+                self._open_doc = 0
+        self._lens.write(np.asarray(ends, dtype="<i4").tobytes())
+        self.documents += len(ends)
+        self.tokens += len(flat)
+        return len(ends)
 
     def add_many(self, lengths: np.ndarray, flat_ids: np.ndarray) -> None:
         """Append several documents at once: `flat_ids` is their concatenation, `lengths` their sizes."""

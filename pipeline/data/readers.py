@@ -19,6 +19,8 @@ from typing import IO, Any, cast
 from pipeline.errors import PipelineError
 
 TEXT_SUFFIXES = (".jsonl", ".txt", ".parquet")
+TXT_BLOCK_BYTES = 1 << 20     # a .txt document is read in blocks of this size
+MAX_RECORD_BYTES = 256 << 20  # a JSON line is parsed whole; longer ones are refused (--max-record-bytes)
 COMPRESSIONS = ("", ".gz", ".zst")
 SUPPORTED = tuple(s + c for s in TEXT_SUFFIXES for c in COMPRESSIONS)
 
@@ -30,6 +32,7 @@ class Record:
     error: str | None = None
     reason: str | None = None  # short category for counting: malformed_json, missing_field, ...
     nbytes: int = 0            # raw bytes this record took in the input, for progress
+    last: bool = True          # False: a block of a long document; the document goes on in the next record
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +92,22 @@ def _open_binary(path: Path) -> IO[bytes]:
     return open(path, "rb")
 
 
-def _jsonl(path: Path, text_key: str) -> Iterator[Record]:
+def _jsonl(path: Path, text_key: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[Record]:
     with _open_binary(path) as raw:
         # zstd's stream reader has no line iteration of its own
         reader = raw if isinstance(raw, (io.BufferedReader, gzip.GzipFile)) else io.BufferedReader(cast(Any, raw))
-        for n, line in enumerate(reader, start=1):
+        n = 0
+        while line := reader.readline(max_record_bytes + 1):
+            n += 1
+            if len(line) > max_record_bytes and not line.endswith(b"\n"):
+                size = len(line)
+                while (rest := reader.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    size += len(rest)  # skip the rest of the record without holding it
+                size += len(rest)
+                yield Record(n, None, f"record of {size:,} bytes is larger than --max-record-bytes "
+                             f"{max_record_bytes:,} (a JSON line is parsed whole; raise the limit if the RAM allows)",
+                             "record_too_large", size)
+                continue
             if not line.strip():
                 continue  # blank lines separate nothing in JSONL; not a document
             try:
@@ -123,15 +137,39 @@ def _check_text(n: int, text: object, text_key: str, present: bool, nbytes: int 
 
 
 def _txt(path: Path) -> Iterator[Record]:
+    """One document per file, read in blocks (`last` False until its end), so that memory does not grow with the
+    file. A first pass checks the UTF-8 and that there is text at all, so a bad file is one error record and no
+    document is ever half written."""
+    import codecs
+
     with _open_binary(path) as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        yield Record(line, None, f"invalid UTF-8 at byte {e.start}", "invalid_utf8", len(data))
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        offset, lines, has_text = 0, 1, False
+        while block := f.read(TXT_BLOCK_BYTES):
+            try:
+                text = decoder.decode(block)
+            except UnicodeDecodeError as e:
+                line = lines + block[: e.start].count(b"\n")
+                yield Record(line, None, f"invalid UTF-8 at byte {offset + e.start}", "invalid_utf8", offset + len(block))
+                return
+            has_text = has_text or bool(text.strip())
+            lines += block.count(b"\n")
+            offset += len(block)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            yield Record(lines, None, f"invalid UTF-8 at byte {offset} (truncated at the end)", "invalid_utf8", offset)
+            return
+    if not has_text:
+        yield Record(1, None, "empty document", "empty_document", offset)
         return
-    yield _check_text(1, text, "text", True, len(data))
+    with _open_binary(path) as f:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        block = f.read(TXT_BLOCK_BYTES)
+        while block:
+            following = f.read(TXT_BLOCK_BYTES)
+            yield Record(1, decoder.decode(block, final=not following), None, None, len(block), last=not following)
+            block = following
 
 
 def _parquet(path: Path, text_key: str) -> Iterator[Record]:
@@ -168,10 +206,10 @@ def _hf(path: Path, text_key: str) -> Iterator[Record]:
                 yield _check_text(row, value, text_key, True)
 
 
-def read_records(src: Source, text_key: str = "text") -> Iterator[Record]:
+def read_records(src: Source, text_key: str = "text", max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[Record]:
     try:
         if src.kind == "jsonl":
-            yield from _jsonl(src.path, text_key)
+            yield from _jsonl(src.path, text_key, max_record_bytes)
         elif src.kind == "txt":
             yield from _txt(src.path)
         elif src.kind == "parquet":

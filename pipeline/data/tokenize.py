@@ -2,7 +2,8 @@
 
 Reading happens in the main process, encoding in `workers` processes (inline when 1); chunks come back in
 submission order, so the output is byte-identical for any worker count. At most `2 x workers` chunks are in
-flight, so memory stays flat whatever the corpus size. Outputs are written under temporary names and renamed
+flight, and a long document is read and encoded in pieces (pipeline.data.pieces), so memory stays flat whatever
+the corpus or document size. Outputs are written under temporary names and renamed
 at the end; the manifest, written last, marks a complete run.
 """
 
@@ -25,6 +26,7 @@ from pipeline import __version__
 from pipeline.atomic import sha256_file, tmp_path_for, write_json
 from pipeline.data.config import TokenizeConfig
 from pipeline.data.indexed import IndexedWriter, token_dtype
+from pipeline.data.pieces import Cutter, safe_rules
 from pipeline.data.readers import Source, read_records, resolve_inputs
 from pipeline.data.tokenizer import Tokenizer, tokenizer_sha256, train_sentencepiece
 from pipeline.errors import PipelineError
@@ -80,25 +82,36 @@ class _ErrorSink:
             self.listed.append(where)
 
 
-def _chunks(sources: list[Source], cfg: TokenizeConfig, stats: list[FileStats],
-            sink: _ErrorSink) -> Iterator[tuple[int, list[str], int]]:
-    """(source index, texts, raw bytes) chunks, in input order."""
+def _chunks(sources: list[Source], cfg: TokenizeConfig, stats: list[FileStats], sink: _ErrorSink,
+            rules: tuple[str, ...], cut_stats: Counter) -> Iterator[tuple[int, list[tuple[str, bool]], int]]:
+    """(source index, [(text, ends its document)], raw bytes) chunks, in input order. A document longer than a
+    piece is cut into pieces (pipeline.data.pieces), so no chunk holds much more than CHUNK_BYTES of text."""
     for i, src in enumerate(sources):
-        texts: list[str] = []
+        items: list[tuple[str, bool]] = []
         size = 0
         nbytes = 0
-        for rec in read_records(src, cfg.text_key):
+        cutter = Cutter(rules, cfg.piece_chars)
+        for rec in read_records(src, cfg.text_key, cfg.max_record_bytes):
             nbytes += rec.nbytes
             if rec.text is None:
                 sink.add(stats[i], rec.line, rec.error or "bad record", rec.reason or "other")
                 continue
-            texts.append(rec.text)
-            size += len(rec.text)
-            if size >= CHUNK_BYTES or len(texts) >= CHUNK_DOCS:
-                yield i, texts, nbytes
-                texts, size, nbytes = [], 0, 0
-        if texts or nbytes:
-            yield i, texts, nbytes
+            pieces = cutter.feed(rec.text)
+            if rec.last:
+                rest = cutter.end()
+                cut_stats["unchecked_cuts"] += cutter.unchecked
+                cutter.unchecked = 0
+                pieces.append(rest)
+                if len(pieces) > 1:
+                    cut_stats["documents_in_pieces"] += 1
+            for k, piece in enumerate(pieces):
+                items.append((piece, rec.last and k == len(pieces) - 1))
+                size += len(piece)
+                if size >= CHUNK_BYTES or len(items) >= CHUNK_DOCS:
+                    yield i, items, nbytes
+                    items, size, nbytes = [], 0, 0
+        if items or nbytes:
+            yield i, items, nbytes
 
 
 # Worker side: the tokenizer is loaded once per process.
@@ -110,23 +123,28 @@ def _worker_init(path: str) -> None:
     _WORKER_TOKENIZER = Tokenizer(path)
 
 
-def encode_chunk(tok: Tokenizer, texts: list[str], eos_id: int | None, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Pure: texts -> (lengths, concatenated ids), each document followed by `eos_id` when given."""
-    arrays = tok.encode_batch(texts)
+def encode_chunk(tok: Tokenizer, items: list[tuple[str, bool]], eos_id: int | None, dtype: np.dtype
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pure: [(text, ends its document)] -> (token count per item, ends-a-document flags, concatenated ids), each
+    document's last piece followed by `eos_id` when given."""
+    arrays = tok.encode_batch([t for t, _ in items])
+    lasts = np.fromiter((last for _, last in items), dtype=bool, count=len(items))
     if eos_id is not None:
         eos = np.array([eos_id], dtype=dtype)
-        parts = [p for a in arrays for p in (a, eos)]
-        lengths = np.fromiter((len(a) + 1 for a in arrays), dtype=np.int32, count=len(arrays))
+        parts = [p for a, last in zip(arrays, lasts, strict=True) for p in ((a, eos) if last else (a,))]
+        lengths = np.fromiter((len(a) + int(last) for a, last in zip(arrays, lasts, strict=True)), dtype=np.int64,
+                              count=len(arrays))
     else:
         parts = list(arrays)
-        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int32, count=len(arrays))
+        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
     flat = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
-    return lengths, flat
+    return lengths, lasts, flat
 
 
-def _worker_encode(texts: list[str], eos_id: int | None, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+def _worker_encode(items: list[tuple[str, bool]], eos_id: int | None, dtype: str
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     assert _WORKER_TOKENIZER is not None
-    return encode_chunk(_WORKER_TOKENIZER, texts, eos_id, np.dtype(dtype))
+    return encode_chunk(_WORKER_TOKENIZER, items, eos_id, np.dtype(dtype))
 
 
 def _sample_documents(sources: list[Source], cfg: TokenizeConfig) -> list[str]:
@@ -236,22 +254,24 @@ def run(cfg: TokenizeConfig) -> TokenizeResult:
     idx_tmp = tmp_path_for(prefix.with_name(prefix.name + ".idx"))
     writer = IndexedWriter(bin_tmp, dtype)
 
-    def consume(i: int, nbytes: int, lengths: np.ndarray, flat: np.ndarray) -> None:
-        writer.add_many(lengths, flat)
-        stats[i].documents += len(lengths)
+    def consume(i: int, nbytes: int, lengths: np.ndarray, lasts: np.ndarray, flat: np.ndarray) -> None:
+        docs = writer.add_pieces(lengths, lasts, flat)
+        stats[i].documents += docs
         stats[i].tokens += len(flat)
-        progress.update(nbytes, docs=len(lengths), tok=len(flat))
+        progress.update(nbytes, docs=docs, tok=len(flat))
 
+    rules = safe_rules(tok.encode)
+    cut_stats: Counter = Counter()
     pool = None
     try:
         if cfg.workers == 1:
-            for i, texts, nbytes in _chunks(sources, cfg, stats, sink):
-                consume(i, nbytes, *encode_chunk(tok, texts, eos_id, dtype))
+            for i, items, nbytes in _chunks(sources, cfg, stats, sink, rules, cut_stats):
+                consume(i, nbytes, *encode_chunk(tok, items, eos_id, dtype))
         else:
             pool = mp.get_context("spawn").Pool(cfg.workers, initializer=_worker_init, initargs=(str(tok_path),))
             pending: deque = deque()
-            for i, texts, nbytes in _chunks(sources, cfg, stats, sink):
-                pending.append((i, nbytes, pool.apply_async(_worker_encode, (texts, eos_id, dtype.str))))
+            for i, items, nbytes in _chunks(sources, cfg, stats, sink, rules, cut_stats):
+                pending.append((i, nbytes, pool.apply_async(_worker_encode, (items, eos_id, dtype.str))))
                 while len(pending) > 2 * cfg.workers:
                     j, nb, res = pending.popleft()
                     consume(j, nb, *res.get())
@@ -281,5 +301,8 @@ def run(cfg: TokenizeConfig) -> TokenizeResult:
 
     manifest = _manifest(cfg, sources, stats, sink, writer, tok, tok_path, trained, dtype,
                          time.perf_counter() - t0)
+    manifest["long_documents"] = {"cut_rules": list(rules), "piece_chars": cfg.piece_chars,
+                                  "documents_in_pieces": cut_stats["documents_in_pieces"],
+                                  "unchecked_cuts": cut_stats["unchecked_cuts"]}
     write_json(prefix.with_name(prefix.name + ".manifest.json"), manifest)
     return TokenizeResult(prefix, manifest)
