@@ -32,6 +32,8 @@ CASES = [
     ("tokenize {CORPUS} --train-tokenizer --output-prefix {T}/o --vocab-size 10", "'--vocab-size'"),
     ("tokenize {CORPUS} --train-tokenizer --output-prefix {T}/o --sample-docs -1", "'--sample-docs'"),
     ("tokenize {CORPUS} --tokenizer {MODEL} --output-prefix {T}/a_file/o", "a_file is not a folder"),
+    ("tokenize {CORPUS} --tokenizer {MODEL} --output-prefix {T}/o --max-record-bytes lots", "--max-record-bytes"),
+    ("tokenize {CORPUS} --tokenizer {MODEL} --output-prefix {T}/o --max-record-bytes 0", "--max-record-bytes"),
     # shard
     ("shard {PREFIX} --output {T}/a_file --seq-len 64", "a_file is a file"),
     ("shard {PREFIX} --output {T}/s --seq-len 100000000", "'--seq-len'"),
