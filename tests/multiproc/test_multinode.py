@@ -115,6 +115,16 @@ def test_two_hosts_train_checkpoint_and_resume(two_hosts: dict, shards: Path) ->
     assert "resumed from" in out and ckpt.latest_complete(run_dir) == "step00000006"
     losses = launch.losses(run_dir)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]
+    # A node is lost: the same run continues on the first host alone (world size 2 -> 1, a universal checkpoint).
+    one = two_hosts["work"] / "one_host"
+    one.write_text("node0 slots=1\n")
+    cmd = _command({**two_hosts, "hostfile": one}, cfg, launch.free_port(), "train.max_steps=8")
+    third = subprocess.run(cmd, env=two_hosts["env"], capture_output=True, text=True, timeout=700, cwd=ROOT)
+    out = third.stdout + third.stderr
+    assert third.returncode == 0, out[-5000:]
+    assert "saved by 2 ranks, now 1: through the universal checkpoint step00000006.universal" in out
+    assert ckpt.read_marker(run_dir, "step00000008")["world_size"] == 1
+    assert sorted(launch.losses(run_dir)) == list(range(1, 9))
 
 
 def test_a_failing_rank_fails_the_whole_launch(two_hosts: dict, shards: Path) -> None:

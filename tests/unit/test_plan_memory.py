@@ -225,3 +225,16 @@ def test_the_readme_fits_table_is_what_the_planner_says() -> None:
     block = readme.split("<!-- fits-table -->")[1].strip()
     r = CliRunner().invoke(main, ["plan", "--fits-table"])
     assert r.exit_code == 0 and block == r.output.strip(), "regenerate with `pipeline plan --fits-table`"
+
+
+def test_cpu_adam_time_follows_the_nodes_cores_and_memory_bandwidth() -> None:
+    """Offloaded Adam runs at the lower of cores x 0.85e9 parameters/s and memory bandwidth / 32 bytes."""
+    cand = Candidate(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
+    big = Cluster(8, 1, GPUS["4090d"], 512 * 10**9, cpu_mem_bw_gbs=300, cpu_cores=128)  # hostfiles/8node
+    rented = replace(big, cpu_mem_bw_gbs=50, cpu_cores=10)                               # hostfiles/4node4gpu
+    two_cores = replace(big, cpu_cores=2)
+    t = {name: estimate(PRESETS["7b"], 4096, c, cand).time["optimizer"]
+         for name, c in (("big", big), ("rented", rented), ("two", two_cores))}
+    per_node = PRESETS["7b"].num_params() / 8
+    assert t["big"] == pytest.approx(per_node * 32 / 300e9) and t["rented"] == pytest.approx(6 * t["big"])
+    assert t["two"] == pytest.approx(per_node / (2 * 0.85e9))  # too few cores: they, not memory, set the pace
