@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from pipeline.data.loader import GlobalOrder
@@ -71,7 +72,7 @@ class NonFinite:
         self.in_a_row = 0
         self.total = 0
 
-    def check(self, loss: float, latest: str | None) -> None:
+    def check(self, loss: float, run_dir: Path) -> None:
         import math
 
         skipped = int(getattr(self.engine, "skipped_steps", 0))
@@ -88,6 +89,9 @@ class NonFinite:
         shown = ", ".join(map(str, ids[:16])) + (f", ... ({len(ids)} samples)" if len(ids) > 16 else "")
         applied = "DeepSpeed did not apply that update" if dropped else "that update may have been applied"
         if self.cfg.train.on_nonfinite == "stop" or self.in_a_row > self.cfg.train.max_nonfinite_in_a_row:
+            from pipeline.train.checkpoint import latest_complete
+
+            latest = latest_complete(run_dir)
             why = ("train.on_nonfinite is stop" if self.cfg.train.on_nonfinite == "stop"
                    else f"{self.in_a_row} in a row > train.max_nonfinite_in_a_row")
             raise PipelineError(

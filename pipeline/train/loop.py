@@ -202,7 +202,7 @@ def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPla
     peak = peak_for(device, cfg.train.peak_tflops, env.rank)
     throughput = Throughput(state.step)
     nonfinite = NonFinite(cfg, state, plan, engine, env.rank)
-    last_loss = float("nan")
+    last_loss, trained = float("nan"), False
     engine.train()
     while state.step < max_steps:
         lr = lr_at(state.step, cfg, max_steps)
@@ -216,7 +216,8 @@ def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPla
         dist.all_reduce(flag)
         last_loss = flag[0].item() / env.world_size
         watchdog.beat()
-        nonfinite.check(last_loss, latest=ckpt.latest_complete(run_dir) if env.rank == 0 else None)
+        nonfinite.check(last_loss, run_dir)
+        trained = True
         if state.step % cfg.log.interval == 0 or state.step == max_steps:
             tps, eta = throughput.take(state.step, max_steps)
             rec = step_record(state, engine, ds, plan, shape, env, loss=last_loss, lr=lr, tokens_per_s=tps, peak=peak)
@@ -236,7 +237,8 @@ def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPla
             faults.kill_self()
         if flag[1].item() > 0:
             if checkpointer.last_saved != state.step:
-                checkpointer.save(marker())
+                with watchdog.paused():
+                    checkpointer.save(marker())
             if env.rank == 0:
                 log.info("stopped by signal at step %d; checkpoint saved, resume with the same command", state.step)
             break
@@ -246,7 +248,7 @@ def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPla
     watchdog.stop()
     metrics.close()
     dist.barrier()
-    if env.rank == 0 and math.isnan(last_loss):
+    if env.rank == 0 and not trained:
         log.info("done: the run was already at step %d of %d; nothing to train", state.step, max_steps)
     elif env.rank == 0:
         log.info("done: step %d, final loss %.4f", state.step, last_loss)
