@@ -153,6 +153,7 @@ class Checkpointer:
         tag = tag_for(marker["step"])
         if self.rank == 0:
             (self.run_dir / tag / MARKER).unlink(missing_ok=True)  # a re-save makes the tag incomplete until done
+            shutil.rmtree(self.run_dir / f"{tag}{UNIVERSAL}", ignore_errors=True)  # converted from the old files
         dist.barrier()
         guard = _GuardedWrites(self.engine.checkpoint_engine, self.run_dir / tag, verify=self.verify,
                                step=marker["step"], last_rank=self.rank == self.world_size - 1)
