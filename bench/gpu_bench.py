@@ -236,7 +236,8 @@ def _failure(code: int | None, case: Case, work: Path) -> str:
 
 def planned(case: Case, vocab: int, card: Any) -> dict[str, Any]:
     """The planner's prediction for exactly this case (one GPU, host RAM as on the lent machine)."""
-    from pipeline.plan.search import Candidate, Cluster, estimate
+    from pipeline.plan.cluster import Candidate, Cluster
+    from pipeline.plan.search import estimate
 
     if case.kind != "pipeline":
         return {}

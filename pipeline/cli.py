@@ -488,8 +488,8 @@ def _plan_cluster(hostfile: str | None, nodes: int, gpus_per_node: int, values: 
 
     from pipeline.data.config import parse_size
     from pipeline.plan import report as plan_report
+    from pipeline.plan.cluster import Cluster
     from pipeline.plan.gpus import lookup
-    from pipeline.plan.search import Cluster
 
     source = ""
     if hostfile:

@@ -8,12 +8,9 @@ when `reserved` plus a margin (max(1.5 GiB, 7% of the card)) is within the card.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from pipeline.model import ModelShape
-
-if TYPE_CHECKING:
-    from pipeline.plan.search import Candidate, Cluster
+from pipeline.plan.cluster import Candidate, Cluster
 
 GiB = 2**30
 CUDA_CONTEXT = int(0.8 * GiB)       # CUDA context, cuBLAS/NCCL workspaces: outside max_memory_allocated

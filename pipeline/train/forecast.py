@@ -13,7 +13,8 @@ from typing import Any
 from pipeline.data.manifest import read_shard_manifest
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, loss_chunk_tokens, resolve_shape
-from pipeline.plan.search import Cluster, Estimate, Plan, candidate_from_ds, estimate, search
+from pipeline.plan.cluster import Cluster
+from pipeline.plan.search import Estimate, Plan, candidate_from_ds, estimate, search
 from pipeline.train.config import PretrainConfig, load
 from pipeline.train.ds_config import BatchPlan, batch_plan, load_ds_config
 

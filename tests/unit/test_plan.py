@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from pipeline.cli import main
 from pipeline.model import PRESETS, ModelShape
+from pipeline.plan.cluster import Candidate, Cluster
 from pipeline.plan.gpus import GPUS, lookup, peak_tflops_for_device
 from pipeline.plan.memory import deepspeed_model_states
-from pipeline.plan.search import Candidate, Cluster, estimate, search
+from pipeline.plan.search import estimate, search
 from pipeline.train.config import from_dict
 from pipeline.train.ds_config import batch_plan, resolve
 

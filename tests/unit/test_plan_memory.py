@@ -12,9 +12,10 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.model import PRESETS, ModelShape
+from pipeline.plan.cluster import Candidate, Cluster
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.memory import activation_bytes, layer_activation_bytes_per_token, pinned
-from pipeline.plan.search import Candidate, Cluster, choose, estimate, search
+from pipeline.plan.search import choose, estimate, search
 
 GiB = 2**30
 SEED = Cluster(8, 1, GPUS["4090d"], 512 * 10**9)
