@@ -119,10 +119,12 @@ def _parse_sources(specs: tuple[str, ...]) -> tuple[tuple[tuple[str, float], ...
               "mask the padding out of the loss.")
 @click.option("--overwrite", is_flag=True, help="Replace shards made with other arguments.")
 @click.option("--inspect", "inspect_dir", type=str, default=None, help="Print the summary of a shard folder.")
+@click.option("--model", "model_dir", type=str, default=None, help="The Hugging Face model folder these shards will "
+              "continue: refuse data whose tokenizer is not that model's.")
 @_user_errors
 def shard(sources: tuple[str, ...], output: str | None, seq_len: int | None, split: str, seed: int,
           num_shards: int | None, shard_size: str, no_cross_document: bool, overwrite: bool,
-          inspect_dir: str | None) -> None:
+          inspect_dir: str | None, model_dir: str | None) -> None:
     """Pack, split, blend and shuffle tokenized PREFIX[:WEIGHT]... into fixed-length training shards."""
     from pipeline.data import shard as shard_stage
     from pipeline.data.config import ShardConfig, parse_size
@@ -140,6 +142,14 @@ def shard(sources: tuple[str, ...], output: str | None, seq_len: int | None, spl
     if len(ratios) != 3:
         raise PipelineError(f"--split {split}: expected three ratios train,val,test such as 98,1,1")
     parsed, given = _parse_sources(sources)
+    if model_dir:
+        from pipeline.data.manifest import read_tokenize_manifest
+        from pipeline.model import families
+        from pipeline.train.setup import check_tokenizer
+
+        model = families.shape_from_config(families.read_config(model_dir), model_dir)
+        for prefix, _ in parsed:
+            check_tokenizer(model, read_tokenize_manifest(prefix)["tokenizer"], f"{prefix}.manifest.json")
     cfg = ShardConfig(sources=parsed, output=output, seq_len=seq_len, split=ratios,  # type: ignore[arg-type]
                       seed=seed, num_shards=num_shards, shard_size_bytes=size,
                       cross_document=not no_cross_document, overwrite=overwrite, weights_given=given)
@@ -349,7 +359,8 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> Non
 
 
 @main.command()
-@click.option("--model", "preset", default="7b", show_default=True, help="Preset: tiny, 125m, 350m, 1b, 7b, 13b, 70b.")
+@click.option("--model", "preset", default="7b", show_default=True, help="Preset (tiny, 125m, 350m, 1b, 7b, 13b, 70b), "
+              "or a Hugging Face model folder or its config.json (Llama, Mistral, Qwen2, Qwen3).")
 @click.option("--config", "config_path", default=None, help="Plan exactly this pretrain config (its model, batch, "
               "DeepSpeed JSON and checkpointing) instead of searching; says whether it fits and what the search "
               "would choose.")
@@ -399,7 +410,7 @@ def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: 
 
     from pipeline.atomic import write_json
     from pipeline.data.config import parse_size
-    from pipeline.model import resolve_shape
+    from pipeline.model import families, resolve_shape
     from pipeline.plan import report as plan_report
     from pipeline.plan import search as planner
 
@@ -457,9 +468,15 @@ def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: 
             sys.exit(3)
         return
     seq = seq_len or 4096
-    shape = resolve_shape(preset, {"num_layers": layers} if layers else {}, vocab_size)
+    if families.config_path(preset):
+        shape = families.shape_from_config(families.read_config(preset), preset)
+        shape = replace(shape, num_layers=layers) if layers else shape
+        if not as_json:
+            click.echo(shape.describe())
+    else:
+        shape = resolve_shape(preset, {"num_layers": layers} if layers else {}, vocab_size)
     if seq > shape.max_seq_len:
-        click.echo(f"note: --seq-len {seq} is above the {preset} preset's max_seq_len {shape.max_seq_len}; planned "
+        click.echo(f"note: --seq-len {seq} is above {preset}'s max_seq_len {shape.max_seq_len}; planned "
                    "as if its RoPE were extended (continued pretraining at a longer context)", err=True)
         shape = replace(shape, max_seq_len=seq)
     p = planner.search(shape, seq, cluster, gbt, mfu, fixed_micro=micro_batch_size)

@@ -48,11 +48,11 @@ def load_partitioned(inputs: Inputs, env: Dist, ds: dict[str, Any]) -> Any:
     import torch.distributed as dist
 
     r = inputs.run
-    pretraining_class()  # transformers' model code is imported before zero.Init patches tensor creation
+    pretraining_class(r.shape)  # transformers' model code is imported before zero.Init patches tensor creation
     with transformers_helper("transformers.integrations.deepspeed", "prevent_arange_dtype_change")(), \
             deepspeed.zero.Init(config_dict_or_path=ds):
         model = build_model(r.shape, skip_init=True, **model_token_ids(inputs.dataset.manifest["tokenizer"]))
-    state = ckpt.consolidated_state(r.run_dir, r.tag) if env.rank == 0 else {}
+    state = ckpt.consolidated_state(r.run_dir, r.tag, r.shape.tied_names()) if env.rank == 0 else {}
     problem = [_mismatch(model, state, f"{r.run_dir}/{r.tag}") if env.rank == 0 else None]
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:

@@ -1,5 +1,7 @@
 """Export to a Hugging Face model folder: safetensors shards written tensor by tensor, config.json,
-generation_config.json, and a transformers tokenizer built from the run's sentencepiece model."""
+generation_config.json, and the tokenizer: a transformers tokenizer built from the run's sentencepiece model, or the
+files of the Hugging Face tokenizer the data was tokenized with. A continued Hugging Face model keeps its own
+architecture and config fields."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import torch
 
 from pipeline.data.manifest import model_token_ids
 from pipeline.errors import PipelineError
-from pipeline.model import ModelShape, llama_config
+from pipeline.model import ModelShape, causal_lm_class, model_config
+from pipeline.model.families import TOKENIZER_FILES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -60,7 +63,6 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], shape: ModelShap
                    max_shard_bytes: int = 2 * 10**9) -> Path:
     """Stream `tensors` into safetensors shards in a temporary folder beside `output`, then rename it into place."""
     from safetensors.torch import save_file
-    from transformers import GenerationConfig
 
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
@@ -92,13 +94,12 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], shape: ModelShap
             index = {"metadata": {"total_size": sum((work / n).stat().st_size for n in final_names.values())},
                      "weight_map": {k: final_names[v] for k, v in weight_map.items()}}
             (work / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        cfg = llama_config(shape, bos_id=ids["bos_id"], eos_id=ids["eos_id"], pad_id=ids.get("pad_id"))
-        cfg.dtype = DTYPES[dtype]
-        cfg.architectures = ["LlamaForCausalLM"]
-        cfg.save_pretrained(work)
-        GenerationConfig(bos_token_id=ids["bos_id"], eos_token_id=ids["eos_id"], pad_token_id=ids.get("pad_id"),
-                         do_sample=False).save_pretrained(work)
-        if tokenizer is not None:
+        _write_config(shape, ids, dtype, work)
+        if tokenizer is not None and tokenizer.is_dir():  # a Hugging Face tokenizer: its own files, as they are
+            for name in TOKENIZER_FILES:
+                if (tokenizer / name).is_file():
+                    shutil.copyfile(tokenizer / name, work / name)
+        elif tokenizer is not None:
             hf_tokenizer(tokenizer).save_pretrained(work)
             shutil.copyfile(tokenizer, work / "tokenizer.model")
         if output.exists():
@@ -107,6 +108,26 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], shape: ModelShap
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return output
+
+
+def _write_config(shape: ModelShape, ids: dict[str, Any], dtype: str, work: Path) -> None:
+    """config.json and generation_config.json: Llama's for our presets; for a continued Hugging Face model its
+    own config (same model_type and fields) and, when its folder is still there, its own generation config."""
+    from transformers import GenerationConfig
+
+    cfg = model_config(shape, bos_id=ids["bos_id"], eos_id=ids["eos_id"], pad_id=ids.get("pad_id"))
+    cfg.dtype = DTYPES[dtype]
+    cfg.architectures = [causal_lm_class(cfg).__name__]
+    cfg.use_cache = True
+    cfg.save_pretrained(work)
+    source = Path(str((shape.hf_config or {}).get("_name_or_path", "")), "generation_config.json")
+    if shape.hf_config and source.is_file():
+        shutil.copyfile(source, work / "generation_config.json")
+    elif shape.hf_config:
+        GenerationConfig.from_model_config(cfg).save_pretrained(work)
+    else:
+        GenerationConfig(bos_token_id=ids["bos_id"], eos_token_id=ids["eos_id"], pad_token_id=ids.get("pad_id"),
+                         do_sample=False).save_pretrained(work)
 
 
 def _flush(shard: dict[str, torch.Tensor], work: Path, k: int, save_file: Any, weight_map: dict[str, str]) -> str:

@@ -20,6 +20,7 @@ from pipeline.data.tokenizer import Tokenizer
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model
 from pipeline.train import checkpoint as ckpt
+from pipeline.train.setup import check_tokenizer
 
 DEFAULT_PROMPTS = ["ROMEO:\n", "To be, or not to be", "The king is", "春天来了，"]
 
@@ -69,7 +70,7 @@ def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.M
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():
-        for name, t in ckpt.consolidated_tensors(run.run_dir, run.tag):
+        for name, t in ckpt.consolidated_tensors(run.run_dir, run.tag, run.shape.tied_names()):
             if name not in params:
                 raise PipelineError(f"{run.run_dir}/{run.tag}: unexpected tensor {name}; the checkpoint's model "
                                     "differs from its recorded shape")
@@ -216,7 +217,9 @@ def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
     if "seq_len" in run.marker and theirs["seq_len"] != run.marker["seq_len"]:
         raise PipelineError(f"--data {path}: seq_len {theirs['seq_len']} differs from the run's "
                             f"{run.marker['seq_len']}; shard the held-out data with --seq-len {run.marker['seq_len']}")
-    if theirs["tokenizer"]["vocab_size"] != run.shape.vocab_size:
+    if run.shape.hf_config is not None:
+        check_tokenizer(run.shape, theirs["tokenizer"], f"--data {path}")
+    elif theirs["tokenizer"]["vocab_size"] != run.shape.vocab_size:
         raise PipelineError(f"--data {path}: vocabulary {theirs['tokenizer']['vocab_size']} differs from the "
                             f"model's {run.shape.vocab_size}; shards of another tokenizer")
     return ShardedDataset(path, split)
@@ -314,5 +317,5 @@ def export(checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: i
         dataset = ShardedDataset(data, "train")
         tok_path = dataset.tokenizer_path
         tok_ids = model_token_ids(dataset.manifest["tokenizer"])
-    return write_hf_model(ckpt.consolidated_tensors(r.run_dir, r.tag), r.shape, tok_path, Path(output), dtype=dtype,
+    return write_hf_model(ckpt.consolidated_tensors(r.run_dir, r.tag, r.shape.tied_names()), r.shape, tok_path, Path(output), dtype=dtype,
                           tok_ids=tok_ids, max_shard_bytes=max_shard_bytes)

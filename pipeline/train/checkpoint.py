@@ -259,9 +259,10 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     return path, tag
 
 
-def consolidated_state(run_dir: Path, tag: str) -> dict[str, Any]:
+def consolidated_state(run_dir: Path, tag: str, tied: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Full-precision weights of any ZeRO stage (0-3, offload or not) by name, each read when asked for
-    (`materialize`), so that a caller holds one tensor at a time, not the model.
+    (`materialize`), so that a caller holds one tensor at a time, not the model. `tied`: names that only repeat
+    another tensor (a tied output head, `ModelShape.tied_names`), left out.
 
     ZeRO 1-3: DeepSpeed's own zero_to_fp32 reconstruction in lazy mode over mmap'd shards. ZeRO-0: the module
     state in mp_rank_00_model_states.pt (mmap)."""
@@ -275,11 +276,13 @@ def consolidated_state(run_dir: Path, tag: str) -> dict[str, Any]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with contextlib.redirect_stdout(io.StringIO()):
-            return dict(get_fp32_state_dict_from_zero_checkpoint(str(run_dir), tag=tag, lazy_mode=True))
-    files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
-    if not files:
-        raise PipelineError(f"{ckpt_dir}: no DeepSpeed model states (mp_rank_00_model_states.pt)")
-    return dict(torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)["module"])
+            state = dict(get_fp32_state_dict_from_zero_checkpoint(str(run_dir), tag=tag, lazy_mode=True))
+    else:
+        files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise PipelineError(f"{ckpt_dir}: no DeepSpeed model states (mp_rank_00_model_states.pt)")
+        state = dict(torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)["module"])
+    return {k: v for k, v in state.items() if k not in tied}
 
 
 def materialize(value: Any) -> Any:
@@ -287,9 +290,9 @@ def materialize(value: Any) -> Any:
     return value.contiguous().float()
 
 
-def consolidated_tensors(run_dir: Path, tag: str) -> Iterator[tuple[str, Any]]:
+def consolidated_tensors(run_dir: Path, tag: str, tied: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
     """`consolidated_state`, one fp32 tensor at a time."""
-    for name, value in consolidated_state(run_dir, tag).items():
+    for name, value in consolidated_state(run_dir, tag, tied).items():
         yield name, materialize(value)
 
 

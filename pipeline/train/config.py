@@ -16,12 +16,15 @@ from pipeline.errors import ConfigError
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSection:
-    preset: str | None = "tiny"
-    """tiny | 125m | 350m | 1b | 7b | 13b | 70b, or null with explicit shape fields in `shape`."""
+    preset: str | None = None
+    """tiny | 125m | 350m | 1b | 7b | 13b | 70b, or null: explicit fields in `shape`, else the architecture of the
+    Hugging Face folder in `init_from`, else tiny."""
     shape: dict[str, Any] = field(default_factory=dict)
     """Overrides of the preset's shape, e.g. {num_layers: 2} (see pipeline.model.ModelShape)."""
     init_from: str | None = None
-    """A safetensors file or Hugging Face model folder to start from (continued pretraining)."""
+    """Continued pretraining: a Hugging Face model folder (config.json + safetensors, one file or sharded) whose
+    architecture and weights the run starts from (Llama 1-3.1, Mistral, Qwen2/2.5, Qwen3: pipeline.model.families), or a
+    safetensors file to load into `preset`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -26,7 +26,7 @@ def build_training_model(shape: ModelShape, ds: dict[str, Any], cfg: PretrainCon
     stage3 = zero_stage(ds) == 3
     ids = model_token_ids(tok)
     torch.manual_seed(cfg.train.seed)
-    pretraining_class()  # imports transformers' model code now, not under zero.Init (see its docstring)
+    pretraining_class(shape)  # imports transformers' model code now, not under zero.Init (see its docstring)
     transformers_helper("transformers.initialization", "no_init_weights")
     with contextlib.ExitStack() as stack:
         if stage3:

@@ -12,7 +12,8 @@ from typing import Any
 
 from pipeline.data.manifest import read_shard_manifest
 from pipeline.errors import PipelineError
-from pipeline.model import ModelShape, loss_chunk_tokens, resolve_shape
+from pipeline.model import ModelShape, loss_chunk_tokens
+from pipeline.model.families import model_shape
 from pipeline.plan.cluster import Cluster
 from pipeline.plan.search import Estimate, Plan, candidate_from_ds, estimate, search
 from pipeline.train.config import PretrainConfig, load
@@ -42,10 +43,9 @@ def shape_and_seq(cfg: PretrainConfig, seq_len: int | None, layers: int | None, 
         seq, source, vocab = seq_len, "--seq-len", vocab_size
     else:
         raise PipelineError(f"data.path {cfg.data.path}: no shards there yet; give --seq-len N")
-    overrides = dict(cfg.model.shape)
+    shape = model_shape(cfg.model.preset, dict(cfg.model.shape), cfg.model.init_from, vocab)
     if layers:
-        overrides["num_layers"] = layers
-    shape = resolve_shape(cfg.model.preset, overrides, vocab)
+        shape = replace(shape, num_layers=layers)
     if seq > shape.max_seq_len:
         shape = replace(shape, max_seq_len=seq)
     return shape, seq, source, vocab

@@ -6,13 +6,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from pipeline.data.manifest import ShardManifest, read_shard_manifest
+from pipeline.data.manifest import ShardManifest, TokenizerInfo, read_shard_manifest
 from pipeline.errors import PipelineError
-from pipeline.model import ModelShape, resolve_shape
+from pipeline.model import ModelShape
+from pipeline.model.families import model_shape
 from pipeline.train.config import PretrainConfig
 from pipeline.train.ds_config import BatchPlan, batch_plan, load_ds_config, resolve
 
@@ -82,7 +84,9 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
     manifest = read_shard_manifest(cfg.data.path)
     seq_len = int(manifest["seq_len"])
     plan = batch_plan(cfg, world_size, seq_len)
-    shape = resolve_shape(cfg.model.preset, dict(cfg.model.shape), manifest["tokenizer"]["vocab_size"])
+    shape = model_shape(cfg.model.preset, dict(cfg.model.shape), cfg.model.init_from,
+                        manifest["tokenizer"]["vocab_size"])
+    check_tokenizer(shape, manifest["tokenizer"], f"{cfg.data.path}/manifest.json")
     if seq_len > shape.max_seq_len:
         shape = replace(shape, max_seq_len=seq_len)
     if cfg.train.deepspeed_config == "auto":
@@ -168,3 +172,42 @@ def auto_ds_config(shape: ModelShape, plan: BatchPlan, world_size: int,
         raise PipelineError("train.deepspeed_config auto: nothing fits this machine; see `pipeline plan` for "
                             "what would: " + "; ".join(result.advice))
     return planner.ds_config(result.best), result.best.candidate.activation_checkpointing
+
+
+def check_tokenizer(shape: ModelShape, tok: TokenizerInfo, source: str) -> None:
+    """Refuse data tokenized with a tokenizer that is not the model's: ids past the model's vocabulary, different
+    end/begin-of-sequence ids, or (when the model folder carries a tokenizer) a different vocabulary size. `source`
+    names where the data's tokenizer was read (a shard manifest)."""
+    if shape.hf_config is None:
+        return
+    cfg = shape.hf_config
+    model = cfg.get("_name_or_path") or "the model"
+    problems = []
+    if tok["vocab_size"] > shape.vocab_size:
+        problems.append(f"its vocabulary has {tok['vocab_size']:,} tokens, the model's embedding {shape.vocab_size:,}")
+    eos = cfg.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if eos_ids and tok["eos_id"] not in eos_ids:
+        problems.append(f"its end-of-sequence id is {tok['eos_id']}, the model's {eos}")
+    bos = cfg.get("bos_token_id")
+    if isinstance(bos, int) and tok.get("bos_id", -1) >= 0 and tok["bos_id"] != bos:
+        problems.append(f"its begin-of-sequence id is {tok['bos_id']}, the model's {bos}")
+    own = _model_tokenizer_size(cfg)
+    if own is not None and own != tok["vocab_size"]:
+        problems.append(f"it has {tok['vocab_size']:,} tokens, the model folder's own tokenizer {own:,}")
+    if problems:
+        raise PipelineError(f"{source}: the data was tokenized with {tok.get('path')}, which is not the tokenizer of "
+                            f"{model}: " + "; ".join(problems) + ". Re-tokenize with `pipeline tokenize --tokenizer "
+                            "MODEL_DIR` (the model's own tokenizer)")
+
+
+def _model_tokenizer_size(cfg: dict[str, Any]) -> int | None:
+    folder = cfg.get("_name_or_path")
+    if not folder or not Path(folder, "tokenizer_config.json").is_file():
+        return None
+    from pipeline.data.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer(folder).vocab_size
+    except PipelineError:
+        return None

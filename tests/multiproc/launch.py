@@ -33,12 +33,13 @@ def env() -> dict[str, str]:
 
 
 def write_config(path: Path, *, run_dir: Path, shards: Path, ds_config: str, steps: int = 20, micro: int = 2,
-                 global_batch: int = 8, ckpt_interval: int = 5, extra: str = "") -> Path:
+                 global_batch: int = 8, ckpt_interval: int = 5, extra: str = "", model: str = "{preset: tiny}",
+                 lr: float = 3e-3, min_lr: float = 3e-4) -> Path:
     path.write_text(f"""run_dir: {run_dir}
-model: {{preset: tiny}}
+model: {model}
 data: {{path: {shards}, num_workers: 1, verify: true}}
 batch: {{micro_batch_size: {micro}, global_batch_size: {global_batch}}}
-optim: {{lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 3, weight_decay: 0.1, grad_clip: 1.0}}
+optim: {{lr: {lr}, min_lr: {min_lr}, warmup_steps: 3, weight_decay: 0.1, grad_clip: 1.0}}
 train: {{max_steps: {steps}, seed: 1234, precision: fp32, deepspeed_config: {ROOT / 'ds_configs' / ds_config},
         loss_chunk_tokens: 48}}
 eval: {{interval: 10, batches: 2}}

@@ -23,10 +23,19 @@ class ModelShape:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
+    head_size: int | None = None
+    """Per-head width when it is not hidden_size / num_heads (Qwen3, some Mistral models)."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm on each head's queries and keys (Qwen3)."""
+    hf_config: dict[str, Any] | None = None
+    """A Hugging Face model's config.json (continued pretraining, see pipeline.model.families): the model is built from it
+    by transformers' own class for its `model_type`; the fields above are read from it for the planner."""
 
     def check(self) -> list[str]:
         p = []
-        if self.hidden_size % self.num_heads:
+        if self.head_size is None and self.hidden_size % self.num_heads:
             p.append(f"model.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             p.append(f"model.num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
@@ -36,11 +45,17 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
+
+    @property
+    def family(self) -> str:
+        return str(self.hf_config["model_type"]) if self.hf_config else "llama"
 
     def layer_params(self) -> int:
-        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.num_kv_heads * self.head_dim
-        return h * h + 2 * h * kv + h * h + 3 * h * f + 2 * h  # q, k, v, o, gate/up/down, two RMSNorms
+        h, f = self.hidden_size, self.ffn_hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        n = h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h  # q, k, v, o, gate/up/down, two RMSNorms
+        return n + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -61,8 +76,22 @@ class ModelShape:
         attention = 12.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
         return 6.0 * n + (attention / 2 if causal else attention)
 
+    def tied_names(self) -> frozenset[str]:
+        """Parameter names that are another parameter (the output head tied to the embedding): checkpoints list
+        them, the model's parameters and exports do not."""
+        return frozenset({"lm_head.weight"}) if self.tie_embeddings else frozenset()
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def describe(self) -> str:
+        """One line: the family and geometry (for logs and plans)."""
+        name = self.hf_config.get("_name_or_path") if self.hf_config else None
+        n = self.num_params()
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        return (f"{self.family}{f' ({name})' if name else ''}: {size} parameters, "
+                f"{self.num_layers} layers, hidden {self.hidden_size}, heads {self.num_heads}/{self.num_kv_heads} kv, "
+                f"vocab {self.vocab_size:,}")
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -118,19 +147,44 @@ def llama_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id:
     return LlamaConfig(**kwargs)
 
 
+def model_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id: int | None = 3) -> Any:
+    """The transformers config of `shape`: LlamaConfig for our presets, or the Hugging Face model's own config
+    (its special ids are its own; `pipeline.train.setup.check_tokenizer` makes sure the data's tokenizer agrees)."""
+    if shape.hf_config is None:
+        return llama_config(shape, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in shape.hf_config.items() if k not in ("model_type", "torch_dtype", "dtype")}
+    config = AutoConfig.for_model(shape.hf_config["model_type"], **fields)
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def causal_lm_class(config: Any) -> Any:
+    """transformers' *ForCausalLM class for a config (the table AutoModelForCausalLM itself uses)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
 def build_model(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id: int | None = 3,
                 skip_init: bool = False) -> Any:
-    """The one constructor of our models: a LlamaForCausalLM (fp32) that can also return its per-token training
-    loss computed in chunks (`forward(input_ids, loss_labels=...)`, see `pretraining_class`). `skip_init` skips
-    transformers' random init (the caller fills every weight: our deterministic init, a checkpoint, or
-    safetensors); otherwise seed torch first for a reproducible init. Under ZeRO-3 call it inside
-    `deepspeed.zero.Init` (pipeline.train.engine)."""
-    cls = pretraining_class()
-    config = llama_config(shape, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    """The one constructor of our models: transformers' causal LM for the shape's family (LlamaForCausalLM for our
+    presets), fp32, that can also return its per-token training loss computed in chunks
+    (`forward(input_ids, loss_labels=...)`, see `pretraining_class`). `skip_init` skips transformers' random init
+    (the caller fills every weight: our deterministic init, a checkpoint, or safetensors); otherwise seed torch
+    first for a reproducible init. Under ZeRO-3 call it inside `deepspeed.zero.Init` (pipeline.train.engine), after
+    `pretraining_class(shape)`."""
+    config = model_config(shape, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    cls = pretraining_class(shape)
     if not skip_init:
         return cls(config)
     with transformers_helper("transformers.initialization", "no_init_weights")():
-        return cls(config)
+        model = cls(config)
+    if config.tie_word_embeddings:
+        model.tie_weights()  # transformers ties inside its weight init, which no_init_weights skips
+    return model
 
 
 def loss_chunk_tokens(vocab_size: int, budget_bytes: int = 2**28) -> int:
@@ -146,25 +200,31 @@ def token_losses(logits: Any, labels: Any) -> Any:
     return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="none")
 
 
-_PRETRAINING_CLASS: Any = None
+_PRETRAINING_CLASSES: dict[Any, Any] = {}
 
 
-def pretraining_class() -> Any:
-    """LlamaForCausalLM plus a chunked training loss. Call it once before entering `deepspeed.zero.Init`: importing
+def pretraining_class(shape: ModelShape | None = None) -> Any:
+    """The shape's causal LM class (LlamaForCausalLM for our presets) plus a chunked training loss. Call it once
+    before entering `deepspeed.zero.Init`: importing
     transformers' model code under it fails (zero.Init patches torch.Tensor.__new__, which torch._dynamo's first
     import checks). The full fp32 logits of a micro-batch (B*T*V*4 bytes: 2 GiB
     at micro-batch 8, seq 2048, vocab 32k, kept for the backward) are never built: the loss runs over chunks of
     `loss_chunk_tokens` tokens, each recomputed in the backward (activation checkpointing of lm_head + loss), so
     one chunk's logits are alive at a time. lm_head is called as a module, so ZeRO-3 gathers it as usual. Without
-    `loss_labels` the model is LlamaForCausalLM unchanged (generation, evaluation, export)."""
-    global _PRETRAINING_CLASS
-    if _PRETRAINING_CLASS is not None:
-        return _PRETRAINING_CLASS
+    `loss_labels` the model is the transformers class unchanged (generation, evaluation, export)."""
     import torch
     from torch.utils.checkpoint import checkpoint
-    from transformers import LlamaForCausalLM
 
-    class LlamaForPretraining(LlamaForCausalLM):  # type: ignore[misc, valid-type]
+    if shape is None or shape.hf_config is None:
+        from transformers import LlamaForCausalLM
+
+        base = LlamaForCausalLM
+    else:
+        base = causal_lm_class(model_config(shape))
+    if base in _PRETRAINING_CLASSES:
+        return _PRETRAINING_CLASSES[base]
+
+    class ForPretraining(base):  # type: ignore[misc, valid-type]
         loss_chunk_tokens: int | None = None  # None: by the vocabulary (loss_chunk_tokens())
 
         def forward(self, *args: Any, loss_labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
@@ -183,8 +243,9 @@ def pretraining_class() -> Any:
             return torch.cat([checkpoint(piece, flat[i:i + chunk], labels[i:i + chunk], use_reentrant=False)
                               for i in range(0, flat.size(0), chunk)])  # (B*T,) fp32
 
-    _PRETRAINING_CLASS = LlamaForPretraining
-    return LlamaForPretraining
+    ForPretraining.__name__ = ForPretraining.__qualname__ = f"{base.__name__}Pretraining"
+    _PRETRAINING_CLASSES[base] = ForPretraining
+    return ForPretraining
 
 
 TRANSFORMERS_NEEDED = "transformers>=5,<6"

@@ -1,0 +1,108 @@
+"""Hugging Face model families for continued pretraining: a model folder's config.json read into a `ModelShape`
+(the planner's geometry, with the config itself kept for building). The model is built by transformers' own class
+for the config's `model_type` (pipeline.model), so the next family is an entry in `FAMILIES` once a test shows it
+trains, exports and reloads. The check that the data's tokenizer is the model's is
+`pipeline.train.setup.check_tokenizer`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.model import ModelShape
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    names: str
+    """What users call the models of this `model_type`."""
+    qkv_bias: bool = False
+    """q, k, v projections always carry biases (Qwen2); otherwise `attention_bias` in config.json says."""
+    qk_norm: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama 1, 2, 3, 3.1 (rope_scaling llama3)"),
+    "mistral": Family("Mistral"),
+    "qwen2": Family("Qwen2, Qwen2.5", qkv_bias=True),
+    "qwen3": Family("Qwen3", qk_norm=True),
+}
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+"""The files of a Hugging Face tokenizer (copied into exports as they are)."""
+
+
+def supported() -> str:
+    return "; ".join(f"{k} ({f.names})" for k, f in FAMILIES.items())
+
+
+def config_path(path: str | Path) -> Path | None:
+    """The config.json of a Hugging Face model folder (or the file itself), None when `path` is not one."""
+    p = Path(path)
+    if p.is_dir() and (p / "config.json").is_file():
+        return p / "config.json"
+    if p.is_file() and p.name.endswith(".json"):
+        return p
+    return None
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    file = config_path(path)
+    if file is None:
+        raise PipelineError(f"{path}: not a Hugging Face model folder (no config.json) nor a config.json file")
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PipelineError(f"{file}: cannot read it as JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise PipelineError(f"{file}: expected a JSON object")
+    cfg["_name_or_path"] = str(file.parent.resolve())  # where its weights and tokenizer are
+    return cfg
+
+
+def shape_from_config(cfg: dict[str, Any], source: str | Path) -> ModelShape:
+    """The geometry of a Hugging Face config (the planner's view), with the config kept for building the model."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError([f"{source}: model_type {model_type!r} is not supported; supported: {supported()}"])
+    family = FAMILIES[model_type]
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                           "vocab_size") if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise ConfigError([f"{source}: field {k} missing or not an integer" for k in missing])
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    shape = ModelShape(
+        hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"], ffn_hidden_size=cfg["intermediate_size"],
+        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
+        max_seq_len=int(cfg.get("max_position_embeddings") or 4096),
+        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        head_size=head_dim if head_dim and head_dim * heads != cfg["hidden_size"] else None,
+        qkv_bias=family.qkv_bias or bool(cfg.get("attention_bias", False)), qk_norm=family.qk_norm,
+        hf_config=cfg)
+    if problems := shape.check():
+        raise ConfigError([f"{source}: {p}" for p in problems])
+    return shape
+
+
+def model_shape(preset: str | None, overrides: dict[str, Any], init_from: str | None,
+                tokenizer_vocab: int | None) -> ModelShape:
+    """The model a config asks for. `init_from` a Hugging Face folder without a preset: that model's architecture.
+    Otherwise a preset (default tiny; `overrides` change some of its fields) or, without a preset, every shape
+    field explicitly; with the tokenizer's vocabulary."""
+    from pipeline.model import resolve_shape
+
+    if preset is None and init_from and config_path(init_from) is not None:
+        if overrides:
+            raise ConfigError([f"model.shape {sorted(overrides)}: a pretrained model's shape comes from "
+                               f"{config_path(init_from)}; remove model.shape (or give model.preset to load the "
+                               "weights into one of ours)"])
+        return shape_from_config(read_config(init_from), config_path(init_from) or init_from)
+    explicit = {"hidden_size", "num_layers", "ffn_hidden_size", "num_heads", "num_kv_heads"} <= set(overrides)
+    return resolve_shape(preset or (None if explicit else "tiny"), overrides, tokenizer_vocab)

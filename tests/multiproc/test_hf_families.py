@@ -1,0 +1,138 @@
+"""Continued pretraining of Hugging Face models (Llama 3.1, Mistral, Qwen2, Qwen3), each a tiny random model built
+here and saved as its hub folder would be: through the real `deepspeed` launcher on 2 CPU ranks, the engine starts
+from exactly the model transformers loads (same loss on the same samples), trains, and exports a folder that
+transformers reloads offline with the same architecture and the engine's logits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.data import shard as shard_stage
+from pipeline.data import tokenize as tokenizing
+from pipeline.data.config import ShardConfig, TokenizeConfig
+from pipeline.data.loader import ShardedDataset, collate_samples, rank_batches
+from pipeline.evaluate.run import EvalConfig, export, load_model, open_run
+from pipeline.evaluate.run import run as evaluate_run
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.step import lm_loss
+from tests.conftest import CORPUS
+from tests.hf_families import CONFIGS, FAMILIES, write_model, write_tokenizer
+from tests.multiproc import launch
+
+pytestmark = pytest.mark.slow
+
+MICRO, GLOBAL = 2, 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tokenizer(tmp_path_factory.mktemp("hf") / "tokenizer")
+
+
+def model_and_data(family: str, tokenizer: Path, base: Path) -> tuple[Path, Path]:
+    """(model folder, shards): the fixture corpus tokenized with the model folder's own tokenizer (as a user does:
+    `pipeline tokenize --tokenizer MODEL_DIR`; transformers picks the family's tokenizer class there), packed to 64
+    tokens."""
+    model_dir = write_model(family, base / family, tokenizer)
+    tokenizing.run(TokenizeConfig(inputs=(str(CORPUS),), output_prefix=str(base / "corpus"),
+                                  tokenizer=str(model_dir), workers=1, progress=False))
+    shards = base / "shards"
+    shard_stage.run(ShardConfig(sources=((str(base / "corpus"), 1.0),), output=str(shards), seq_len=64,
+                                split=(80.0, 10.0, 10.0), progress=False))
+    return model_dir, shards
+
+
+def transformers_losses(model_dir: Path, shards: Path, steps: int, seed: int = 1234) -> list[float]:
+    """The loss transformers' own model (loaded by AutoModelForCausalLM, fp32) gives on each step's global batch."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True).eval()
+    ds = ShardedDataset(shards, "train")
+    it = rank_batches(len(ds), seed, MICRO, 1, 0, 0)
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            total = 0.0
+            for _ in range(GLOBAL // MICRO):
+                batch = collate_samples(ds, next(it))
+                _, loss_total, tokens = lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+                total += float(loss_total) / tokens
+            out.append(total / (GLOBAL // MICRO))
+    return out
+
+
+def engine_logits(config: Path, tag: str, out: Path) -> dict[str, torch.Tensor]:
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port()),
+           str(Path(__file__).parent / "engine_logits.py"), str(config), tag, str(out)]
+    res = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=600, cwd=launch.ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_continued_pretraining_starts_from_the_model_trains_and_exports(family: str, tokenizer: Path,
+                                                                        tmp_path: Path) -> None:
+    model_dir, shards = model_and_data(family, tokenizer, tmp_path)
+    reference = transformers_losses(model_dir, shards, steps=3)
+    model = f"{{init_from: {model_dir}}}"
+
+    # ZeRO-1 at a learning rate of 1e-30 (0 is refused as a config error; this one moves no fp32 weight): every
+    # step's loss is transformers' loss on the same samples.
+    frozen = tmp_path / "zero1"
+    cfg = launch.write_config(tmp_path / "z1.yaml", run_dir=frozen, shards=shards, ds_config="zero1.json", steps=3,
+                              model=model, lr=1e-30, min_lr=1e-30, micro=MICRO, global_batch=GLOBAL)
+    out = launch.run(cfg, sets=("checkpoint.enabled=false",))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = launch.losses(frozen)
+    for step in (1, 2, 3):
+        assert abs(got[step] - reference[step - 1]) <= 1e-5 * reference[step - 1], (step, got, reference)
+
+    # ZeRO-3 (the weights loaded into partitioned parameters) trains from the same start.
+    run_dir = tmp_path / "zero3"
+    cfg = launch.write_config(tmp_path / "z3.yaml", run_dir=run_dir, shards=shards, ds_config="zero3.json", steps=6,
+                              model=model, ckpt_interval=6, micro=MICRO, global_batch=GLOBAL)
+    out = launch.run(cfg)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = launch.losses(run_dir)
+    assert abs(got[1] - reference[0]) <= 1e-5 * reference[0], (got[1], reference[0])
+    assert got[6] < got[1], got
+    assert open_run(run_dir).shape.family == family
+
+    # Export: the same architecture, loadable offline, with the engine's logits.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = export(str(run_dir), str(tmp_path / "export"), dtype="fp32")
+    config = json.loads((exported / "config.json").read_text())
+    assert config["model_type"] == family and config["architectures"] == CONFIGS[family]["architectures"]
+    for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "tie_word_embeddings", "head_dim",
+                "vocab_size", "bos_token_id", "eos_token_id"):
+        if key in CONFIGS[family]:
+            assert config[key] == CONFIGS[family][key], key
+    if family == "llama":
+        assert (config.get("rope_parameters") or config.get("rope_scaling"))["rope_type"] == "llama3"
+    reloaded = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32, local_files_only=True).eval()
+    assert type(reloaded).__name__ == CONFIGS[family]["architectures"][0]
+    theirs = AutoTokenizer.from_pretrained(str(exported), local_files_only=True)
+    source = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    assert type(theirs) is type(source) and len(theirs) == len(source) and theirs.eos_token_id == 2
+    assert theirs.encode("To be, or not to be") == source.encode("To be, or not to be")
+    tag = ckpt.latest_complete(run_dir)
+    assert tag is not None
+    engine = engine_logits(cfg, tag, tmp_path / "logits.pt")
+    with torch.no_grad():
+        logits = reloaded(input_ids=engine["input_ids"]).logits
+    torch.testing.assert_close(logits, engine["logits"], rtol=1e-5, atol=1e-5)
+
+    # Evaluation of the checkpoint (one process) and the trainer's validation work for the family.
+    with torch.no_grad():
+        ours = load_model(open_run(run_dir), torch.device("cpu"), ShardedDataset(shards, "val").manifest["tokenizer"])
+        torch.testing.assert_close(ours(input_ids=engine["input_ids"]).logits, engine["logits"], rtol=1e-5, atol=1e-5)
+    res = evaluate_run(EvalConfig(checkpoint=str(run_dir), max_batches=2, output=str(tmp_path / "e.json"),
+                                  max_new_tokens=4))
+    assert 0 < res["loss"] < 10 and res["tokens"] > 0
