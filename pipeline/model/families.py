@@ -60,7 +60,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise PipelineError(f"{file}: cannot read it as JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise PipelineError(f"{file}: expected a JSON object")
-    cfg["_name_or_path"] = str(file.parent.resolve())  # where its weights and tokenizer are
+    # Where its weights and tokenizer are (a folder), or the bare config.json planned from.
+    cfg["_name_or_path"] = str((file.parent if file.name == "config.json" else file).resolve())
     return cfg
 
 
