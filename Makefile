@@ -16,8 +16,14 @@ CKPT ?= $(RUN)
 SPLIT ?= val
 # Extra `pipeline evaluate` options, e.g. EVAL_ARGS="--hostfile hostfiles/8node" for a model larger than one GPU.
 EVAL_ARGS ?=
+# lm-evaluation-harness tasks for `make eval` (comma-separated), e.g. TASKS=pipeline_demo_ppl (bundled, offline:
+# configs/lm_eval/) or TASKS=hellaswag,arc_easy (downloaded by the harness). The harness lives in its own venv.
+TASKS ?=
+HARNESS_ARGS ?=
+HARNESS_VENV ?= .venv-lm-eval
+HARNESS_SPEC ?= lm-eval[hf]==0.4.13
 
-.PHONY: install test test-fast lint data demo eval bench bench-cpu clean
+.PHONY: install test test-fast lint data demo eval harness-install bench bench-cpu clean
 
 install: $(STAMP)
 
@@ -58,8 +64,19 @@ data/shakespeare.manifest.json: data/shakespeare.jsonl
 data/shards-256/manifest.json: data/shakespeare.manifest.json
 	$(BIN)/pipeline shard data/shakespeare --output data/shards-256 --seq-len 256 --split 90,5,5 --overwrite
 
-eval: install
+eval: install $(if $(TASKS),harness-install)
 	$(BIN)/pipeline evaluate --checkpoint $(CKPT) --split $(SPLIT) --prompts configs/demo_prompts.txt $(EVAL_ARGS)
+	$(if $(TASKS),$(BIN)/pipeline harness --checkpoint $(CKPT) --tasks $(TASKS) --lm-eval $(HARNESS_VENV)/bin/lm_eval $(HARNESS_ARGS))
+
+# The harness pins its own dependencies, so it gets its own venv (with the same torch build as the main one).
+harness-install: $(HARNESS_VENV)/.installed
+
+$(HARNESS_VENV)/.installed:
+	test -x $(HARNESS_VENV)/bin/python || $(PYTHON) -m venv $(HARNESS_VENV)
+	$(HARNESS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(HARNESS_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	$(HARNESS_VENV)/bin/python -m pip install -q '$(HARNESS_SPEC)'
+	touch $@
 
 bench: install
 	$(BIN)/python bench/tokenize_bench.py

@@ -359,6 +359,27 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> Non
 
 
 @main.command()
+@click.option("--checkpoint", required=True, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG.")
+@click.option("--tasks", required=True, help="lm-evaluation-harness tasks, comma-separated: the bundled offline "
+              "pipeline_demo_ppl (configs/lm_eval/), or the harness's own such as hellaswag,arc_easy (downloaded).")
+@click.option("--lm-eval", "lm_eval", default=".venv-lm-eval/bin/lm_eval", show_default=True,
+              help="The harness's lm_eval in its own environment (`make eval TASKS=...` installs it there).")
+@click.option("--device", default="auto", show_default=True, help="auto (cuda when torch sees a GPU), cpu, cuda, cuda:1.")
+@click.option("--batch-size", default="8", show_default=True, help="The harness's --batch_size (a number or auto).")
+@click.option("--limit", type=float, default=None, help="Documents per task (a fraction below 1); for smoke runs.")
+@_user_errors
+def harness(checkpoint: str, tasks: str, lm_eval: str, device: str, batch_size: str, limit: float | None) -> None:
+    """Run EleutherAI's lm-evaluation-harness on a checkpoint: exported to RUN_DIR/export/TAG when that export is
+    missing or stale, results in RUN_DIR/eval/TAG-lm-eval."""
+    from pipeline.evaluate.harness import run_harness
+
+    code, output = run_harness(checkpoint, tasks, lm_eval, device=device, batch_size=batch_size, limit=limit)
+    if code != 0:
+        raise PipelineError(f"lm_eval failed (exit code {code}); see its output above")
+    click.echo(f"harness results: {output}")
+
+
+@main.command()
 @click.option("--model", "preset", default="7b", show_default=True, help="Preset (tiny, 125m, 350m, 1b, 7b, 13b, 70b), "
               "or a Hugging Face model folder or its config.json (Llama, Mistral, Qwen2, Qwen3).")
 @click.option("--config", "config_path", default=None, help="Plan exactly this pretrain config (its model, batch, "
