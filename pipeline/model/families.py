@@ -99,6 +99,10 @@ def model_shape(preset: str | None, overrides: dict[str, Any], init_from: str | 
     field explicitly; with the tokenizer's vocabulary."""
     from pipeline.model import resolve_shape
 
+    if preset is None and not overrides and init_from and config_path(init_from) is None:
+        raise ConfigError([f"model.init_from {init_from}: no config.json there; give a Hugging Face model folder "
+                           "(its architecture is read from config.json), or model.preset (or model.shape) to load a "
+                           "bare safetensors file into"])
     if preset is None and init_from and config_path(init_from) is not None:
         if overrides:
             raise ConfigError([f"model.shape {sorted(overrides)}: a pretrained model's shape comes from "

@@ -65,6 +65,8 @@ def test_an_unsupported_family_is_named_with_the_supported_ones(tmp_path: Path) 
         model_shape(None, {}, str(tmp_path), 600)
     assert "model_type 'gpt2' is not supported" in str(e.value)
     assert all(f in str(e.value) for f in ("llama", "mistral", "qwen2", "qwen3"))
+    with pytest.raises(ConfigError, match="no config.json there"):
+        model_shape(None, {}, str(tmp_path / "not-downloaded"), 600)
     with pytest.raises(ConfigError, match="model.shape"):
         (tmp_path / "config.json").write_text(json.dumps(CONFIGS["llama"]))
         model_shape(None, {"num_layers": 1}, str(tmp_path), 600)
@@ -130,3 +132,18 @@ def test_plan_takes_a_hugging_face_config() -> None:
     as_json = CliRunner().invoke(main, ["plan", "--model", str(ROOT / "configs/hf/qwen2.5-7b.json"), "--hostfile",
                                         str(ROOT / "hostfiles/8node"), "--json"])
     assert json.loads(as_json.output)["best"] is not None
+
+
+def test_readme_recipe_plan_is_what_the_planner_prints() -> None:
+    """The lines the README quotes for "continue Qwen2.5-7B" come from step 1 of its recipe, and the recipe's config
+    fits the seed cluster as the README says."""
+    quoted = (ROOT / "README.md").read_text().split("<!-- qwen-plan -->")[1].strip().strip("`").strip().splitlines()
+    res = CliRunner().invoke(main, ["plan", "--model", str(ROOT / "configs/hf/qwen2.5-7b.json"), "--hostfile",
+                                    str(ROOT / "hostfiles/8node"), "--seq-len", "4096", "--tokens", "1B"])
+    assert res.exit_code == 0, res.output
+    printed = res.output.splitlines()
+    assert len(quoted) == 4 and all(line in printed for line in quoted), quoted
+    check = CliRunner().invoke(main, ["plan", "--config", str(ROOT / "configs/continue_qwen2.5-7b.yaml"), "--set",
+                                      f"model.init_from={ROOT / 'configs/hf/qwen2.5-7b.json'}", "--seq-len", "4096",
+                                      "--hostfile", str(ROOT / "hostfiles/8node")])
+    assert check.exit_code == 0 and "FITS: +2.55 GiB" in check.output, check.output
