@@ -97,9 +97,11 @@ def test_continued_pretraining_starts_from_the_model_trains_and_exports(family: 
     run_dir = tmp_path / "zero3"
     cfg = launch.write_config(tmp_path / "z3.yaml", run_dir=run_dir, shards=shards, ds_config="zero3.json", steps=6,
                               model=model, ckpt_interval=6, micro=MICRO, global_batch=GLOBAL)
-    out = launch.run(cfg)
+    out = launch.run(cfg, sets=("eval.interval=3",))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = launch.losses(run_dir)
+    val = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    assert [v["step"] for v in val] == [3, 6] and all(0 < v["val_loss"] < 10 for v in val)
     assert abs(got[1] - reference[0]) <= 1e-5 * reference[0], (got[1], reference[0])
     assert got[6] < got[1], got
     assert open_run(run_dir).shape.family == family
