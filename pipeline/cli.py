@@ -171,12 +171,14 @@ def shard(sources: tuple[str, ...], output: str | None, seq_len: int | None, spl
 @click.option("--max-restarts", type=click.IntRange(0, 1000), default=0, show_default=True,
               help="Relaunch after a failed launch (a rank killed, a node lost, a hung peer), each time from the "
               "latest complete checkpoint. Not after a mistake in the input or a stop on a non-finite loss (exit 2).")
+@click.option("--skip-doctor", is_flag=True, help="Launch even when the quick local checks of `pipeline doctor` "
+              "(/dev/shm, the master port, disk, data) fail.")
 @_user_errors
 def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, master_port: int | None,
-             sets: tuple[str, ...], dry_run: bool, max_restarts: int) -> None:
-    """Check the config, data and DeepSpeed JSON here (a bad one fails in a second, with only our message), then
-    build the `deepspeed ... pipeline/pretrain.py` command line, print it, and run it (again, with
-    --max-restarts)."""
+             sets: tuple[str, ...], dry_run: bool, max_restarts: int, skip_doctor: bool) -> None:
+    """Check the config, data and DeepSpeed JSON here (a bad one fails in a second, with only our message), run
+    the quick local checks of `pipeline doctor`, then build the `deepspeed ... pipeline/pretrain.py` command line,
+    print it, and run it (again, with --max-restarts). Before a multi-node run: `pipeline doctor --hostfile H`."""
     from pathlib import Path
 
     import pipeline
@@ -188,12 +190,14 @@ def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, maste
         raise PipelineError(f"--hostfile {hostfile}: no such file (see hostfiles/)")
     cfg = load(config_path, list(sets))
     world, per_node = _launch_world_size(hostfile, num_gpus)
+    prepared = None
     if world is not None:
         prepared = prepare(cfg, world, per_node)  # the same checks every rank makes, before any process starts
         _check_checkpoint_space(prepared, world, per_node or world)
-        if dry_run:
-            click.echo(describe(prepared))
-            return
+    _quick_doctor(cfg, None if hostfile else master_port or 29500, skip_doctor)
+    if dry_run and prepared is not None:
+        click.echo(describe(prepared))
+        return
     script = Path(pipeline.__file__).parent / "pretrain.py"
     cmd = [*_launcher(hostfile, num_gpus, master_port), str(script), "--config", config_path]
     for s in sets:
@@ -202,6 +206,21 @@ def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, maste
         cmd.append("--dry-run")
     click.echo("+ " + " ".join(cmd), err=True)
     sys.exit(_launch_with_restarts(cmd, max_restarts))
+
+
+def _quick_doctor(cfg: Any, master_port: int | None, skip: bool) -> None:
+    """`pipeline doctor`'s checks that need no import of torch or deepspeed, on this machine; a FAIL stops the
+    launch unless --skip-doctor."""
+    from pipeline.doctor.checks import FAIL, WARN, Needs, run_checks
+
+    report = run_checks(Needs(run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port), quick=True)
+    for c in report.checks:
+        if c.status in (WARN, FAIL):
+            click.echo(f"doctor: {c.status} {c.name}: {c.detail}" + (f" ({c.fix})" if c.fix else ""), err=True)
+    failed = [c.name for c in report.checks if c.status == FAIL]
+    if failed and not skip:
+        raise PipelineError(f"local checks failed ({', '.join(failed)}; see above); fix them, or launch anyway with "
+                            "--skip-doctor")
 
 
 def _launch_with_restarts(cmd: list[str], max_restarts: int) -> int:
@@ -377,6 +396,81 @@ def harness(checkpoint: str, tasks: str, lm_eval: str, device: str, batch_size: 
     if code != 0:
         raise PipelineError(f"lm_eval failed (exit code {code}); see its output above")
     click.echo(f"harness results: {output}")
+
+
+@main.command()
+@click.option("--hostfile", default=None, help="Check every host of this DeepSpeed hostfile (reached by ssh, as the "
+              "launcher reaches them); default: this machine only.")
+@click.option("--config", "config_path", default=None, help="The pretrain config about to run: its data, run folder, "
+              "NVMe path and the plan's host RAM and checkpoint size are checked on each host.")
+@click.option("--set", "sets", multiple=True, help="With --config: override a field, section.key=value.")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True,
+              help="The rendezvous port the launch will use (checked free on the first host).")
+@click.option("--timeout", type=click.FloatRange(1, 3600), default=60.0, show_default=True,
+              help="Seconds each host gets for each step (ssh, checks, the all-reduce).")
+@click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON.")
+@click.option("--write-env", is_flag=True, help="Add what the checks found (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, "
+              "NCCL_P2P_DISABLE, NCCL_IB_DISABLE) to .deepspeed_env here; lines already there are kept.")
+@_user_errors
+def doctor(hostfile: str | None, config_path: str | None, sets: tuple[str, ...], master_port: int, timeout: float,
+           as_json: bool, write_env: bool) -> None:
+    """Check a cluster before a long run: per host PASS / WARN / FAIL with the reason and the fix (ssh, same venv
+    and versions, DeepSpeed ops, GPUs and P2P, the network interface and a measured all-reduce, ulimit -l,
+    /dev/shm, RAM, disk, data, master port). Exit code 1 when a check fails."""
+    import json as jsonlib
+    from pathlib import Path
+
+    from pipeline.doctor import cluster as doc
+    from pipeline.doctor.checks import Needs
+    from pipeline.plan import report as plan_report
+
+    hosts = [h for h, _ in plan_report.hostfile_hosts(hostfile)] if hostfile else None
+    needs = _doctor_needs(config_path, list(sets), hostfile, master_port)
+    expected = None
+    if hostfile and (net := plan_report.hostfile_facts(hostfile).get("network")):
+        expected = float(net.lower().replace("gbps", "")) * 1e9 / 8
+    reports = doc.doctor(hosts, needs if needs else Needs(master_port=master_port), timeout=timeout,
+                         expected_bus_bytes=expected)
+    if as_json:
+        click.echo(jsonlib.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        click.echo(doc.table(reports))
+    if write_env:
+        target = doc.env_file_paths()[-1]
+        for note in doc.write_env(Path(target), doc.env_findings(reports)) or ["nothing to add"]:
+            click.echo(f"{target}: {note}", err=True)
+    sys.exit(1 if doc.failed(reports) else 0)
+
+
+def _doctor_needs(config_path: str | None, sets: list[str], hostfile: str | None, master_port: int) -> Any:
+    """What the config's run needs of each host: its folders, and the plan's host RAM, checkpoints and NVMe."""
+    if not config_path:
+        return None
+    from pipeline.doctor.checks import Needs
+    from pipeline.train import forecast
+    from pipeline.train.config import load
+    from pipeline.train.ds_config import load_ds_config
+
+    cfg = load(config_path, sets)
+    needs = Needs(run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port)
+    if cfg.train.deepspeed_config != "auto":
+        zero = load_ds_config(cfg.train.deepspeed_config).get("zero_optimization", {})
+        for k in ("offload_optimizer", "offload_param"):
+            if zero.get(k, {}).get("device") == "nvme":
+                needs.uses_nvme, needs.nvme_path = True, zero[k].get("nvme_path")
+    values = {"gpu": "4090d", "gpu_mem": None, "cpu_mem": "512GB", "cpu_cores": "32", "cpu_mem_bw": "80GB/s",
+              "disk": None, "nvme": None, "network": "100Gbps"}
+    try:
+        cl, _ = _plan_cluster(hostfile, 1, 1, values, set())
+        est = forecast.forecast_config(config_path, sets, cl, seq_len=None, layers=None, vocab_size=32000,
+                                       mfu=0.4).yours
+    except PipelineError as e:
+        click.echo(f"note: no plan for {config_path} ({e}); RAM and checkpoint room not compared", err=True)
+        return needs
+    needs.host_ram_bytes = est.host["total"]
+    needs.disk_bytes = 2 * est.checkpoint["per_node"] if cfg.checkpoint.enabled else None
+    needs.nvme_bytes = est.nvme_bytes or None
+    return needs
 
 
 @main.command()

@@ -139,6 +139,11 @@ def parse_hostfile(path: str) -> tuple[int, int]:
 
 def hostfile_slots(path: str) -> list[int]:
     """The slots of each host of a DeepSpeed hostfile, in order."""
+    return [n for _, n in hostfile_hosts(path)]
+
+
+def hostfile_hosts(path: str) -> list[tuple[str, int]]:
+    """(host, slots) of each host of a DeepSpeed hostfile, in order."""
     p = Path(path)
     if not p.is_file():
         raise PipelineError(f"--hostfile {path}: {'is a folder' if p.is_dir() else 'no such file'} (see hostfiles/)")
@@ -153,7 +158,7 @@ def hostfile_slots(path: str) -> list[int]:
                 raise PipelineError(f"{path}:{n}: expected 'HOST slots=N', got {line!r}")
             if int(m.group(2)) < 1:
                 raise PipelineError(f"{path}:{n}: slots={m.group(2)}; a host needs 1 slot or more")
-            slots.append(int(m.group(2)))
+            slots.append((m.group(1), int(m.group(2))))
     if not slots:
         raise PipelineError(f"{path}: no hosts")
     return slots

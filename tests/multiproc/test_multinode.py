@@ -16,76 +16,18 @@ from pathlib import Path
 import pytest
 
 from pipeline.train import checkpoint as ckpt
-from tests.multiproc import launch
+from tests.multiproc import launch, netns
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
-SSH_SHIM = """#!/usr/bin/env bash
-# ssh stand-in: HOST maps to a network namespace; options (as pdsh and DeepSpeed pass them) are skipped.
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -l|-p|-o|-i|-F|-E) shift 2 ;;
-    -*) shift ;;
-    *) break ;;
-  esac
-done
-host="$1"; shift
-ns=$(grep "^$host " "$(dirname "$0")/hosts" | cut -d' ' -f2)
-[ -n "$ns" ] || { echo "ssh: unknown host $host" >&2; exit 255; }
-exec ip netns exec "$ns" bash -c "$*"
-"""
-
-
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True)
-
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
     if shutil.which("pdsh") is None:
         pytest.skip("pdsh is not installed (apt-get install pdsh; .ci/run does this)")
-    tag = os.getpid() % 10000
-    ns = [f"dsn{tag}a", f"dsn{tag}b"]
-    iface = f"dse{tag}"
-    subnet = f"10.250.{tag % 250}"
-    try:
-        for n in ns:
-            _sh("ip", "netns", "add", n)
-        _sh("ip", "link", "add", iface, "netns", ns[0], "type", "veth", "peer", "name", iface, "netns", ns[1])
-        for i, n in enumerate(ns):
-            _sh("ip", "-n", n, "addr", "add", f"{subnet}.{i + 1}/24", "dev", iface)
-            _sh("ip", "-n", n, "link", "set", "lo", "up")
-            _sh("ip", "-n", n, "link", "set", iface, "up")
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        for n in ns:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here: {e}")
-    work = tmp_path_factory.mktemp("multinode")
-    bin_dir = work / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "ssh").write_text(SSH_SHIM)
-    (bin_dir / "ssh").chmod(0o755)
-    (bin_dir / "hosts").write_text(f"node0 {ns[0]}\nnode1 {ns[1]}\n")
-    (work / "hostfile").write_text("node0 slots=1\nnode1 slots=1\n")
-    env_file = work / "deepspeed_env"
-    venv_bin = str(Path(sys.executable).parent)
-    e = launch.env()
-    # pdsh forwards few variables: what every rank needs goes through DeepSpeed's env file.
-    env_file.write_text(f"DS_ACCELERATOR=cpu\nGLOO_SOCKET_IFNAME={iface}\nOMP_NUM_THREADS=1\n"
-                        f"TORCH_EXTENSIONS_DIR={e['TORCH_EXTENSIONS_DIR']}\nPATH={venv_bin}:/usr/sbin:/usr/bin:/bin\n")
-    env = {**e, "PATH": f"{bin_dir}:{venv_bin}:{e['PATH']}", "DS_ENV_FILE": str(env_file)}
-    yield {"ns": ns, "work": work, "env": env, "hostfile": work / "hostfile"}
-    for n in ns:
-        pids = subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-        subprocess.run(["ip", "netns", "del", n], capture_output=True)
+    with netns.hosts(tmp_path_factory.mktemp("multinode")) as h:
+        yield h
 
 
 def _command(hosts: dict, config: Path, port: int, *sets: str) -> list[str]:

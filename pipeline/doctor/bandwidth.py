@@ -1,0 +1,62 @@
+"""A short all-reduce between hosts (one process per host; NCCL on GPUs, gloo on CPUs) over the interface the
+checks found: the bus bandwidth a data-parallel run will see, as nccl-tests counts it (2 (n-1)/n x bytes / time).
+Started on every host at once by `pipeline doctor --hostfile`; rank 0 prints the figure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--master", required=True, help="ADDR:PORT of rank 0")
+    ap.add_argument("--iface", default=None)
+    ap.add_argument("--mbytes", type=float, default=16.0)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    if args.iface:
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = args.iface
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    gpu = torch.cuda.is_available()
+    backend = "nccl" if gpu else "gloo"
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
+                            timeout=timedelta(seconds=args.timeout))
+    n = int(args.mbytes * 2**20 / 4)
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    dist.all_reduce(x[: max(1, n // 16)])  # connections up, buffers warm
+    dist.all_reduce(x)
+    times = []
+    for _ in range(args.iters):
+        if gpu:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    t = sorted(times)[len(times) // 2]
+    bus = 2 * (args.world - 1) / args.world * n * 4 / t
+    if args.rank == 0:
+        print("DOCTOR-BW " + json.dumps({"backend": backend, "bytes": n * 4, "seconds": t, "bus_bytes_per_s": bus,
+                                         "world": args.world}), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

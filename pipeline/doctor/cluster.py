@@ -1,0 +1,237 @@
+"""`pipeline doctor`: the checks of pipeline.doctor.checks on this machine or on every host of a hostfile, reached
+as DeepSpeed's launcher reaches them (ssh without a password, the launcher's environment exports and
+.deepspeed_env, `cd` to this folder, this Python), in parallel, each step with a timeout; then what only a
+comparison shows (another Python, venv or version than the first host's, other data) and a short all-reduce
+between the hosts. `--write-env` puts what was found into .deepspeed_env."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from pipeline.doctor.checks import FAIL, PASS, WARN, Check, Needs, Report, run_checks
+
+EXPORT_PREFIXES = ("PYTHON", "MV2", "UCX", "MLFLOW", "NCCL", "GLOO", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")
+"""Variables forwarded to every host: DeepSpeed's own list (runner.EXPORT_ENVS and the accelerator's) plus those
+this pipeline's runs read."""
+
+
+def env_file_paths() -> list[Path]:
+    """The .deepspeed_env files DeepSpeed's launcher reads (home, then this folder; DS_ENV_FILE names them)."""
+    name = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+    return [Path(p) / name for p in (os.path.expanduser("~"), ".")] if not os.path.isabs(name) else [Path(name)]
+
+
+def exports() -> str:
+    found = {k: v for k, v in os.environ.items() if k.startswith(EXPORT_PREFIXES)}
+    for path in env_file_paths():
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                key, sep, value = line.partition("=")
+                if sep:
+                    found[key.strip()] = value.strip()
+    return "".join(f"export {k}={shlex.quote(v)}; " for k, v in found.items())
+
+
+def ssh(host: str, command: str, timeout: float, ssh_port: int | None = None) -> subprocess.CompletedProcess:
+    """`command` on `host` over ssh as DeepSpeed's launcher runs it (no password prompt), with a timeout."""
+    cmd = ["ssh", "-o", "PasswordAuthentication=no", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(timeout)}"]
+    cmd += ["-p", str(ssh_port)] if ssh_port else []
+    try:
+        return subprocess.run([*cmd, host, command], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, 124, "", f"no answer within {timeout:g} s")
+
+
+def remote_python(module: str, args: list[str]) -> str:
+    return (f"{exports()}cd {shlex.quote(os.getcwd())}; {shlex.quote(sys.executable)} -m {module} "
+            + " ".join(shlex.quote(a) for a in args))
+
+
+def _parse(tag: str, out: str) -> Any:
+    for line in out.splitlines():
+        if line.startswith(tag + " "):
+            return json.loads(line[len(tag) + 1:])
+    return None
+
+
+def doctor(hosts: list[str] | None, needs: Needs, *, timeout: float = 60.0, expected_bus_bytes: float | None = None,
+           bandwidth_mbytes: float = 16.0) -> list[Report]:
+    """Reports for this machine (hosts None) or for each host, in order."""
+    if not hosts:
+        return [run_checks(needs)]
+    reports = {h: Report(h) for h in hosts}
+    launcher = Report("launcher (this machine)")
+    ok = shutil.which("pdsh") is not None
+    launcher.add("pdsh", PASS if ok else FAIL, "found" if ok else "not on PATH: DeepSpeed's multi-node launcher "
+                 "runs pdsh here", "" if ok else "apt-get install pdsh")
+    with ThreadPoolExecutor(len(hosts)) as pool:
+        answers = dict(zip(hosts, pool.map(lambda h: ssh(h, "hostname -I", timeout), hosts), strict=True))
+    reachable = []
+    for h, res in answers.items():
+        if res.returncode == 0 and res.stdout.split():
+            reports[h].add("ssh", PASS, "reachable without a password")
+            reports[h].facts["addresses"] = res.stdout.split()
+            reachable.append(h)
+        else:
+            why = (res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1]
+            reports[h].add("ssh", FAIL, f"{h} not reachable by ssh without a password: {why}",
+                           "ssh-copy-id to it from this machine; check its name resolves (~/.ssh/config, /etc/hosts)")
+    if not reachable:
+        return [launcher, *reports.values()]
+    master = reports[reachable[0]].facts["addresses"][0]  # as DeepSpeed picks it: the first host's `hostname -I`
+
+    def checks(h: str) -> tuple[str, Any, str]:
+        first = h == hosts[0]
+        peer = reports[reachable[1]].facts["addresses"][0] if first and len(reachable) > 1 else master
+        n = Needs(**{**asdict(needs), "peer": peer if len(reachable) > 1 else None,
+                     "master_port": needs.master_port if first else None})
+        args = ["--needs", json.dumps(asdict(n))] + ([] if first else ["--not-first"])
+        res = ssh(h, remote_python("pipeline.doctor.checks", args), timeout)
+        return h, _parse("DOCTOR-JSON", res.stdout), (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
+
+    with ThreadPoolExecutor(len(reachable)) as pool:
+        for h, got, err in pool.map(checks, reachable):
+            if got is None:
+                reports[h].add("checks", FAIL, f"the checks did not run there: {err}",
+                               f"run `{sys.executable} -m pipeline.doctor.checks` on {h} to see why; the same venv "
+                               "path must exist on every host")
+                continue
+            reports[h].checks += [Check(**c) for c in got["checks"]]
+            reports[h].facts.update(got["facts"])
+    _compare(hosts, reports)
+    ran = [h for h in reachable if "versions" in reports[h].facts]
+    if len(ran) > 1:
+        _bandwidth(ran, reports, master, timeout, expected_bus_bytes, bandwidth_mbytes)
+    return [launcher, *reports.values()]
+
+
+def _compare(hosts: list[str], reports: dict[str, Report]) -> None:
+    ref = reports[hosts[0]].facts
+    if "versions" not in ref:
+        return
+    for h in hosts[1:]:
+        f = reports[h].facts
+        if "versions" not in f:
+            continue
+        diffs = [f"{k} {f['versions'].get(k)} here, {v} on {hosts[0]}" for k, v in ref["versions"].items()
+                 if f["versions"].get(k) != v]
+        if f.get("python") != ref.get("python") or f.get("python_version") != ref.get("python_version"):
+            diffs.append(f"python {f.get('python')} ({f.get('python_version')}) here, {ref.get('python')} "
+                         f"({ref.get('python_version')}) on {hosts[0]}")
+        if diffs:
+            reports[h].add("same as first host", FAIL, "; ".join(diffs),
+                           "install the same venv at the same path on every host (make install)")
+        else:
+            reports[h].add("same as first host", PASS, "python, venv and versions match")
+        if "data_fingerprint" in ref and f.get("data_fingerprint") != ref["data_fingerprint"]:
+            reports[h].add("same data", FAIL, f"shards {str(f.get('data_fingerprint'))[:12]} here, "
+                           f"{str(ref['data_fingerprint'])[:12]} on {hosts[0]}",
+                           "copy the same shard folder to every host (rsync -a), or use a shared mount")
+
+
+def _bandwidth(hosts: list[str], reports: dict[str, Report], master: str, timeout: float,
+               expected: float | None, mbytes: float) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port for the rendezvous; free here, and very likely on the first host
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+
+    def rank(i: int) -> subprocess.CompletedProcess:
+        args = ["--rank", str(i), "--world", str(len(hosts)), "--master", f"{master}:{port}", "--mbytes", str(mbytes),
+                "--timeout", str(timeout)]
+        iface = reports[hosts[i]].facts.get("interface")
+        return ssh(hosts[i], remote_python("pipeline.doctor.bandwidth", args + (["--iface", iface] if iface else [])),
+                   timeout + 30)
+
+    if expected:
+        for h in hosts:
+            f = reports[h].facts
+            if f.get("link_mbps") and f["link_mbps"] * 1e6 / 8 < 0.9 * expected:
+                reports[h].add("link speed", WARN, f"{f['interface']} is a {f['link_mbps'] / 1000:g} Gbps link; the "
+                               f"hostfile says {expected * 8 / 1e9:g} Gbps",
+                               "if a faster interface exists, NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME=<it>")
+    with ThreadPoolExecutor(len(hosts)) as pool:
+        results = list(pool.map(rank, range(len(hosts))))
+    got = _parse("DOCTOR-BW", results[0].stdout)
+    first = reports[hosts[0]]
+    if got is None:
+        errs = "; ".join(f"{h}: {(r.stderr.strip().splitlines() or [f'exit {r.returncode}'])[-1]}"
+                         for h, r in zip(hosts, results, strict=True) if r.returncode != 0)
+        first.add("all-reduce", FAIL, f"between {', '.join(hosts)} failed: {errs or 'no result'}",
+                  "check the interface (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME) and firewalls between the hosts")
+        return
+    bus = got["bus_bytes_per_s"]
+    first.facts["allreduce_bus_bytes_per_s"] = bus
+    detail = (f"{got['backend']} all-reduce of {got['bytes'] / 2**20:.0f} MiB over {len(hosts)} hosts: "
+              f"{bus / 1e9:.3g} GB/s bus bandwidth ({bus * 8 / 1e9:.3g} Gbps)")
+    if expected:
+        detail += f"; the hostfile says {expected * 8 / 1e9:g} Gbps"
+        if bus < 0.3 * expected:
+            first.add("all-reduce", WARN, detail + ": under 30% of it",
+                      "check that the interface found is the fast one (not a 1 GbE management port)")
+            return
+    first.add("all-reduce", PASS, detail)
+
+
+def env_findings(reports: list[Report]) -> dict[str, str]:
+    """What .deepspeed_env should say: the interface collectives use, P2P off where it hangs, no InfiniBand."""
+    found: dict[str, str] = {}
+    ifaces = sorted({r.facts["interface"] for r in reports if r.facts.get("interface")})
+    if ifaces:
+        found["NCCL_SOCKET_IFNAME"] = found["GLOO_SOCKET_IFNAME"] = ",".join(ifaces)
+    if any(r.facts.get("advise_p2p_disable") for r in reports):
+        found["NCCL_P2P_DISABLE"] = "1"
+    hosts = [r for r in reports if "infiniband" in r.facts]
+    if hosts and not any(r.facts["infiniband"] for r in hosts):
+        found["NCCL_IB_DISABLE"] = "1"
+    return found
+
+
+def write_env(path: Path, found: dict[str, str]) -> list[str]:
+    """Add `found` to the env file, keeping every line already there: a variable the user set is never changed (a
+    different finding is returned as a note). DeepSpeed reads every line as KEY=VALUE, so no comments are written.
+    Returns what was added and what was kept."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    have = {}
+    for line in lines:
+        key, sep, value = line.partition("=")
+        if sep:
+            have[key.strip()] = value.strip()
+    notes = []
+    for key, value in found.items():
+        if key not in have:
+            lines.append(f"{key}={value}")
+            notes.append(f"added {key}={value}")
+        elif have[key] != value:
+            notes.append(f"kept your {key}={have[key]} (the checks found {value})")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in lines if line.strip()))
+    os.replace(tmp, path)
+    return notes
+
+
+def table(reports: list[Report]) -> str:
+    rows = [(r.host, c.name, c.status, c.detail + (f"  -> {c.fix}" if c.fix and c.status != PASS else ""))
+            for r in reports for c in r.checks]
+    wh = max([len(r[0]) for r in rows] + [4])
+    wc = max([len(r[1]) for r in rows] + [5])
+    out = [f"{'host':<{wh}}  {'check':<{wc}}  status  detail"]
+    out += [f"{h:<{wh}}  {c:<{wc}}  {s:<6}  {d}" for h, c, s, d in rows]
+    fails = sum(r[2] == FAIL for r in rows)
+    warns = sum(r[2] == WARN for r in rows)
+    out.append(f"\n{fails} FAIL, {warns} WARN, {len(rows) - fails - warns} PASS")
+    return "\n".join(out)
+
+
+def failed(reports: list[Report]) -> bool:
+    return any(c.status == FAIL for r in reports for c in r.checks)

@@ -1,0 +1,56 @@
+"""`pipeline doctor` on this machine, `--write-env` keeping the user's lines, and `pipeline pretrain` stopping on a
+failed quick check. The cross-host checks run in tests/multiproc/test_doctor.py (network namespaces)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.doctor.cluster import write_env
+
+
+def test_local_doctor_lists_each_check_and_passes_here() -> None:
+    res = CliRunner().invoke(main, ["doctor"])
+    assert res.exit_code == 0, res.output
+    for name in ("ulimit -l", "/dev/shm", "host RAM", "master port", "versions", "accelerator", "deepspeed ops",
+                 "network"):
+        assert any(line.split("  ")[1:2] and name in line for line in res.output.splitlines()), name
+    assert "0 FAIL" in res.output
+    as_json = CliRunner().invoke(main, ["doctor", "--json"])
+    (report,) = json.loads(as_json.output)
+    assert {c["status"] for c in report["checks"]} <= {"PASS", "WARN"}
+    assert report["facts"]["versions"]["deepspeed"]
+
+
+def test_write_env_adds_findings_and_keeps_the_users_lines(tmp_path: Path) -> None:
+    env = tmp_path / ".deepspeed_env"
+    env.write_text("HF_HOME=/data/hf\nNCCL_SOCKET_IFNAME=ens1f0\n\nPYTHONPATH=/opt/x=y\n")
+    notes = write_env(env, {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"})
+    lines = env.read_text().splitlines()
+    assert lines == ["HF_HOME=/data/hf", "NCCL_SOCKET_IFNAME=ens1f0", "PYTHONPATH=/opt/x=y", "GLOO_SOCKET_IFNAME=eth0",
+                     "NCCL_IB_DISABLE=1"]
+    assert "kept your NCCL_SOCKET_IFNAME=ens1f0 (the checks found eth0)" in notes
+    # DeepSpeed's launcher reads each line as KEY=VALUE (runner.py): no blank line or comment may be left.
+    assert all(len(line.split("=", maxsplit=1)) == 2 for line in lines)
+    assert write_env(env, {"NCCL_IB_DISABLE": "1"}) == [] and env.read_text().splitlines() == lines
+
+
+def test_pretrain_stops_on_a_failed_local_check_unless_skipped(shards: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+                   "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n")
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        args = ["pretrain", "--config", str(cfg), "--num-gpus", "2", "--master-port", port, "--dry-run"]
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 2, res.output
+        assert f"FAIL master port: {port} in use" in res.output and "--skip-doctor" in res.output
+        res = CliRunner().invoke(main, [*args, "--skip-doctor"])
+        assert res.exit_code == 0, res.output
+        assert '"train_batch_size": 8' in res.output
