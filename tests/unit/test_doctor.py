@@ -54,3 +54,27 @@ def test_pretrain_stops_on_a_failed_local_check_unless_skipped(shards: Path, tmp
         res = CliRunner().invoke(main, [*args, "--skip-doctor"])
         assert res.exit_code == 0, res.output
         assert '"train_batch_size": 8' in res.output
+
+
+def test_config_checks_data_disk_and_ram_and_hosts_are_compared(shards: Path, tmp_path: Path) -> None:
+    from pipeline.doctor.checks import Report
+    from pipeline.doctor.cluster import _compare
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+                   "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n")
+    res = CliRunner().invoke(main, ["doctor", "--config", str(cfg), "--json"])
+    assert res.exit_code == 0, res.output
+    (report,) = json.loads(res.output[res.output.index("["):])
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["data"]["status"] == "PASS" and "two checkpoints need" in checks["disk"]["detail"]
+    assert "the plan needs" in checks["host RAM"]["detail"]
+    fingerprint = report["facts"]["data_fingerprint"]
+    a, b = Report("a"), Report("b")
+    a.facts = {"versions": {"deepspeed": "0.19.8"}, "python": "/v/bin/python", "python_version": "3.11.7",
+               "data_fingerprint": fingerprint}
+    b.facts = {**a.facts, "data_fingerprint": "0" * 16}
+    _compare(["a", "b"], {"a": a, "b": b})
+    same = {c.name: c for c in b.checks}
+    assert same["same as first host"].status == "PASS"
+    assert same["same data"].status == "FAIL" and fingerprint[:12] in same["same data"].detail
