@@ -1,4 +1,6 @@
-"""Model presets and construction from transformers' Llama classes (RoPE, SwiGLU, GQA, SDPA). No distributed code."""
+"""Model shapes, presets and the one model builder: transformers' LlamaForCausalLM (RoPE, SwiGLU, GQA, SDPA) for
+our presets, the family's own class for a continued Hugging Face model (pipeline.model.families), each with a
+chunked training loss. No distributed code."""
 
 from __future__ import annotations
 
@@ -116,7 +118,7 @@ def resolve_shape(preset: str | None, overrides: dict[str, Any], vocab_size: int
     """A preset (or explicit fields), with overrides such as num_layers=2, and the tokenizer's vocabulary."""
     if preset is not None and preset not in PRESETS:
         raise ConfigError([f"model.preset '{preset}': expected one of {', '.join(PRESETS)}"])
-    fields = set(ModelShape.__dataclass_fields__)
+    fields = set(ModelShape.__dataclass_fields__) - {"hf_config", "qkv_bias", "qk_norm"}  # from a config.json only
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ConfigError([f"model.{k}: unknown field (known: {', '.join(sorted(fields))})" for k in unknown])
@@ -141,6 +143,7 @@ def llama_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id:
         num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_seq_len,
         rms_norm_eps=shape.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
         tie_word_embeddings=shape.tie_embeddings, hidden_act="silu", attention_bias=False, mlp_bias=False,
+        head_dim=shape.head_dim,
         attention_dropout=0.0, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=False,
         initializer_range=0.02, attn_implementation="sdpa",
     )
