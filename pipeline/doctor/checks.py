@@ -82,7 +82,13 @@ def deepspeed_ops(r: Report, needs: Needs, gpu: bool) -> None:
     except Exception as e:  # a broken install raises anything
         r.add("deepspeed ops", FAIL, f"deepspeed does not import: {type(e).__name__}: {e}", "reinstall deepspeed")
         return
-    problems, notes = [], []
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        installed_ops = {}
+    prebuilt = sorted(k for k, v in installed_ops.items() if v and k in ("cpu_adam", "fused_adam", "async_io"))
+    problems, notes = [], [f"prebuilt: {', '.join(prebuilt)}" if prebuilt else
+                           "none prebuilt: each is JIT-built on first use (about a minute, cached per machine)"]
     if not CPUAdamBuilder().is_compatible(verbose=False):
         problems.append("cpu_adam cannot build (offload needs it)")
     if gpu and not FusedAdamBuilder().is_compatible(verbose=False):
