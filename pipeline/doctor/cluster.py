@@ -109,8 +109,9 @@ def doctor(hosts: list[str] | None, needs: Needs, *, timeout: float = 60.0, expe
             reports[h].facts.update(got["facts"])
     _compare(hosts, reports)
     ran = [h for h in reachable if "versions" in reports[h].facts]
-    if len(ran) > 1:
-        _bandwidth(ran, reports, master, timeout, expected_bus_bytes, bandwidth_mbytes)
+    if len(ran) > 1:  # rank 0 on the first host whose checks ran, at its first address
+        _bandwidth(ran, reports, reports[ran[0]].facts["addresses"][0], timeout, expected_bus_bytes,
+                   bandwidth_mbytes)
     return [launcher, *reports.values()]
 
 
