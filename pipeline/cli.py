@@ -421,7 +421,6 @@ def doctor(hostfile: str | None, config_path: str | None, sets: tuple[str, ...],
     from pathlib import Path
 
     from pipeline.doctor import cluster as doc
-    from pipeline.doctor.checks import Needs
     from pipeline.plan import report as plan_report
 
     hosts = [h for h, _ in plan_report.hostfile_hosts(hostfile)] if hostfile else None
@@ -429,8 +428,7 @@ def doctor(hostfile: str | None, config_path: str | None, sets: tuple[str, ...],
     expected = None
     if hostfile and (net := plan_report.hostfile_facts(hostfile).get("network")):
         expected = float(net.lower().replace("gbps", "")) * 1e9 / 8
-    reports = doc.doctor(hosts, needs if needs else Needs(master_port=master_port), timeout=timeout,
-                         expected_bus_bytes=expected)
+    reports = doc.doctor(hosts, needs, timeout=timeout, expected_bus_bytes=expected)
     if as_json:
         click.echo(jsonlib.dumps([r.to_dict() for r in reports], indent=2))
     else:
@@ -443,33 +441,19 @@ def doctor(hostfile: str | None, config_path: str | None, sets: tuple[str, ...],
 
 
 def _doctor_needs(config_path: str | None, sets: list[str], hostfile: str | None, master_port: int) -> Any:
-    """What the config's run needs of each host: its folders, and the plan's host RAM, checkpoints and NVMe."""
-    if not config_path:
-        return None
+    """What the config's run needs of each host (pipeline.doctor.cluster.needs_for_config), planned for the
+    hostfile's cluster."""
     from pipeline.doctor.checks import Needs
-    from pipeline.train import forecast
-    from pipeline.train.config import load
-    from pipeline.train.ds_config import load_ds_config
+    from pipeline.doctor.cluster import needs_for_config
 
-    cfg = load(config_path, sets)
-    needs = Needs(run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port)
-    if cfg.train.deepspeed_config != "auto":
-        zero = load_ds_config(cfg.train.deepspeed_config).get("zero_optimization", {})
-        for k in ("offload_optimizer", "offload_param"):
-            if zero.get(k, {}).get("device") == "nvme":
-                needs.uses_nvme, needs.nvme_path = True, zero[k].get("nvme_path")
+    if not config_path:
+        return Needs(master_port=master_port)
     values = {"gpu": "4090d", "gpu_mem": None, "cpu_mem": "512GB", "cpu_cores": "32", "cpu_mem_bw": "80GB/s",
               "disk": None, "nvme": None, "network": "100Gbps"}
-    try:
-        cl, _ = _plan_cluster(hostfile, 1, 1, values, set())
-        est = forecast.forecast_config(config_path, sets, cl, seq_len=None, layers=None, vocab_size=32000,
-                                       mfu=0.4).yours
-    except PipelineError as e:
-        click.echo(f"note: no plan for {config_path} ({e}); RAM and checkpoint room not compared", err=True)
-        return needs
-    needs.host_ram_bytes = est.host["total"]
-    needs.disk_bytes = 2 * est.checkpoint["per_node"] if cfg.checkpoint.enabled else None
-    needs.nvme_bytes = est.nvme_bytes or None
+    cluster, _ = _plan_cluster(hostfile, 1, 1, values, set())
+    needs, note = needs_for_config(config_path, sets, cluster, master_port)
+    if note:
+        click.echo(f"note: {note}", err=True)
     return needs
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.doctor.checks import FAIL, PASS, WARN, Check, Needs, Report, run_checks
+from pipeline.errors import PipelineError
 
 EXPORT_PREFIXES = ("PYTHON", "MV2", "UCX", "MLFLOW", "NCCL", "GLOO", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")
 """Variables forwarded to every host: DeepSpeed's own list (runner.EXPORT_ENVS and the accelerator's) plus those
@@ -182,6 +183,31 @@ def _bandwidth(hosts: list[str], reports: dict[str, Report], master: str, timeou
                       "check that the interface found is the fast one (not a 1 GbE management port)")
             return
     first.add("all-reduce", PASS, detail)
+
+
+def needs_for_config(config_path: str, sets: list[str], cluster: Any, master_port: int) -> tuple[Needs, str | None]:
+    """What the config's run needs of each host: its folders, NVMe path, and the plan's host RAM, room for two
+    checkpoints and NVMe bytes on `cluster`; with a note when the plan cannot be made (no shards yet)."""
+    from pipeline.train import forecast
+    from pipeline.train.config import load
+    from pipeline.train.ds_config import load_ds_config
+
+    cfg = load(config_path, sets)
+    needs = Needs(run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port)
+    if cfg.train.deepspeed_config != "auto":
+        zero = load_ds_config(cfg.train.deepspeed_config).get("zero_optimization", {})
+        for k in ("offload_optimizer", "offload_param"):
+            if zero.get(k, {}).get("device") == "nvme":
+                needs.uses_nvme, needs.nvme_path = True, zero[k].get("nvme_path")
+    try:
+        est = forecast.forecast_config(config_path, sets, cluster, seq_len=None, layers=None, vocab_size=32000,
+                                       mfu=0.4).yours
+    except PipelineError as e:
+        return needs, f"no plan for {config_path} ({e}); RAM and checkpoint room not compared"
+    needs.host_ram_bytes = est.host["total"]
+    needs.disk_bytes = 2 * est.checkpoint["per_node"] if cfg.checkpoint.enabled else None
+    needs.nvme_bytes = est.nvme_bytes or None
+    return needs, None
 
 
 def env_findings(reports: list[Report]) -> dict[str, str]:

@@ -15,7 +15,7 @@ ALLOWED = {
     "train": {"data", "plan"},
     "evaluate": {"data", "train"},
     "model": set(),
-    "doctor": set(),
+    "doctor": {"train"},
 }
 
 
