@@ -505,11 +505,9 @@ def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: 
     (see hostfiles/) gives the nodes' GPU, RAM, cores, memory bandwidth, disk and network; flags override it."""
     import json as jsonlib
     import os
-    from dataclasses import replace
 
     from pipeline.atomic import write_json
     from pipeline.data.config import parse_size
-    from pipeline.model import families, resolve_shape
     from pipeline.plan import report as plan_report
     from pipeline.plan import search as planner
 
@@ -528,18 +526,7 @@ def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: 
     values = {"gpu": gpu, "gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "cpu_cores": str(cpu_cores),
               "cpu_mem_bw": cpu_mem_bw, "disk": disk, "nvme": nvme, "network": network}
     if fits_table:
-        from pathlib import Path
-
-        import pipeline
-
-        hostfiles = Path(pipeline.__file__).resolve().parents[1] / "hostfiles"
-        rows = []
-        for hf in ("8node", "4node4gpu"):
-            c, _ = _plan_cluster(str(hostfiles / hf), 1, 1, values, set())
-            for name in ("1b", "7b", "13b", "70b"):
-                rows.append((name, f"hostfiles/{hf}", planner.search(resolve_shape(name, {}, vocab_size),
-                                                                     seq_len or 4096, c, gbt, mfu)))
-        click.echo(plan_report.fits_table(rows, budget))
+        click.echo(_fits_table(values, vocab_size, seq_len or 4096, gbt, mfu, budget))
         return
     cluster, source = _plan_cluster(hostfile, nodes, gpus_per_node, values, given)
     if source and not as_json:
@@ -552,32 +539,10 @@ def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: 
         click.echo(jsonlib.dumps(forecast.comparison(f, got), indent=2) if as_json else forecast.render_run(f, got, env))
         return
     if config_path:
-        from pipeline.train import forecast
-
-        fc = forecast.forecast_config(config_path, list(sets), cluster, seq_len=seq_len, layers=layers,
-                                      vocab_size=vocab_size, mfu=mfu)
-        if as_json:
-            click.echo(jsonlib.dumps({"config": config_path, "seq_len": fc.seq_len, "fits": fc.yours.fits,
-                                      "yours": planner.estimate_dict(fc.yours),
-                                      "search_best": planner.estimate_dict(fc.search.best) if fc.search.best else None},
-                                     indent=2))
-        else:
-            click.echo(forecast.render_config(fc, budget))
-        if not fc.yours.fits:
-            sys.exit(3)
+        _plan_config(config_path, list(sets), cluster, seq_len, layers, vocab_size, mfu, budget, as_json)
         return
     seq = seq_len or 4096
-    if families.config_path(preset):
-        shape = families.shape_from_config(families.read_config(preset), preset)
-        shape = replace(shape, num_layers=layers) if layers else shape
-        if not as_json:
-            click.echo(shape.describe())
-    else:
-        shape = resolve_shape(preset, {"num_layers": layers} if layers else {}, vocab_size)
-    if seq > shape.max_seq_len:
-        click.echo(f"note: --seq-len {seq} is above {preset}'s max_seq_len {shape.max_seq_len}; planned "
-                   "as if its RoPE were extended (continued pretraining at a longer context)", err=True)
-        shape = replace(shape, max_seq_len=seq)
+    shape = _plan_shape(preset, layers, vocab_size, seq, as_json)
     p = planner.search(shape, seq, cluster, gbt, mfu, fixed_micro=micro_batch_size)
     if write_ds_config and p.best is not None:
         write_json(write_ds_config, planner.ds_config(p.best, nvme if nvme and os.path.isdir(nvme) else "/local_nvme"))
@@ -592,6 +557,67 @@ def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: 
                        f", train.activation_checkpointing: {str(b.activation_checkpointing).lower()}")
     if p.best is None:
         sys.exit(3)
+
+
+def _fits_table(values: dict[str, str | None], vocab_size: int, seq_len: int, gbt: int, mfu: float,
+                budget: float) -> str:
+    """`plan --fits-table`: the README's table of presets 1b-70b on each reference hostfile."""
+    from pathlib import Path
+
+    import pipeline
+    from pipeline.model import resolve_shape
+    from pipeline.plan import report as plan_report
+    from pipeline.plan import search as planner
+
+    hostfiles = Path(pipeline.__file__).resolve().parents[1] / "hostfiles"
+    rows = []
+    for hf in ("8node", "4node4gpu"):
+        c, _ = _plan_cluster(str(hostfiles / hf), 1, 1, values, set())
+        for name in ("1b", "7b", "13b", "70b"):
+            rows.append((name, f"hostfiles/{hf}", planner.search(resolve_shape(name, {}, vocab_size), seq_len, c, gbt,
+                                                                 mfu)))
+    return plan_report.fits_table(rows, budget)
+
+
+def _plan_config(config_path: str, sets: list[str], cluster: Any, seq_len: int | None, layers: int | None,
+                 vocab_size: int, mfu: float, budget: float, as_json: bool) -> None:
+    """`plan --config`: that run's plan beside what the search would choose; exit code 3 when it does not fit."""
+    import json as jsonlib
+
+    from pipeline.plan import search as planner
+    from pipeline.train import forecast
+
+    fc = forecast.forecast_config(config_path, sets, cluster, seq_len=seq_len, layers=layers, vocab_size=vocab_size,
+                                  mfu=mfu)
+    if as_json:
+        click.echo(jsonlib.dumps({"config": config_path, "seq_len": fc.seq_len, "fits": fc.yours.fits,
+                                  "yours": planner.estimate_dict(fc.yours),
+                                  "search_best": planner.estimate_dict(fc.search.best) if fc.search.best else None},
+                                 indent=2))
+    else:
+        click.echo(forecast.render_config(fc, budget))
+    if not fc.yours.fits:
+        sys.exit(3)
+
+
+def _plan_shape(preset: str, layers: int | None, vocab_size: int, seq: int, as_json: bool) -> Any:
+    """`plan --model`: a preset, or a Hugging Face folder / config.json; raised to `seq` when that is longer."""
+    from dataclasses import replace
+
+    from pipeline.model import families, resolve_shape
+
+    if families.config_path(preset):
+        shape = families.shape_from_config(families.read_config(preset), preset)
+        shape = replace(shape, num_layers=layers) if layers else shape
+        if not as_json:
+            click.echo(shape.describe())
+    else:
+        shape = resolve_shape(preset, {"num_layers": layers} if layers else {}, vocab_size)
+    if seq > shape.max_seq_len:
+        click.echo(f"note: --seq-len {seq} is above {preset}'s max_seq_len {shape.max_seq_len}; planned "
+                   "as if its RoPE were extended (continued pretraining at a longer context)", err=True)
+        shape = replace(shape, max_seq_len=seq)
+    return shape
 
 
 def _plan_cluster(hostfile: str | None, nodes: int, gpus_per_node: int, values: dict[str, str | None],
