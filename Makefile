@@ -23,7 +23,7 @@ HARNESS_ARGS ?=
 HARNESS_VENV ?= .venv-lm-eval
 HARNESS_SPEC ?= lm-eval[hf]==0.4.13
 
-.PHONY: install test test-fast lint data demo eval harness-install bench bench-cpu clean
+.PHONY: install test test-fast lint format data demo eval harness-install bench bench-cpu clean
 
 install: $(STAMP)
 
@@ -41,9 +41,15 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not slow" tests
 
+# Style is mechanical: `make format` rewrites, `make lint` (in .ci/run) refuses what the formatter would change.
 lint: install
+	$(BIN)/ruff format --check pipeline tests bench
 	$(BIN)/ruff check pipeline tests bench
 	$(BIN)/mypy pipeline
+
+format: install
+	$(BIN)/ruff format pipeline tests bench
+	$(BIN)/ruff check --fix pipeline tests bench
 
 # The whole pipeline on the bundled Shakespeare corpus, on the CPU, through the deepspeed launcher (2 ranks).
 # Each stage runs when its input is newer than its output, so a second `make demo` resumes the run (finished:

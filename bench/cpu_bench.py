@@ -39,13 +39,26 @@ def synthetic_shards(work: Path, tokens: int = 3_000_000) -> Path:
     lengths = rng.integers(100, 2000, tokens // 1000).astype(np.int32)
     w.add_many(lengths, rng.integers(4, VOCAB, int(lengths.sum())).astype(np.uint16))
     w.finish(Path(str(prefix) + ".idx"))
-    write_json(str(prefix) + ".manifest.json", {
-        "tokenizer": {"path": "synthetic", "sha256": "0" * 64, "kind": "none", "vocab_size": VOCAB, "eos_id": 2,
-                      "bos_id": 1, "pad_id": 3},
-        "dtype": "uint16", "totals": {"documents": w.documents, "tokens": w.tokens}})
+    write_json(
+        str(prefix) + ".manifest.json",
+        {
+            "tokenizer": {
+                "path": "synthetic",
+                "sha256": "0" * 64,
+                "kind": "none",
+                "vocab_size": VOCAB,
+                "eos_id": 2,
+                "bos_id": 1,
+                "pad_id": 3,
+            },
+            "dtype": "uint16",
+            "totals": {"documents": w.documents, "tokens": w.tokens},
+        },
+    )
     out = work / "shards"
-    shard_stage.run(ShardConfig(sources=((str(prefix), 1.0),), output=str(out), seq_len=SEQ, split=(98.0, 1.0, 1.0),
-                                progress=False))
+    shard_stage.run(
+        ShardConfig(sources=((str(prefix), 1.0),), output=str(out), seq_len=SEQ, split=(98.0, 1.0, 1.0), progress=False)
+    )
     return out
 
 
@@ -78,15 +91,27 @@ model: {{preset: tiny}}
 data: {{path: {shards}, num_workers: 1, verify: false}}
 batch: {{micro_batch_size: {MICRO}, global_batch_size: {MICRO * ranks}}}
 optim: {{lr: 1.0e-3, warmup_steps: 5}}
-train: {{max_steps: {steps}, precision: fp32, deepspeed_config: {ROOT / 'ds_configs' / 'zero1.json'}}}
+train: {{max_steps: {steps}, precision: fp32, deepspeed_config: {ROOT / "ds_configs" / "zero1.json"}}}
 eval: {{interval: 100000, batches: 0}}
 checkpoint: {{interval: 100000, keep_last: 1}}
 log: {{interval: 1, tensorboard: false}}
 """)
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // ranks)),
-           "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
-           str(29700 + ranks), str(ROOT / "pipeline" / "pretrain.py"), "--config", str(cfg)]
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // ranks)),
+        "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+    }
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(29700 + ranks),
+        str(ROOT / "pipeline" / "pretrain.py"),
+        "--config",
+        str(cfg),
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
         raise SystemExit(f"pipeline run with {ranks} rank(s) failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
@@ -108,18 +133,28 @@ def main() -> None:
         plain = plain_pytorch(shards, args.steps, args.warmup)
         one = pipeline_run(shards, work, 1, args.steps, args.warmup)
         two = pipeline_run(shards, work, 2, args.steps, args.warmup)
-    rows = [("plain PyTorch AdamW loop, 1 process", plain, 1.0),
-            ("pipeline pretrain, ZeRO-1, 1 rank", one, one / plain),
-            ("pipeline pretrain, ZeRO-1, 2 ranks (total)", two, two / plain)]
+    rows = [
+        ("plain PyTorch AdamW loop, 1 process", plain, 1.0),
+        ("pipeline pretrain, ZeRO-1, 1 rank", one, one / plain),
+        ("pipeline pretrain, ZeRO-1, 2 ranks (total)", two, two / plain),
+    ]
     print(f"| run (tiny, vocab {VOCAB}, micro {MICRO}, seq {SEQ}, fp32) | tokens/s | x plain |")
     print("|---|---|---|")
     for name, tps, ratio in rows:
         print(f"| {name} | {tps:,.0f} | {ratio:.2f} |")
     print(f"2 ranks / 1 rank: {two / one:.2f}x")
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cores", "torch_threads_plain": threads, "steps": args.steps, "warmup": args.warmup,
-              "plain_tokens_per_s": plain, "pipeline_1rank_tokens_per_s": one, "pipeline_2rank_tokens_per_s": two,
-              "ratio_1rank_vs_plain": one / plain, "ratio_2rank_vs_1rank": two / one}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "torch_threads_plain": threads,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "plain_tokens_per_s": plain,
+        "pipeline_1rank_tokens_per_s": one,
+        "pipeline_2rank_tokens_per_s": two,
+        "ratio_1rank_vs_plain": one / plain,
+        "ratio_2rank_vs_1rank": two / one,
+    }
     out = ROOT / "bench" / "results" / f"cpu-{result['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, result)

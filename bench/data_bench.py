@@ -34,10 +34,22 @@ def synthetic_prefix(work: Path, tokens: int) -> Path:
         w.add_many(lengths, flat)
         written += len(flat)
     w.finish(Path(str(prefix) + ".idx"))
-    write_json(str(prefix) + ".manifest.json", {
-        "tokenizer": {"path": "synthetic", "sha256": "0" * 64, "kind": "none", "vocab_size": 32000, "eos_id": 2,
-                      "bos_id": 1, "pad_id": 3},
-        "dtype": "uint16", "totals": {"documents": w.documents, "tokens": w.tokens}})
+    write_json(
+        str(prefix) + ".manifest.json",
+        {
+            "tokenizer": {
+                "path": "synthetic",
+                "sha256": "0" * 64,
+                "kind": "none",
+                "vocab_size": 32000,
+                "eos_id": 2,
+                "bos_id": 1,
+                "pad_id": 3,
+            },
+            "dtype": "uint16",
+            "totals": {"documents": w.documents, "tokens": w.tokens},
+        },
+    )
     return prefix
 
 
@@ -57,8 +69,15 @@ def main() -> None:
         copy_mbs = nbytes / 1e6 / (time.perf_counter() - t)
         del arr
         t = time.perf_counter()
-        shard_stage.run(ShardConfig(sources=((str(prefix), 1.0),), output=str(work / "shards"), seq_len=args.seq_len,
-                                    split=(98.0, 1.0, 1.0), progress=False))
+        shard_stage.run(
+            ShardConfig(
+                sources=((str(prefix), 1.0),),
+                output=str(work / "shards"),
+                seq_len=args.seq_len,
+                split=(98.0, 1.0, 1.0),
+                progress=False,
+            )
+        )
         shard_mbs = nbytes / 1e6 / (time.perf_counter() - t)
 
         dataset = ShardedDataset(work / "shards", "train")
@@ -73,7 +92,7 @@ def main() -> None:
             t = time.perf_counter()
             if name == "raw":
                 for i in idx:
-                    np.array(raw[i * width:(i + 1) * width])
+                    np.array(raw[i * width : (i + 1) * width])
             else:
                 for i in idx:
                     dataset[i]
@@ -84,15 +103,19 @@ def main() -> None:
         open_ms = (time.perf_counter() - t) * 1e3
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.tokens / 1e6:.0f}M tokens, seq_len "
-          f"{args.seq_len}, {args.reads:,} random reads")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.tokens / 1e6:.0f}M tokens, seq_len "
+        f"{args.seq_len}, {args.reads:,} random reads"
+    )
     print("| what | throughput | ratio |")
     print("|---|---:|---:|")
     print(f"| raw np.memmap slice read (limit) | {results['raw'] / 1e6:,.1f} M tokens/s | 1.00 |")
     print(f"| `ShardedDataset[i]` | {results['ours'] / 1e6:,.1f} M tokens/s | {results['ours'] / results['raw']:.2f} |")
     print(f"| numpy read + write of the same bytes (limit) | {copy_mbs:,.0f} MB/s | 1.00 |")
-    print(f"| `pipeline shard` (pack, split, shuffle, write, checksum) | {shard_mbs:,.0f} MB/s | "
-          f"{shard_mbs / copy_mbs:.2f} |")
+    print(
+        f"| `pipeline shard` (pack, split, shuffle, write, checksum) | {shard_mbs:,.0f} MB/s | "
+        f"{shard_mbs / copy_mbs:.2f} |"
+    )
     print(f"opening a ShardedDataset: {open_ms:.1f} ms")
 
 

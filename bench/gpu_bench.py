@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without an install (a carri
 @dataclass
 class Case:
     name: str
-    kind: str                     # plain | pipeline
+    kind: str  # plain | pipeline
     preset: str
     seq_len: int
     micro_batch_size: int
@@ -54,24 +54,60 @@ class Case:
     memory_cap_gib: float | None = None
     compile: bool = False
     timeout_s: int = 240
-    plan: dict[str, Any] = field(default_factory=dict)   # stage, offload_optimizer, offload_param, buckets
+    plan: dict[str, Any] = field(default_factory=dict)  # stage, offload_optimizer, offload_param, buckets
 
 
 def cases(smoke: bool) -> list[Case]:
     if smoke:  # the same code paths, at CPU size
         offload = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}
-        return [Case("plain_eager", "plain", "tiny", 128, 4, 6),
-                Case("plain_compiled", "plain", "tiny", 128, 4, 6, compile=True),
-                Case("pipeline_1b_zero2", "pipeline", "tiny", 128, 4, 6, plan={"stage": 2}),
-                Case("70b_2layers_offload", "pipeline", "tiny", 128, 1, 4, layers=2, ds_config="zero3_offload.json",
-                     activation_checkpointing=True, plan=offload)]
-    offload = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu",
-               "reduce_bucket": 1e8, "prefetch_bucket": 1e8, "max_live": 3e8, "sub_group": 1e8}
-    return [Case("plain_eager", "plain", "1b", 2048, 8, 14, timeout_s=150),
-            Case("plain_compiled", "plain", "1b", 2048, 8, 14, compile=True, timeout_s=200),
-            Case("pipeline_1b_zero2", "pipeline", "1b", 2048, 8, 14, plan={"stage": 2}, timeout_s=200),
-            *[Case(f"70b_{n}layers_offload", "pipeline", "70b", 4096, 1, 6, layers=n, ds_config="zero3_offload.json",
-                   activation_checkpointing=True, memory_cap_gib=23.0, plan=offload, timeout_s=200) for n in (2, 4)]]
+        return [
+            Case("plain_eager", "plain", "tiny", 128, 4, 6),
+            Case("plain_compiled", "plain", "tiny", 128, 4, 6, compile=True),
+            Case("pipeline_1b_zero2", "pipeline", "tiny", 128, 4, 6, plan={"stage": 2}),
+            Case(
+                "70b_2layers_offload",
+                "pipeline",
+                "tiny",
+                128,
+                1,
+                4,
+                layers=2,
+                ds_config="zero3_offload.json",
+                activation_checkpointing=True,
+                plan=offload,
+            ),
+        ]
+    offload = {
+        "stage": 3,
+        "offload_optimizer": "cpu",
+        "offload_param": "cpu",
+        "reduce_bucket": 1e8,
+        "prefetch_bucket": 1e8,
+        "max_live": 3e8,
+        "sub_group": 1e8,
+    }
+    return [
+        Case("plain_eager", "plain", "1b", 2048, 8, 14, timeout_s=150),
+        Case("plain_compiled", "plain", "1b", 2048, 8, 14, compile=True, timeout_s=200),
+        Case("pipeline_1b_zero2", "pipeline", "1b", 2048, 8, 14, plan={"stage": 2}, timeout_s=200),
+        *[
+            Case(
+                f"70b_{n}layers_offload",
+                "pipeline",
+                "70b",
+                4096,
+                1,
+                6,
+                layers=n,
+                ds_config="zero3_offload.json",
+                activation_checkpointing=True,
+                memory_cap_gib=23.0,
+                plan=offload,
+                timeout_s=200,
+            )
+            for n in (2, 4)
+        ],
+    ]
 
 
 def synthetic_shards(work: Path, seq_len: int, vocab: int) -> Path:
@@ -92,12 +128,27 @@ def synthetic_shards(work: Path, seq_len: int, vocab: int) -> Path:
         lengths = rng.integers(200, 4000, 1000).astype(np.int32)
         w.add_many(lengths, rng.integers(4, vocab, int(lengths.sum())).astype(np.uint16))
         w.finish(Path(str(prefix) + ".idx"))
-        write_json(str(prefix) + ".manifest.json", {
-            "tokenizer": {"path": "synthetic", "sha256": "0" * 64, "kind": "none", "vocab_size": vocab, "eos_id": 2,
-                          "bos_id": 1, "pad_id": 3}, "dtype": "uint16",
-            "totals": {"documents": w.documents, "tokens": w.tokens}})
-    shard_stage.run(ShardConfig(sources=((str(prefix), 1.0),), output=str(out), seq_len=seq_len,
-                                split=(98.0, 1.0, 1.0), progress=False))
+        write_json(
+            str(prefix) + ".manifest.json",
+            {
+                "tokenizer": {
+                    "path": "synthetic",
+                    "sha256": "0" * 64,
+                    "kind": "none",
+                    "vocab_size": vocab,
+                    "eos_id": 2,
+                    "bos_id": 1,
+                    "pad_id": 3,
+                },
+                "dtype": "uint16",
+                "totals": {"documents": w.documents, "tokens": w.tokens},
+            },
+        )
+    shard_stage.run(
+        ShardConfig(
+            sources=((str(prefix), 1.0),), output=str(out), seq_len=seq_len, split=(98.0, 1.0, 1.0), progress=False
+        )
+    )
     return out
 
 
@@ -109,6 +160,7 @@ def shape_of(case: Case, vocab: int) -> Any:
 
 
 # ---- the plain PyTorch reference, run in a child process (`--child-plain CASE.json`) ----
+
 
 def plain_child(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
@@ -140,14 +192,18 @@ def plain_child(spec: dict[str, Any]) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    steady = times[len(times) // 2:]  # the first half holds compilation and warm-up
+    steady = times[len(times) // 2 :]  # the first half holds compilation and warm-up
     step_s = sum(steady) / len(steady)
-    return {"step_time_s": step_s, "tokens_per_s": spec["micro_batch_size"] * spec["seq_len"] / step_s,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "first_step_s": times[0]}
+    return {
+        "step_time_s": step_s,
+        "tokens_per_s": spec["micro_batch_size"] * spec["seq_len"] / step_s,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "first_step_s": times[0],
+    }
 
 
 # ---- the cases, each in its own process group ----
+
 
 def run_group(cmd: list[str], env: dict[str, str], timeout: int, log: Path) -> tuple[int | None, float]:
     """Run `cmd` in a new session; on timeout kill the whole group (ranks, workers, compile workers)."""
@@ -168,8 +224,11 @@ def run_group(cmd: list[str], env: dict[str, str], timeout: int, log: Path) -> t
 
 
 def child_env(smoke: bool) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    }
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if smoke:
         env["DS_ACCELERATOR"] = "cpu"
@@ -179,12 +238,22 @@ def child_env(smoke: bool) -> dict[str, str]:
 
 
 def run_plain(case: Case, shards: Path, work: Path, vocab: int, smoke: bool) -> dict[str, Any]:
-    spec = {"shape": shape_of(case, vocab).as_dict(), "compile": case.compile, "shards": str(shards),
-            "micro_batch_size": case.micro_batch_size, "seq_len": case.seq_len, "steps": case.steps}
+    spec = {
+        "shape": shape_of(case, vocab).as_dict(),
+        "compile": case.compile,
+        "shards": str(shards),
+        "micro_batch_size": case.micro_batch_size,
+        "seq_len": case.seq_len,
+        "steps": case.steps,
+    }
     spec_path, result_path = work / f"{case.name}.spec.json", work / f"{case.name}.result.json"
     spec_path.write_text(json.dumps(spec))
-    code, wall = run_group([sys.executable, __file__, "--child-plain", str(spec_path), str(result_path)],
-                           child_env(smoke), case.timeout_s, work / f"{case.name}.log")
+    code, wall = run_group(
+        [sys.executable, __file__, "--child-plain", str(spec_path), str(result_path)],
+        child_env(smoke),
+        case.timeout_s,
+        work / f"{case.name}.log",
+    )
     if code != 0 or not result_path.exists():
         return {"error": _failure(code, case, work)}
     return {**json.loads(result_path.read_text()), "wall_s": wall}
@@ -193,32 +262,52 @@ def run_plain(case: Case, shards: Path, work: Path, vocab: int, smoke: bool) -> 
 def run_pipeline(case: Case, shards: Path, work: Path, smoke: bool) -> dict[str, Any]:
     run_dir = work / case.name
     shape_overrides = {"num_layers": case.layers} if case.layers else {}
-    config = {"run_dir": str(run_dir), "model": {"preset": case.preset, "shape": shape_overrides},
-              "data": {"path": str(shards), "num_workers": 2, "verify": False},
-              "batch": {"micro_batch_size": case.micro_batch_size, "global_batch_size": case.micro_batch_size},
-              "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2},
-              "train": {"max_steps": case.steps, "precision": "fp32" if smoke else "bf16",
-                        "activation_checkpointing": case.activation_checkpointing,
-                        "deepspeed_config": str(ROOT / "ds_configs" / case.ds_config),
-                        "gpu_memory_cap_gib": case.memory_cap_gib},
-              "eval": {"interval": 10**6, "batches": 0},
-              "checkpoint": {"enabled": False},
-              "log": {"interval": 1, "tensorboard": False}}
+    config = {
+        "run_dir": str(run_dir),
+        "model": {"preset": case.preset, "shape": shape_overrides},
+        "data": {"path": str(shards), "num_workers": 2, "verify": False},
+        "batch": {"micro_batch_size": case.micro_batch_size, "global_batch_size": case.micro_batch_size},
+        "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2},
+        "train": {
+            "max_steps": case.steps,
+            "precision": "fp32" if smoke else "bf16",
+            "activation_checkpointing": case.activation_checkpointing,
+            "deepspeed_config": str(ROOT / "ds_configs" / case.ds_config),
+            "gpu_memory_cap_gib": case.memory_cap_gib,
+        },
+        "eval": {"interval": 10**6, "batches": 0},
+        "checkpoint": {"enabled": False},
+        "log": {"interval": 1, "tensorboard": False},
+    }
     cfg_path = work / f"{case.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-           str(free_port()), str(ROOT / "pipeline" / "pretrain.py"), "--config", str(cfg_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        str(free_port()),
+        str(ROOT / "pipeline" / "pretrain.py"),
+        "--config",
+        str(cfg_path),
+    ]
     code, wall = run_group(cmd, child_env(smoke), case.timeout_s, work / f"{case.name}.log")
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     rows = [r for r in rows if "tokens_per_s" in r]
     if code != 0 or not rows:
         return {"error": _failure(code, case, work)}
-    steady = rows[len(rows) // 2:]  # the first steps hold warm-up (and JIT op loading)
+    steady = rows[len(rows) // 2 :]  # the first steps hold warm-up (and JIT op loading)
     tps = len(steady) / sum(1 / r["tokens_per_s"] for r in steady)
-    return {"tokens_per_s": tps, "step_time_s": case.micro_batch_size * case.seq_len / tps,
-            "peak_allocated_gib": max(r["mem_gib"] for r in rows) if not smoke else None,
-            "first_step_s": None, "wall_s": wall}
+    return {
+        "tokens_per_s": tps,
+        "step_time_s": case.micro_batch_size * case.seq_len / tps,
+        "peak_allocated_gib": max(r["mem_gib"] for r in rows) if not smoke else None,
+        "first_step_s": None,
+        "wall_s": wall,
+    }
 
 
 def free_port() -> int:
@@ -243,15 +332,25 @@ def planned(case: Case, vocab: int, card: Any) -> dict[str, Any]:
         return {}
     p = case.plan
     kw = {k: p[k] for k in ("reduce_bucket", "prefetch_bucket", "max_live", "sub_group") if k in p}
-    cand = Candidate(p["stage"], p.get("offload_optimizer", "none"), p.get("offload_param", "none"),
-                     case.activation_checkpointing, case.micro_batch_size, 1, **kw)
+    cand = Candidate(
+        p["stage"],
+        p.get("offload_optimizer", "none"),
+        p.get("offload_param", "none"),
+        case.activation_checkpointing,
+        case.micro_batch_size,
+        1,
+        **kw,
+    )
     if case.memory_cap_gib:
         card = replace(card, memory_gib=case.memory_cap_gib)
     e = estimate(shape_of(case, vocab), case.seq_len, Cluster(1, 1, card, 125 * 10**9, cpu_cores=16), cand)
-    return {"plan_tokens_per_s": e.tokens_per_s, "plan_step_time_s": e.step_time_s,
-            "plan_step_time_range_s": list(e.step_time_range_s),
-            "plan_peak_allocated_gib": e.gpu["peak_allocated"] / 2**30,  # beside torch.cuda.max_memory_allocated
-            "plan_reserved_gib": e.gpu["reserved"] / 2**30}
+    return {
+        "plan_tokens_per_s": e.tokens_per_s,
+        "plan_step_time_s": e.step_time_s,
+        "plan_step_time_range_s": list(e.step_time_range_s),
+        "plan_peak_allocated_gib": e.gpu["peak_allocated"] / 2**30,  # beside torch.cuda.max_memory_allocated
+        "plan_reserved_gib": e.gpu["reserved"] / 2**30,
+    }
 
 
 def mfu(result: dict[str, Any], case: Case, vocab: int, peak_tflops: float | None) -> dict[str, Any]:
@@ -259,15 +358,19 @@ def mfu(result: dict[str, Any], case: Case, vocab: int, peak_tflops: float | Non
         return {"mfu_palm": None, "mfu_causal": None}
     shape = shape_of(case, vocab)
     tps = result["tokens_per_s"]
-    return {"mfu_palm": tps * shape.flops_per_token(case.seq_len) / (peak_tflops * 1e12),
-            "mfu_causal": tps * shape.flops_per_token(case.seq_len, causal=True) / (peak_tflops * 1e12)}
+    return {
+        "mfu_palm": tps * shape.flops_per_token(case.seq_len) / (peak_tflops * 1e12),
+        "mfu_causal": tps * shape.flops_per_token(case.seq_len, causal=True) / (peak_tflops * 1e12),
+    }
 
 
 def warm_ops(smoke: bool, work: Path) -> dict[str, Any]:
     """Build (or load from cache) DeepSpeed's JIT ops once, timed, so the cases do not pay for it."""
-    script = ("import time, json\nfrom deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder\nout = {}\n"
-              "for b in (FusedAdamBuilder(), CPUAdamBuilder()):\n    t = time.perf_counter(); b.load()\n"
-              "    out[b.name] = round(time.perf_counter() - t, 1)\nprint(json.dumps(out))\n")
+    script = (
+        "import time, json\nfrom deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder\nout = {}\n"
+        "for b in (FusedAdamBuilder(), CPUAdamBuilder()):\n    t = time.perf_counter(); b.load()\n"
+        "    out[b.name] = round(time.perf_counter() - t, 1)\nprint(json.dumps(out))\n"
+    )
     log = work / "ops.log"
     code, wall = run_group([sys.executable, "-c", script], child_env(smoke), 400, log)
     lines = log.read_text().strip().splitlines() if log.exists() else []
@@ -281,16 +384,20 @@ def table(results: list[dict[str, Any]]) -> str:
     def f(v: Any, fmt: str) -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else ""
 
-    rows = ["| case | tokens/s | step s | planned step s | peak alloc GiB | planned peak GiB | MFU (PaLM) | MFU (causal) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| case | tokens/s | step s | planned step s | peak alloc GiB | planned peak GiB | MFU (PaLM) | MFU (causal) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         if "error" in r:
             rows.append(f"| {r['name']} | failed: {r['error'][:60]!r} | | | | | | |")
             continue
-        rows.append(f"| {r['name']} | {f(r['tokens_per_s'], ',.0f')} | {f(r['step_time_s'], '.3f')} | "
-                    f"{f(r.get('plan_step_time_s'), '.3f')} | {f(r.get('peak_allocated_gib'), '.2f')} | "
-                    f"{f(r.get('plan_peak_allocated_gib'), '.2f')} | {f(r.get('mfu_palm'), '.1%')} | "
-                    f"{f(r.get('mfu_causal'), '.1%')} |")
+        rows.append(
+            f"| {r['name']} | {f(r['tokens_per_s'], ',.0f')} | {f(r['step_time_s'], '.3f')} | "
+            f"{f(r.get('plan_step_time_s'), '.3f')} | {f(r.get('peak_allocated_gib'), '.2f')} | "
+            f"{f(r.get('plan_peak_allocated_gib'), '.2f')} | {f(r.get('mfu_palm'), '.1%')} | "
+            f"{f(r.get('mfu_causal'), '.1%')} |"
+        )
     return "\n".join(rows)
 
 
@@ -320,10 +427,16 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{gpu_name.replace(' ', '_').replace('/', '_')}-{date}.json"
-    doc: dict[str, Any] = {"date": date, "gpu": gpu_name, "smoke": args.smoke, "torch": torch.__version__,
-                           "python": platform.python_version(), "mfu_convention":
-                           "PaLM: 6N + 12*L*h*s per token (N without the input embedding); causal: 6N + 6*L*h*s",
-                           "peak_bf16_tflops": card.bf16_tflops if cuda else None, "cases": []}
+    doc: dict[str, Any] = {
+        "date": date,
+        "gpu": gpu_name,
+        "smoke": args.smoke,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "mfu_convention": "PaLM: 6N + 12*L*h*s per token (N without the input embedding); causal: 6N + 6*L*h*s",
+        "peak_bf16_tflops": card.bf16_tflops if cuda else None,
+        "cases": [],
+    }
     with tempfile.TemporaryDirectory(prefix="gpubench-") as tmp:
         work = Path(tmp)
         doc["ops"] = warm_ops(args.smoke, work)
@@ -331,10 +444,17 @@ def main() -> None:
             if args.only and case.name not in args.only:
                 continue
             shards = synthetic_shards(work, case.seq_len, vocab)
-            result = (run_plain(case, shards, work, vocab, args.smoke) if case.kind == "plain"
-                      else run_pipeline(case, shards, work, args.smoke))
-            result = {"name": case.name, **result, **planned(case, vocab, card),
-                      **mfu(result, case, vocab, card.bf16_tflops if cuda else None)}
+            result = (
+                run_plain(case, shards, work, vocab, args.smoke)
+                if case.kind == "plain"
+                else run_pipeline(case, shards, work, args.smoke)
+            )
+            result = {
+                "name": case.name,
+                **result,
+                **planned(case, vocab, card),
+                **mfu(result, case, vocab, card.bf16_tflops if cuda else None),
+            }
             doc["cases"].append(result)
             out.write_text(json.dumps(doc, indent=2))  # after every case: a later timeout loses nothing
             print(json.dumps(result)[:400], flush=True)

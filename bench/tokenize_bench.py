@@ -39,8 +39,18 @@ def main() -> None:
                 f.write(one)
         size = corpus.stat().st_size
         py = sys.executable
-        cli = [py, "-m", "pipeline.cli", "tokenize", str(demo), "--output-prefix", str(work / "tok"),
-               "--train-tokenizer", "--vocab-size", str(args.vocab_size)]
+        cli = [
+            py,
+            "-m",
+            "pipeline.cli",
+            "tokenize",
+            str(demo),
+            "--output-prefix",
+            str(work / "tok"),
+            "--train-tokenizer",
+            "--vocab-size",
+            str(args.vocab_size),
+        ]
         subprocess.run(cli, check=True, capture_output=True)
         model = work / "tok.tokenizer.model"
 
@@ -56,17 +66,34 @@ def main() -> None:
                 tokens_a += len(ids) + 1
         a = tokens_a / (time.perf_counter() - t0)
 
-        rss_code = ("import resource, sys; from pipeline.cli import main\n"
-                    "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-                    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
-                    " resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        rss_code = (
+            "import resource, sys; from pipeline.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
+            " resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+        )
 
         def run_pipeline(source: Path, workers: int, name: str) -> tuple[float, int, float, float]:
             prefix = work / name
             t = time.perf_counter()
-            out = subprocess.run([py, "-c", rss_code, "tokenize", str(source), "--output-prefix", str(prefix),
-                                  "--tokenizer", str(model), "--workers", str(workers)], check=True,
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                [
+                    py,
+                    "-c",
+                    rss_code,
+                    "tokenize",
+                    str(source),
+                    "--output-prefix",
+                    str(prefix),
+                    "--tokenizer",
+                    str(model),
+                    "--workers",
+                    str(workers),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             dt = time.perf_counter() - t
             main_kb, child_kb = out.stdout.split()[-2:]
             m = json.loads(Path(str(prefix) + ".manifest.json").read_text())
@@ -88,11 +115,11 @@ import time, sentencepiece as spm, datasets, numpy as np
 datasets.disable_progress_bars()
 t = time.perf_counter()
 sp = spm.SentencePieceProcessor(model_file={str(model)!r})
-dataset = datasets.load_dataset("json", data_files={str(corpus)!r}, split="train", cache_dir={str(work / 'hfcache')!r})
+dataset = datasets.load_dataset("json", data_files={str(corpus)!r}, split="train", cache_dir={str(work / "hfcache")!r})
 def enc(batch):
     return {{"ids": [list(x) + [2] for x in sp.encode(batch["text"], num_threads=1)]}}
 out = dataset.map(enc, batched=True, num_proc=2, remove_columns=dataset.column_names)
-out.save_to_disk({str(work / 'hfout')!r})
+out.save_to_disk({str(work / "hfout")!r})
 print(sum(len(x) for x in out["ids"]), time.perf_counter() - t)
 """
         res = subprocess.run([py, "-c", code], check=True, capture_output=True, text=True)
@@ -101,19 +128,27 @@ print(sum(len(x) for x in out["ids"]), time.perf_counter() - t)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}; corpus {size / 1e6:.0f} MB, {tokens_b:,} tokens, vocab {args.vocab_size}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}; corpus {size / 1e6:.0f} MB, {tokens_b:,} tokens, vocab {args.vocab_size}"
+    )
     print("| what | tokens/s | ratio |")
     print("|---|---:|---:|")
     print(f"| (a) sentencepiece encode, tight loop, 1 process (limit) | {a:,.0f} | 1.00 x (a) |")
     print(f"| (b) `pipeline tokenize --workers 1` (peak RSS {rss_b:.0f} MB) | {b:,.0f} | {b / a:.2f} x (a) |")
-    print(f"| (c) `pipeline tokenize --workers 2` (peak RSS {rss_c:.0f} MB, worker {child_c:.0f} MB) | {c:,.0f} | "
-          f"{c / b:.2f} x (b) |")
+    print(
+        f"| (c) `pipeline tokenize --workers 2` (peak RSS {rss_c:.0f} MB, worker {child_c:.0f} MB) | {c:,.0f} | "
+        f"{c / b:.2f} x (b) |"
+    )
     print(f"| (d) datasets `map(num_proc=2)` + save_to_disk | {d:,.0f} | (c) is {c / d:.2f} x (d) |")
-    print(f"| (e) one {single_mb:.0f} MB document (.txt), `--workers 1` (peak RSS {rss_e:.0f} MB) | {e:,.0f} | "
-          f"{e / b:.2f} x (b) |")
-    print(f"| (f) the same, `--workers 2` (peak RSS {rss_f:.0f} MB, worker {child_f:.0f} MB) | {f_:,.0f} | "
-          f"{f_ / e:.2f} x (e) |")
+    print(
+        f"| (e) one {single_mb:.0f} MB document (.txt), `--workers 1` (peak RSS {rss_e:.0f} MB) | {e:,.0f} | "
+        f"{e / b:.2f} x (b) |"
+    )
+    print(
+        f"| (f) the same, `--workers 2` (peak RSS {rss_f:.0f} MB, worker {child_f:.0f} MB) | {f_:,.0f} | "
+        f"{f_ / e:.2f} x (e) |"
+    )
     print(f"workers 1 and 2 byte-identical: {same}")
 
 

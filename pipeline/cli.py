@@ -32,8 +32,11 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             import traceback
 
             traceback.print_exc()
-            click.echo("error: an internal error, not a mistake in your input: this is a bug in pipeline; please "
-                       "report it with the traceback above", err=True)
+            click.echo(
+                "error: an internal error, not a mistake in your input: this is a bug in pipeline; please "
+                "report it with the traceback above",
+                err=True,
+            )
             sys.exit(1)
 
     return wrapper
@@ -50,28 +53,66 @@ def main(verbose: bool) -> None:
 @main.command()
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--output-prefix", required=True, help="Writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json.")
-@click.option("--tokenizer", type=str, default=None,
-              help="An existing sentencepiece .model file or a local Hugging Face tokenizer folder.")
-@click.option("--train-tokenizer", is_flag=True, help="Train a sentencepiece tokenizer on the inputs "
-              "(saved as PREFIX.tokenizer.model).")
+@click.option(
+    "--tokenizer",
+    type=str,
+    default=None,
+    help="An existing sentencepiece .model file or a local Hugging Face tokenizer folder.",
+)
+@click.option(
+    "--train-tokenizer",
+    is_flag=True,
+    help="Train a sentencepiece tokenizer on the inputs (saved as PREFIX.tokenizer.model).",
+)
 @click.option("--vocab-size", type=click.IntRange(300, 1_000_000), default=32000, show_default=True)
 @click.option("--model-type", type=click.Choice(["bpe", "unigram"]), default="bpe", show_default=True)
-@click.option("--sample-docs", type=click.IntRange(min=1), default=100_000, show_default=True,
-              help="Documents sampled (seeded) to train the tokenizer on.")
+@click.option(
+    "--sample-docs",
+    type=click.IntRange(min=1),
+    default=100_000,
+    show_default=True,
+    help="Documents sampled (seeded) to train the tokenizer on.",
+)
 @click.option("--seed", type=int, default=1234, show_default=True)
 @click.option("--text-key", default="text", show_default=True, help="JSON field / parquet column holding the text.")
-@click.option("--workers", type=click.IntRange(1, 512), default=1, show_default=True, help="Encoding processes; output is identical "
-              "for any count.")
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 512),
+    default=1,
+    show_default=True,
+    help="Encoding processes; output is identical for any count.",
+)
 @click.option("--append-eos/--no-append-eos", default=True, show_default=True, help="End each document with </s>.")
-@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
-              help="skip: count bad records by reason and go on; fail: stop at the first (exit 2).")
-@click.option("--max-record-bytes", default="256MB", show_default=True,
-              help="A JSON line is parsed whole; a longer one is a bad record (--on-error applies). .txt files "
-              "and long texts are read and encoded in pieces whatever their size.")
+@click.option(
+    "--on-error",
+    type=click.Choice(["skip", "fail"]),
+    default="skip",
+    show_default=True,
+    help="skip: count bad records by reason and go on; fail: stop at the first (exit 2).",
+)
+@click.option(
+    "--max-record-bytes",
+    default="256MB",
+    show_default=True,
+    help="A JSON line is parsed whole; a longer one is a bad record (--on-error applies). .txt files "
+    "and long texts are read and encoded in pieces whatever their size.",
+)
 @_user_errors
-def tokenize(inputs: tuple[str, ...], output_prefix: str, tokenizer: str | None, train_tokenizer: bool,
-             vocab_size: int, model_type: str, sample_docs: int, seed: int, text_key: str, workers: int,
-             append_eos: bool, on_error: str, max_record_bytes: str) -> None:
+def tokenize(
+    inputs: tuple[str, ...],
+    output_prefix: str,
+    tokenizer: str | None,
+    train_tokenizer: bool,
+    vocab_size: int,
+    model_type: str,
+    sample_docs: int,
+    seed: int,
+    text_key: str,
+    workers: int,
+    append_eos: bool,
+    on_error: str,
+    max_record_bytes: str,
+) -> None:
     """Tokenize INPUT... (.jsonl, .txt, .parquet, optionally .gz/.zst; folders; globs; save_to_disk datasets)
     into a Megatron indexed dataset."""
     from pipeline.data import tokenize as tokenizing
@@ -81,10 +122,21 @@ def tokenize(inputs: tuple[str, ...], output_prefix: str, tokenizer: str | None,
         max_record = parse_size(max_record_bytes)
     except ValueError as e:
         raise PipelineError(f"--max-record-bytes: {e}") from None
-    cfg = TokenizeConfig(inputs=inputs, output_prefix=output_prefix, tokenizer=tokenizer,
-                         train_tokenizer=train_tokenizer, vocab_size=vocab_size, model_type=model_type,
-                         sample_docs=sample_docs, seed=seed, text_key=text_key, workers=workers,
-                         append_eos=append_eos, on_error=on_error, max_record_bytes=max_record)
+    cfg = TokenizeConfig(
+        inputs=inputs,
+        output_prefix=output_prefix,
+        tokenizer=tokenizer,
+        train_tokenizer=train_tokenizer,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        sample_docs=sample_docs,
+        seed=seed,
+        text_key=text_key,
+        workers=workers,
+        append_eos=append_eos,
+        on_error=on_error,
+        max_record_bytes=max_record,
+    )
     result = tokenizing.run(cfg)
     click.echo(result.summary)
 
@@ -109,22 +161,45 @@ def _parse_sources(specs: tuple[str, ...]) -> tuple[tuple[tuple[str, float], ...
 @main.command()
 @click.argument("sources", nargs=-1)
 @click.option("--output", "output", type=str, help="Folder for the shards and manifest.json.")
-@click.option("--seq-len", type=click.IntRange(8, 1_048_576), help="Tokens per training sample (each stores "
-              "seq_len + 1 for the labels).")
+@click.option(
+    "--seq-len",
+    type=click.IntRange(8, 1_048_576),
+    help="Tokens per training sample (each stores seq_len + 1 for the labels).",
+)
 @click.option("--split", default="98,1,1", show_default=True, help="train,val,test ratios, by document.")
 @click.option("--seed", type=int, default=1234, show_default=True)
-@click.option("--num-shards", type=click.IntRange(min=1), default=None, help="Shards per split (default: by --shard-size).")
+@click.option(
+    "--num-shards", type=click.IntRange(min=1), default=None, help="Shards per split (default: by --shard-size)."
+)
 @click.option("--shard-size", default="512MB", show_default=True, help="Target bytes per shard file.")
-@click.option("--no-cross-document", is_flag=True, help="Never let a sample cross a document boundary: pad and "
-              "mask the padding out of the loss.")
+@click.option(
+    "--no-cross-document",
+    is_flag=True,
+    help="Never let a sample cross a document boundary: pad and mask the padding out of the loss.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace shards made with other arguments.")
 @click.option("--inspect", "inspect_dir", type=str, default=None, help="Print the summary of a shard folder.")
-@click.option("--model", "model_dir", type=str, default=None, help="The Hugging Face model folder these shards will "
-              "continue: refuse data whose tokenizer is not that model's.")
+@click.option(
+    "--model",
+    "model_dir",
+    type=str,
+    default=None,
+    help="The Hugging Face model folder these shards will continue: refuse data whose tokenizer is not that model's.",
+)
 @_user_errors
-def shard(sources: tuple[str, ...], output: str | None, seq_len: int | None, split: str, seed: int,
-          num_shards: int | None, shard_size: str, no_cross_document: bool, overwrite: bool,
-          inspect_dir: str | None, model_dir: str | None) -> None:
+def shard(
+    sources: tuple[str, ...],
+    output: str | None,
+    seq_len: int | None,
+    split: str,
+    seed: int,
+    num_shards: int | None,
+    shard_size: str,
+    no_cross_document: bool,
+    overwrite: bool,
+    inspect_dir: str | None,
+    model_dir: str | None,
+) -> None:
     """Pack, split, blend and shuffle tokenized PREFIX[:WEIGHT]... into fixed-length training shards."""
     from pipeline.data import shard as shard_stage
     from pipeline.data.config import ShardConfig, parse_size
@@ -150,9 +225,18 @@ def shard(sources: tuple[str, ...], output: str | None, seq_len: int | None, spl
         model = families.shape_from_config(families.read_config(model_dir), model_dir)
         for prefix, _ in parsed:
             check_tokenizer(model, read_tokenize_manifest(prefix)["tokenizer"], f"{prefix}.manifest.json")
-    cfg = ShardConfig(sources=parsed, output=output, seq_len=seq_len, split=ratios,  # type: ignore[arg-type]
-                      seed=seed, num_shards=num_shards, shard_size_bytes=size,
-                      cross_document=not no_cross_document, overwrite=overwrite, weights_given=given)
+    cfg = ShardConfig(
+        sources=parsed,
+        output=output,
+        seq_len=seq_len,
+        split=ratios,  # type: ignore[arg-type]
+        seed=seed,
+        num_shards=num_shards,
+        shard_size_bytes=size,
+        cross_document=not no_cross_document,
+        overwrite=overwrite,
+        weights_given=given,
+    )
     result = shard_stage.run(cfg)
     if result.skipped:
         click.echo(f"{output}: shards are up to date (fingerprint {result.manifest['fingerprint']}); nothing to do")
@@ -163,19 +247,43 @@ def shard(sources: tuple[str, ...], output: str | None, seq_len: int | None, spl
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--config", "config_path", required=True, help="Pretrain YAML config (see configs/).")
 @click.option("--hostfile", default=None, help="DeepSpeed hostfile (multi-node; DeepSpeed reaches hosts by ssh).")
-@click.option("--num-gpus", type=click.IntRange(min=1), default=None, help="Ranks on this machine when no hostfile is given "
-              "(CPU runs: processes).")
-@click.option("--master-port", type=click.IntRange(1, 65535), default=None, help="Rendezvous port (default: DeepSpeed's 29500).")
+@click.option(
+    "--num-gpus",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks on this machine when no hostfile is given (CPU runs: processes).",
+)
+@click.option(
+    "--master-port", type=click.IntRange(1, 65535), default=None, help="Rendezvous port (default: DeepSpeed's 29500)."
+)
 @click.option("--set", "sets", multiple=True, help="Override a config field: section.key=value (repeatable).")
-@click.option("--dry-run", is_flag=True, help="Resolve and print the config, batch plan and DeepSpeed JSON; no training.")
-@click.option("--max-restarts", type=click.IntRange(0, 1000), default=0, show_default=True,
-              help="Relaunch after a failed launch (a rank killed, a node lost, a hung peer), each time from the "
-              "latest complete checkpoint. Not after a mistake in the input or a stop on a non-finite loss (exit 2).")
-@click.option("--skip-doctor", is_flag=True, help="Launch even when the quick local checks of `pipeline doctor` "
-              "(/dev/shm, the master port, disk, data) fail.")
+@click.option(
+    "--dry-run", is_flag=True, help="Resolve and print the config, batch plan and DeepSpeed JSON; no training."
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(0, 1000),
+    default=0,
+    show_default=True,
+    help="Relaunch after a failed launch (a rank killed, a node lost, a hung peer), each time from the "
+    "latest complete checkpoint. Not after a mistake in the input or a stop on a non-finite loss (exit 2).",
+)
+@click.option(
+    "--skip-doctor",
+    is_flag=True,
+    help="Launch even when the quick local checks of `pipeline doctor` (/dev/shm, the master port, disk, data) fail.",
+)
 @_user_errors
-def pretrain(config_path: str, hostfile: str | None, num_gpus: int | None, master_port: int | None,
-             sets: tuple[str, ...], dry_run: bool, max_restarts: int, skip_doctor: bool) -> None:
+def pretrain(
+    config_path: str,
+    hostfile: str | None,
+    num_gpus: int | None,
+    master_port: int | None,
+    sets: tuple[str, ...],
+    dry_run: bool,
+    max_restarts: int,
+    skip_doctor: bool,
+) -> None:
     """Check the config, data and DeepSpeed JSON here (a bad one fails in a second, with only our message), run
     the quick local checks of `pipeline doctor`, then build the `deepspeed ... pipeline/pretrain.py` command line,
     print it, and run it (again, with --max-restarts). Before a multi-node run: `pipeline doctor --hostfile H`."""
@@ -219,8 +327,9 @@ def _quick_doctor(cfg: Any, master_port: int | None, skip: bool) -> None:
             click.echo(f"doctor: {c.status} {c.name}: {c.detail}" + (f" ({c.fix})" if c.fix else ""), err=True)
     failed = [c.name for c in report.checks if c.status == FAIL]
     if failed and not skip:
-        raise PipelineError(f"local checks failed ({', '.join(failed)}; see above); fix them, or launch anyway with "
-                            "--skip-doctor")
+        raise PipelineError(
+            f"local checks failed ({', '.join(failed)}; see above); fix them, or launch anyway with --skip-doctor"
+        )
 
 
 def _launch_with_restarts(cmd: list[str], max_restarts: int) -> int:
@@ -240,8 +349,11 @@ def _launch_with_restarts(cmd: list[str], max_restarts: int) -> int:
                 click.echo(f"launch failed with exit code {code}; no restarts left ({max_restarts} used)", err=True)
             return code
         restarts += 1
-        click.echo(f"launch failed with exit code {code} after {time.monotonic() - started:.0f} s; restart "
-                   f"{restarts} of {max_restarts}, from the latest complete checkpoint", err=True)
+        click.echo(
+            f"launch failed with exit code {code} after {time.monotonic() - started:.0f} s; restart "
+            f"{restarts} of {max_restarts}, from the latest complete checkpoint",
+            err=True,
+        )
 
 
 def _check_checkpoint_space(prepared: Any, world: int, per_node: int) -> None:
@@ -253,8 +365,9 @@ def _check_checkpoint_space(prepared: Any, world: int, per_node: int) -> None:
     cfg = prepared.cfg
     if not cfg.checkpoint.enabled:
         return
-    size = checkpoint_bytes(prepared.shape, zero_stage(prepared.ds), world, per_node,
-                            module_bytes=4 if cfg.train.precision == "fp32" else 2)
+    size = checkpoint_bytes(
+        prepared.shape, zero_stage(prepared.ds), world, per_node, module_bytes=4 if cfg.train.precision == "fp32" else 2
+    )
     if problem := ckpt.space_problem(cfg.run_dir, size["per_node"], cfg.checkpoint.keep_last):
         raise PipelineError(problem)
 
@@ -292,24 +405,46 @@ def _launch_world_size(hostfile: str | None, num_gpus: int | None) -> tuple[int 
 @click.option("--checkpoint", required=True, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG.")
 @click.option("--data", default=None, help="Shard folder (default: the run's own data.path).")
 @click.option("--split", type=click.Choice(["val", "test", "train"]), default="val", show_default=True)
-@click.option("--max-batches", type=click.IntRange(min=1), default=None,
-              help="Evaluate at most this many batches (default: all).")
+@click.option(
+    "--max-batches", type=click.IntRange(min=1), default=None, help="Evaluate at most this many batches (default: all)."
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--prompts", default=None, help="Text file, one prompt per line (\\n for a newline).")
 @click.option("--output", default=None, help="JSON results (default RUN_DIR/eval/TAG-SPLIT.json).")
 @click.option("--max-new-tokens", type=click.IntRange(0, 100_000), default=48, show_default=True)
 @click.option("--seed", type=int, default=1234, show_default=True, help="Seed of the sampled continuations.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto (one process).")
-@click.option("--num-gpus", type=click.IntRange(min=1), default=None,
-              help="Evaluate across N ranks of this machine with ZeRO-3 (a checkpoint larger than one GPU).")
+@click.option(
+    "--num-gpus",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Evaluate across N ranks of this machine with ZeRO-3 (a checkpoint larger than one GPU).",
+)
 @click.option("--hostfile", default=None, help="Evaluate across the hosts of a DeepSpeed hostfile with ZeRO-3.")
-@click.option("--master-port", type=click.IntRange(1, 65535), default=None, help="Rendezvous port (with "
-              "--num-gpus or --hostfile).")
+@click.option(
+    "--master-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Rendezvous port (with --num-gpus or --hostfile).",
+)
 @click.option("--launched", is_flag=True, hidden=True, help="Set by the launcher: this process is one rank.")
 @_user_errors
-def evaluate(checkpoint: str, data: str | None, split: str, max_batches: int | None, batch_size: int,
-             prompts: str | None, output: str | None, max_new_tokens: int, seed: int, device: str,
-             num_gpus: int | None, hostfile: str | None, master_port: int | None, launched: bool) -> None:
+def evaluate(
+    checkpoint: str,
+    data: str | None,
+    split: str,
+    max_batches: int | None,
+    batch_size: int,
+    prompts: str | None,
+    output: str | None,
+    max_new_tokens: int,
+    seed: int,
+    device: str,
+    num_gpus: int | None,
+    hostfile: str | None,
+    master_port: int | None,
+    launched: bool,
+) -> None:
     """Held-out loss, perplexity and bits per byte of a checkpoint, sample continuations, and RUN_DIR/loss.png.
 
     One process by default (bf16 on a GPU). With --num-gpus or --hostfile, the `deepspeed` launcher starts one
@@ -322,8 +457,18 @@ def evaluate(checkpoint: str, data: str | None, split: str, max_batches: int | N
     from pipeline.evaluate import run as stage
     from pipeline.evaluate.run import EvalConfig
 
-    cfg = EvalConfig(checkpoint=checkpoint, data=data, split=split, max_batches=max_batches, batch_size=batch_size,
-                     prompts=prompts, output=output, max_new_tokens=max_new_tokens, seed=seed, device=device)
+    cfg = EvalConfig(
+        checkpoint=checkpoint,
+        data=data,
+        split=split,
+        max_batches=max_batches,
+        batch_size=batch_size,
+        prompts=prompts,
+        output=output,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        device=device,
+    )
     if launched:
         from pipeline.evaluate.distributed import evaluate_on_rank
 
@@ -339,13 +484,32 @@ def evaluate(checkpoint: str, data: str | None, split: str, max_batches: int | N
     inputs = stage.open_inputs(cfg)  # bad input fails here, in a second, before any rank starts
     target = stage.result_path(cfg, inputs.run)
     before = target.stat().st_mtime_ns if target.exists() else None
-    args = ["--checkpoint", checkpoint, "--split", split, "--batch-size", str(batch_size), "--max-new-tokens",
-            str(max_new_tokens), "--seed", str(seed), "--output", str(target)]
+    args = [
+        "--checkpoint",
+        checkpoint,
+        "--split",
+        split,
+        "--batch-size",
+        str(batch_size),
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--seed",
+        str(seed),
+        "--output",
+        str(target),
+    ]
     for flag, value in (("--data", data), ("--max-batches", max_batches), ("--prompts", prompts)):
         if value is not None:
             args += [flag, str(value)]
-    cmd = [*_launcher(hostfile, num_gpus, master_port), "--no_local_rank", "--module", "pipeline.cli", "evaluate",
-           *args, "--launched"]
+    cmd = [
+        *_launcher(hostfile, num_gpus, master_port),
+        "--no_local_rank",
+        "--module",
+        "pipeline.cli",
+        "evaluate",
+        *args,
+        "--launched",
+    ]
     click.echo("+ " + " ".join(cmd), err=True)
     code = subprocess.call(cmd, env=os.environ.copy())
     if code != 0 or not target.exists() or target.stat().st_mtime_ns == before:
@@ -373,17 +537,30 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> Non
     if size < 1:
         raise PipelineError(f"--max-shard-size {max_shard_size}: expected a positive size such as 2GB")
     out = stage.export(checkpoint, output, dtype=dtype, max_shard_bytes=size)
-    click.echo(f"exported {checkpoint} to {out} ({dtype}); load it with "
-               f"AutoModelForCausalLM.from_pretrained('{out}') and AutoTokenizer.from_pretrained('{out}')")
+    click.echo(
+        f"exported {checkpoint} to {out} ({dtype}); load it with "
+        f"AutoModelForCausalLM.from_pretrained('{out}') and AutoTokenizer.from_pretrained('{out}')"
+    )
 
 
 @main.command()
 @click.option("--checkpoint", required=True, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG.")
-@click.option("--tasks", required=True, help="lm-evaluation-harness tasks, comma-separated: the bundled offline "
-              "pipeline_demo_ppl (configs/lm_eval/), or the harness's own such as hellaswag,arc_easy (downloaded).")
-@click.option("--lm-eval", "lm_eval", default=".venv-lm-eval/bin/lm_eval", show_default=True,
-              help="The harness's lm_eval in its own environment (`make eval TASKS=...` installs it there).")
-@click.option("--device", default="auto", show_default=True, help="auto (cuda when torch sees a GPU), cpu, cuda, cuda:1.")
+@click.option(
+    "--tasks",
+    required=True,
+    help="lm-evaluation-harness tasks, comma-separated: the bundled offline "
+    "pipeline_demo_ppl (configs/lm_eval/), or the harness's own such as hellaswag,arc_easy (downloaded).",
+)
+@click.option(
+    "--lm-eval",
+    "lm_eval",
+    default=".venv-lm-eval/bin/lm_eval",
+    show_default=True,
+    help="The harness's lm_eval in its own environment (`make eval TASKS=...` installs it there).",
+)
+@click.option(
+    "--device", default="auto", show_default=True, help="auto (cuda when torch sees a GPU), cpu, cuda, cuda:1."
+)
 @click.option("--batch-size", default="8", show_default=True, help="The harness's --batch_size (a number or auto).")
 @click.option("--limit", type=float, default=None, help="Documents per task (a fraction below 1); for smoke runs.")
 @_user_errors
@@ -399,21 +576,51 @@ def harness(checkpoint: str, tasks: str, lm_eval: str, device: str, batch_size: 
 
 
 @main.command()
-@click.option("--hostfile", default=None, help="Check every host of this DeepSpeed hostfile (reached by ssh, as the "
-              "launcher reaches them); default: this machine only.")
-@click.option("--config", "config_path", default=None, help="The pretrain config about to run: its data, run folder, "
-              "NVMe path and the plan's host RAM and checkpoint size are checked on each host.")
+@click.option(
+    "--hostfile",
+    default=None,
+    help="Check every host of this DeepSpeed hostfile (reached by ssh, as the "
+    "launcher reaches them); default: this machine only.",
+)
+@click.option(
+    "--config",
+    "config_path",
+    default=None,
+    help="The pretrain config about to run: its data, run folder, "
+    "NVMe path and the plan's host RAM and checkpoint size are checked on each host.",
+)
 @click.option("--set", "sets", multiple=True, help="With --config: override a field, section.key=value.")
-@click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True,
-              help="The rendezvous port the launch will use (checked free on the first host).")
-@click.option("--timeout", type=click.FloatRange(1, 3600), default=60.0, show_default=True,
-              help="Seconds each host gets for each step (ssh, checks, the all-reduce).")
+@click.option(
+    "--master-port",
+    type=click.IntRange(1, 65535),
+    default=29500,
+    show_default=True,
+    help="The rendezvous port the launch will use (checked free on the first host).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(1, 3600),
+    default=60.0,
+    show_default=True,
+    help="Seconds each host gets for each step (ssh, checks, the all-reduce).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON.")
-@click.option("--write-env", is_flag=True, help="Add what the checks found (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, "
-              "NCCL_P2P_DISABLE, NCCL_IB_DISABLE) to .deepspeed_env here; lines already there are kept.")
+@click.option(
+    "--write-env",
+    is_flag=True,
+    help="Add what the checks found (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, "
+    "NCCL_P2P_DISABLE, NCCL_IB_DISABLE) to .deepspeed_env here; lines already there are kept.",
+)
 @_user_errors
-def doctor(hostfile: str | None, config_path: str | None, sets: tuple[str, ...], master_port: int, timeout: float,
-           as_json: bool, write_env: bool) -> None:
+def doctor(
+    hostfile: str | None,
+    config_path: str | None,
+    sets: tuple[str, ...],
+    master_port: int,
+    timeout: float,
+    as_json: bool,
+    write_env: bool,
+) -> None:
     """Check a cluster before a long run: per host PASS / WARN / FAIL with the reason and the fix (ssh, same venv
     and versions, DeepSpeed ops, GPUs and P2P, the network interface and a measured all-reduce, ulimit -l,
     /dev/shm, RAM, disk, data, master port). Exit code 1 when a check fails."""
@@ -448,8 +655,16 @@ def _doctor_needs(config_path: str | None, sets: list[str], hostfile: str | None
 
     if not config_path:
         return Needs(master_port=master_port)
-    values = {"gpu": "4090d", "gpu_mem": None, "cpu_mem": "512GB", "cpu_cores": "32", "cpu_mem_bw": "80GB/s",
-              "disk": None, "nvme": None, "network": "100Gbps"}
+    values = {
+        "gpu": "4090d",
+        "gpu_mem": None,
+        "cpu_mem": "512GB",
+        "cpu_cores": "32",
+        "cpu_mem_bw": "80GB/s",
+        "disk": None,
+        "nvme": None,
+        "network": "100Gbps",
+    }
     cluster, _ = _plan_cluster(hostfile, 1, 1, values, set())
     needs, note = needs_for_config(config_path, sets, cluster, master_port)
     if note:
@@ -458,47 +673,118 @@ def _doctor_needs(config_path: str | None, sets: list[str], hostfile: str | None
 
 
 @main.command()
-@click.option("--model", "preset", default="7b", show_default=True, help="Preset (tiny, 125m, 350m, 1b, 7b, 13b, 70b), "
-              "or a Hugging Face model folder or its config.json (Llama, Mistral, Qwen2, Qwen3).")
-@click.option("--config", "config_path", default=None, help="Plan exactly this pretrain config (its model, batch, "
-              "DeepSpeed JSON and checkpointing) instead of searching; says whether it fits and what the search "
-              "would choose.")
+@click.option(
+    "--model",
+    "preset",
+    default="7b",
+    show_default=True,
+    help="Preset (tiny, 125m, 350m, 1b, 7b, 13b, 70b), "
+    "or a Hugging Face model folder or its config.json (Llama, Mistral, Qwen2, Qwen3).",
+)
+@click.option(
+    "--config",
+    "config_path",
+    default=None,
+    help="Plan exactly this pretrain config (its model, batch, "
+    "DeepSpeed JSON and checkpointing) instead of searching; says whether it fits and what the search "
+    "would choose.",
+)
 @click.option("--set", "sets", multiple=True, help="With --config: override a field, section.key=value.")
-@click.option("--from-run", "from_run", default=None, help="A run folder: the plan for exactly that run beside what it "
-              "measured (peak memory, step time, tokens/s), with the ratios.")
-@click.option("--layers", type=click.IntRange(min=1), default=None, help="Override the preset's layer count (e.g. for test slices).")
+@click.option(
+    "--from-run",
+    "from_run",
+    default=None,
+    help="A run folder: the plan for exactly that run beside what it "
+    "measured (peak memory, step time, tokens/s), with the ratios.",
+)
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Override the preset's layer count (e.g. for test slices).",
+)
 @click.option("--vocab-size", type=click.IntRange(min=1), default=32000, show_default=True)
-@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sample [default: 4096; with "
-              "--config, the shards' seq_len].")
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tokens per sample [default: 4096; with --config, the shards' seq_len].",
+)
 @click.option("--hostfile", default=None, help="DeepSpeed hostfile: nodes and GPUs per node from its slots.")
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--gpu", default="4090d", show_default=True, help="3090, 4090, 4090d, l40s, a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100, "
-              "h100-pcie, h100-nvl, h200, h200-nvl, or a name as nvidia-smi prints it.")
+@click.option(
+    "--gpu",
+    default="4090d",
+    show_default=True,
+    help="3090, 4090, 4090d, l40s, a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100, "
+    "h100-pcie, h100-nvl, h200, h200-nvl, or a name as nvidia-smi prints it.",
+)
 @click.option("--gpu-mem", default=None, help="Cap the card's memory, e.g. 24GiB (emulating a smaller card).")
 @click.option("--cpu-mem", default="512GB", show_default=True, help="Host RAM per node.")
-@click.option("--cpu-cores", type=click.IntRange(min=1), default=32, show_default=True, help="CPU cores per node "
-              "(DeepSpeed's CPU Adam under offload).")
-@click.option("--cpu-mem-bw", default="80GB/s", show_default=True, help="Host memory bandwidth per node (CPU Adam "
-              "and the cards' copies share it).")
-@click.option("--disk", default=None, help="Free disk per node at the run folder, for checkpoints (e.g. 40GB, or the "
-              "folder itself).")
+@click.option(
+    "--cpu-cores",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="CPU cores per node (DeepSpeed's CPU Adam under offload).",
+)
+@click.option(
+    "--cpu-mem-bw",
+    default="80GB/s",
+    show_default=True,
+    help="Host memory bandwidth per node (CPU Adam and the cards' copies share it).",
+)
+@click.option(
+    "--disk",
+    default=None,
+    help="Free disk per node at the run folder, for checkpoints (e.g. 40GB, or the folder itself).",
+)
 @click.option("--nvme", default=None, help="NVMe capacity per node for ZeRO-Infinity, e.g. 4TB (or a mounted path).")
 @click.option("--network", default="100Gbps", show_default=True, help="Inter-node bandwidth per node.")
 @click.option("--global-batch-tokens", default="4M", show_default=True, help="Tokens per optimizer step.")
-@click.option("--micro-batch-size", type=click.IntRange(min=1), default=None, help="Fix the micro-batch instead of searching it.")
-@click.option("--mfu", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.40, show_default=True,
-              help="Assumed MFU of the compute itself (0 < mfu <= 1; PaLM count); the time range spans 0.85x-1.125x.")
+@click.option(
+    "--micro-batch-size", type=click.IntRange(min=1), default=None, help="Fix the micro-batch instead of searching it."
+)
+@click.option(
+    "--mfu",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=0.40,
+    show_default=True,
+    help="Assumed MFU of the compute itself (0 < mfu <= 1; PaLM count); the time range spans 0.85x-1.125x.",
+)
 @click.option("--tokens", default="1B", show_default=True, help="Token budget for the time estimate.")
 @click.option("--write-ds-config", default=None, help="Write the chosen DeepSpeed JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--fits-table", is_flag=True, help="Print the README's table: presets 1b-70b on each reference hostfile.")
 @_user_errors
-def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: str | None, layers: int | None,
-         vocab_size: int, seq_len: int | None, hostfile: str | None, nodes: int, gpus_per_node: int, gpu: str,
-         gpu_mem: str | None, cpu_mem: str, cpu_cores: int, cpu_mem_bw: str, disk: str | None, nvme: str | None,
-         network: str, global_batch_tokens: str, micro_batch_size: int | None, mfu: float, tokens: str,
-         write_ds_config: str | None, as_json: bool, fits_table: bool) -> None:
+def plan(
+    preset: str,
+    config_path: str | None,
+    sets: tuple[str, ...],
+    from_run: str | None,
+    layers: int | None,
+    vocab_size: int,
+    seq_len: int | None,
+    hostfile: str | None,
+    nodes: int,
+    gpus_per_node: int,
+    gpu: str,
+    gpu_mem: str | None,
+    cpu_mem: str,
+    cpu_cores: int,
+    cpu_mem_bw: str,
+    disk: str | None,
+    nvme: str | None,
+    network: str,
+    global_batch_tokens: str,
+    micro_batch_size: int | None,
+    mfu: float,
+    tokens: str,
+    write_ds_config: str | None,
+    as_json: bool,
+    fits_table: bool,
+) -> None:
     """Will MODEL fit the cluster, how fast will it train, and which DeepSpeed config gets there. Memory is given as
     peak allocated (what torch.cuda.max_memory_allocated reports) and reserved (what the card must hold), with a
     margin; time as a point and a low-high range beside the physical ceiling. A hostfile's `# cluster:` line
@@ -523,8 +809,16 @@ def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: 
             raise PipelineError(f"{flag} {value:g}: expected a positive amount")
     ctx = click.get_current_context()
     given = {k for k in ctx.params if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
-    values = {"gpu": gpu, "gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "cpu_cores": str(cpu_cores),
-              "cpu_mem_bw": cpu_mem_bw, "disk": disk, "nvme": nvme, "network": network}
+    values = {
+        "gpu": gpu,
+        "gpu_mem": gpu_mem,
+        "cpu_mem": cpu_mem,
+        "cpu_cores": str(cpu_cores),
+        "cpu_mem_bw": cpu_mem_bw,
+        "disk": disk,
+        "nvme": nvme,
+        "network": network,
+    }
     if fits_table:
         click.echo(_fits_table(values, vocab_size, seq_len or 4096, gbt, mfu, budget))
         return
@@ -536,7 +830,9 @@ def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: 
 
         cluster_given = bool(given & {"hostfile", "nodes", "gpus_per_node", "gpu", "gpu_mem", "cpu_mem"})
         f, got, env = forecast.forecast_run(from_run, cluster if cluster_given else None, mfu=mfu)
-        click.echo(jsonlib.dumps(forecast.comparison(f, got), indent=2) if as_json else forecast.render_run(f, got, env))
+        click.echo(
+            jsonlib.dumps(forecast.comparison(f, got), indent=2) if as_json else forecast.render_run(f, got, env)
+        )
         return
     if config_path:
         _plan_config(config_path, list(sets), cluster, seq_len, layers, vocab_size, mfu, budget, as_json)
@@ -552,15 +848,18 @@ def plan(preset: str, config_path: str | None, sets: tuple[str, ...], from_run: 
         click.echo(plan_report.render(p, budget))
         if write_ds_config and p.best is not None:
             b = p.best.candidate
-            click.echo(f"\nwrote {write_ds_config}; in the pretrain config set batch.micro_batch_size: "
-                       f"{b.micro_batch_size}, batch.global_batch_size: {b.micro_batch_size * b.grad_accum * cluster.world}"
-                       f", train.activation_checkpointing: {str(b.activation_checkpointing).lower()}")
+            click.echo(
+                f"\nwrote {write_ds_config}; in the pretrain config set batch.micro_batch_size: "
+                f"{b.micro_batch_size}, batch.global_batch_size: {b.micro_batch_size * b.grad_accum * cluster.world}"
+                f", train.activation_checkpointing: {str(b.activation_checkpointing).lower()}"
+            )
     if p.best is None:
         sys.exit(3)
 
 
-def _fits_table(values: dict[str, str | None], vocab_size: int, seq_len: int, gbt: int, mfu: float,
-                budget: float) -> str:
+def _fits_table(
+    values: dict[str, str | None], vocab_size: int, seq_len: int, gbt: int, mfu: float, budget: float
+) -> str:
     """`plan --fits-table`: the README's table of presets 1b-70b on each reference hostfile."""
     from pathlib import Path
 
@@ -574,26 +873,45 @@ def _fits_table(values: dict[str, str | None], vocab_size: int, seq_len: int, gb
     for hf in ("8node", "4node4gpu"):
         c, _ = _plan_cluster(str(hostfiles / hf), 1, 1, values, set())
         for name in ("1b", "7b", "13b", "70b"):
-            rows.append((name, f"hostfiles/{hf}", planner.search(resolve_shape(name, {}, vocab_size), seq_len, c, gbt,
-                                                                 mfu)))
+            rows.append(
+                (name, f"hostfiles/{hf}", planner.search(resolve_shape(name, {}, vocab_size), seq_len, c, gbt, mfu))
+            )
     return plan_report.fits_table(rows, budget)
 
 
-def _plan_config(config_path: str, sets: list[str], cluster: Any, seq_len: int | None, layers: int | None,
-                 vocab_size: int, mfu: float, budget: float, as_json: bool) -> None:
+def _plan_config(
+    config_path: str,
+    sets: list[str],
+    cluster: Any,
+    seq_len: int | None,
+    layers: int | None,
+    vocab_size: int,
+    mfu: float,
+    budget: float,
+    as_json: bool,
+) -> None:
     """`plan --config`: that run's plan beside what the search would choose; exit code 3 when it does not fit."""
     import json as jsonlib
 
     from pipeline.plan import search as planner
     from pipeline.train import forecast
 
-    fc = forecast.forecast_config(config_path, sets, cluster, seq_len=seq_len, layers=layers, vocab_size=vocab_size,
-                                  mfu=mfu)
+    fc = forecast.forecast_config(
+        config_path, sets, cluster, seq_len=seq_len, layers=layers, vocab_size=vocab_size, mfu=mfu
+    )
     if as_json:
-        click.echo(jsonlib.dumps({"config": config_path, "seq_len": fc.seq_len, "fits": fc.yours.fits,
-                                  "yours": planner.estimate_dict(fc.yours),
-                                  "search_best": planner.estimate_dict(fc.search.best) if fc.search.best else None},
-                                 indent=2))
+        click.echo(
+            jsonlib.dumps(
+                {
+                    "config": config_path,
+                    "seq_len": fc.seq_len,
+                    "fits": fc.yours.fits,
+                    "yours": planner.estimate_dict(fc.yours),
+                    "search_best": planner.estimate_dict(fc.search.best) if fc.search.best else None,
+                },
+                indent=2,
+            )
+        )
     else:
         click.echo(forecast.render_config(fc, budget))
     if not fc.yours.fits:
@@ -614,14 +932,18 @@ def _plan_shape(preset: str, layers: int | None, vocab_size: int, seq: int, as_j
     else:
         shape = resolve_shape(preset, {"num_layers": layers} if layers else {}, vocab_size)
     if seq > shape.max_seq_len:
-        click.echo(f"note: --seq-len {seq} is above {preset}'s max_seq_len {shape.max_seq_len}; planned "
-                   "as if its RoPE were extended (continued pretraining at a longer context)", err=True)
+        click.echo(
+            f"note: --seq-len {seq} is above {preset}'s max_seq_len {shape.max_seq_len}; planned "
+            "as if its RoPE were extended (continued pretraining at a longer context)",
+            err=True,
+        )
         shape = replace(shape, max_seq_len=seq)
     return shape
 
 
-def _plan_cluster(hostfile: str | None, nodes: int, gpus_per_node: int, values: dict[str, str | None],
-                  given: set[str]) -> tuple[Any, str]:
+def _plan_cluster(
+    hostfile: str | None, nodes: int, gpus_per_node: int, values: dict[str, str | None], given: set[str]
+) -> tuple[Any, str]:
     """The cluster the planner plans for: nodes and GPUs per node from a hostfile when given, each node's facts from
     its `# cluster:` line unless a flag was given, else the flags' defaults; and a line saying which was which."""
     import os
@@ -639,11 +961,17 @@ def _plan_cluster(hostfile: str | None, nodes: int, gpus_per_node: int, values: 
         facts = plan_report.hostfile_facts(hostfile)
         used = {k: v for k, v in facts.items() if k not in given}
         values = {**values, **used}
-        defaults = sorted(k for k in ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network")
-                          if k not in facts and k not in given)
-        source = (f"cluster facts from {hostfile}: " + (" ".join(f"{k}={v}" for k, v in used.items()) or "none")
-                  + (f"; defaults for {', '.join(defaults)}" if defaults else "")
-                  + ("" if facts else " (the hostfile has no '# cluster:' line; see hostfiles/8node)"))
+        defaults = sorted(
+            k
+            for k in ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network")
+            if k not in facts and k not in given
+        )
+        source = (
+            f"cluster facts from {hostfile}: "
+            + (" ".join(f"{k}={v}" for k, v in used.items()) or "none")
+            + (f"; defaults for {', '.join(defaults)}" if defaults else "")
+            + ("" if facts else " (the hostfile has no '# cluster:' line; see hostfiles/8node)")
+        )
 
     def size(flag: str, allow_dir: bool = False) -> int:
         text = values.get(flag)
@@ -670,14 +998,24 @@ def _plan_cluster(hostfile: str | None, nodes: int, gpus_per_node: int, values: 
         net = float(network.lower().replace("gbps", "").replace("gb/s", "")) if network else 0.0
         cores = int(str(values["cpu_cores"]))
     except ValueError:
-        raise PipelineError(f"--network {network} / --cpu-cores {values['cpu_cores']}: expected numbers such as "
-                            "100Gbps and 32") from None
+        raise PipelineError(
+            f"--network {network} / --cpu-cores {values['cpu_cores']}: expected numbers such as 100Gbps and 32"
+        ) from None
     if not net > 0:
         raise PipelineError(f"--network {network}: expected a positive amount such as 100Gbps")
     if cores < 1:
         raise PipelineError(f"cpu_cores {cores}: expected 1 or more")
-    cluster = Cluster(nodes, gpus_per_node, card, size("cpu_mem"), size("nvme", allow_dir=True), net,
-                      cpu_mem_bw_gbs=size("cpu_mem_bw") / 1e9, cpu_cores=cores, disk_bytes=size("disk", allow_dir=True))
+    cluster = Cluster(
+        nodes,
+        gpus_per_node,
+        card,
+        size("cpu_mem"),
+        size("nvme", allow_dir=True),
+        net,
+        cpu_mem_bw_gbs=size("cpu_mem_bw") / 1e9,
+        cpu_cores=cores,
+        disk_bytes=size("disk", allow_dir=True),
+    )
     if not cluster.cpu_mem_bytes or not cluster.cpu_mem_bw_gbs:
         raise PipelineError("--cpu-mem and --cpu-mem-bw must be positive sizes")
     return cluster, source

@@ -19,8 +19,15 @@ class Progress:
         if self.enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                             dynamic_ncols=True, file=sys.stderr)
+            self._bar = tqdm(
+                total=total_bytes,
+                desc=desc,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
 
     def update(self, nbytes: int, **counts: int) -> None:
         for k, v in counts.items():
@@ -32,8 +39,7 @@ class Progress:
         if now - self._last > 0.5:
             self._last = now
             dt = max(now - self.start, 1e-9)
-            self._bar.set_postfix_str(", ".join(f"{_si(v / dt)} {k}/s" for k, v in self.counts.items()),
-                                      refresh=False)
+            self._bar.set_postfix_str(", ".join(f"{_si(v / dt)} {k}/s" for k, v in self.counts.items()), refresh=False)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -22,16 +22,27 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 def tokenized(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """PREFIX of the fixture corpus tokenized with a freshly trained 600-piece BPE model."""
     prefix = tmp_path_factory.mktemp("tok") / "corpus"
-    tokenizing.run(TokenizeConfig(inputs=(str(CORPUS),), output_prefix=str(prefix), train_tokenizer=True,
-                                  vocab_size=600, workers=1, progress=False))
+    tokenizing.run(
+        TokenizeConfig(
+            inputs=(str(CORPUS),),
+            output_prefix=str(prefix),
+            train_tokenizer=True,
+            vocab_size=600,
+            workers=1,
+            progress=False,
+        )
+    )
     return prefix
 
 
 @pytest.fixture(scope="session")
 def shards(tokenized: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("shards") / "seq64"
-    shard_stage.run(ShardConfig(sources=((str(tokenized), 1.0),), output=str(out), seq_len=64,
-                                split=(80.0, 10.0, 10.0), progress=False))
+    shard_stage.run(
+        ShardConfig(
+            sources=((str(tokenized), 1.0),), output=str(out), seq_len=64, split=(80.0, 10.0, 10.0), progress=False
+        )
+    )
     return out
 
 
@@ -47,8 +58,9 @@ def zero_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[in
     base = tmp_path_factory.mktemp("zero")
     for stage in (1, 2, 3):
         run_dir = base / f"zero{stage}"
-        cfg = launch.write_config(base / f"zero{stage}.yaml", run_dir=run_dir, shards=shards,
-                                  ds_config=f"zero{stage}.json", steps=STEPS)
+        cfg = launch.write_config(
+            base / f"zero{stage}.yaml", run_dir=run_dir, shards=shards, ds_config=f"zero{stage}.json", steps=STEPS
+        )
         out = launch.run(cfg)
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
         runs[stage] = run_dir

@@ -11,24 +11,72 @@ from tests.conftest import CORPUS
 VOCAB = 640
 """The models' embedding rows: more than the tokenizer's 600 tokens, as Qwen2.5 pads its embedding."""
 
-COMMON = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
-          "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2, "hidden_act": "silu"}
+COMMON = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.2,
+    "hidden_act": "silu",
+}
 
 CONFIGS: dict[str, dict] = {
     # config.json as Llama-3.1 ships it (rope_scaling, rope_theta at the top level), not as transformers 5 saves it.
-    "llama": {**COMMON, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "rope_theta": 500000.0,
-              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 64},
-              "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
-    "mistral": {**COMMON, "model_type": "mistral", "architectures": ["MistralForCausalLM"], "rope_theta": 1e6,
-                "sliding_window": 4096, "head_dim": 16, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
-    "qwen2": {**COMMON, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e6,
-              "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 2,
-              "tie_word_embeddings": True, "torch_dtype": "bfloat16"},
-    "qwen3": {**COMMON, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rope_theta": 1e6,
-              "head_dim": 32, "attention_bias": False, "use_sliding_window": False, "tie_word_embeddings": False,
-              "torch_dtype": "bfloat16"},
+    "llama": {
+        **COMMON,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    "mistral": {
+        **COMMON,
+        "model_type": "mistral",
+        "architectures": ["MistralForCausalLM"],
+        "rope_theta": 1e6,
+        "sliding_window": 4096,
+        "head_dim": 16,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen2": {
+        **COMMON,
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "rope_theta": 1e6,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 2,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen3": {
+        **COMMON,
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "rope_theta": 1e6,
+        "head_dim": 32,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
 }
 FAMILIES = tuple(CONFIGS)
 
@@ -41,8 +89,9 @@ def write_tokenizer(out: Path) -> Path:
     texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines() if line.strip()]
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(texts, vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"])
-    PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-                            ).save_pretrained(str(out))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        str(out)
+    )
     return out
 
 

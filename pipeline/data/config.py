@@ -83,8 +83,10 @@ class ShardConfig:
         if self.seq_len < 8:
             problems.append(f"--seq-len {self.seq_len}: expected 8 or more")
         if len(self.split) != 3 or any(r < 0 for r in self.split) or sum(self.split) <= 0 or self.split[0] <= 0:
-            problems.append(f"--split {','.join(map(str, self.split))}: expected three non-negative ratios "
-                            "train,val,test with train > 0, e.g. 98,1,1")
+            problems.append(
+                f"--split {','.join(map(str, self.split))}: expected three non-negative ratios "
+                "train,val,test with train > 0, e.g. 98,1,1"
+            )
         if self.num_shards is not None and self.num_shards < 1:
             problems.append(f"--num-shards {self.num_shards}: expected 1 or more")
         if self.shard_size_bytes < 1:
@@ -95,11 +97,25 @@ class ShardConfig:
 
 def parse_size(text: str) -> int:
     """'512MB' -> bytes (decimal units, and KiB/MiB/GiB binary ones)."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+        "K": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+    }
     s = text.strip().upper().replace(" ", "")
     num = s.rstrip("KMGTIB")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     try:
         if unit not in units:
             raise ValueError

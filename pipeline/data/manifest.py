@@ -77,8 +77,11 @@ class ShardManifest(TypedDict, total=False):
 def read_tokenize_manifest(prefix: str | Path) -> TokenizeManifest:
     """The manifest of a finished tokenize run; a clear error when the run is missing or incomplete."""
     path = Path(str(prefix) + ".manifest.json")
-    return _read(path, f"{path}: not found; {prefix} is not a finished `pipeline tokenize` output (run it, or check "
-                       "the prefix)", "re-run `pipeline tokenize`")  # type: ignore[return-value]
+    return _read(
+        path,
+        f"{path}: not found; {prefix} is not a finished `pipeline tokenize` output (run it, or check the prefix)",
+        "re-run `pipeline tokenize`",
+    )  # type: ignore[return-value]
 
 
 SHARD_MANIFEST_NEEDS = ("fingerprint", "seq_len", "sample_width", "dtype", "tokenizer", "splits")
@@ -88,8 +91,11 @@ def read_shard_manifest(path: str | Path) -> ShardManifest:
     """The manifest of a finished shard run; a clear error when there is none or it lacks what readers use."""
     file = Path(path) / "manifest.json"
     fix = "re-run `pipeline shard --overwrite`"
-    m = _read(file, f"{path}: no manifest.json; not a finished `pipeline shard` output "
-                    "(run `pipeline shard ... --output DIR`)", fix)
+    m = _read(
+        file,
+        f"{path}: no manifest.json; not a finished `pipeline shard` output (run `pipeline shard ... --output DIR`)",
+        fix,
+    )
     missing = [k for k in SHARD_MANIFEST_NEEDS if not isinstance(m, dict) or k not in m]
     if not missing and "vocab_size" not in (m["tokenizer"] or {}):
         missing = ["tokenizer.vocab_size"]

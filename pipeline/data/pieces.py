@@ -15,14 +15,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 
-PIECE_CHARS = 1 << 20           # about 1-4 MB of UTF-8: a piece, and a unit of work for the encoders
+PIECE_CHARS = 1 << 20  # about 1-4 MB of UTF-8: a piece, and a unit of work for the encoders
 HARD_MAX_CHARS = 64 << 20
 
-_PROBE = ("The quick brown fox jumps over the lazy dog. It was the best of times,\nit was the worst of times.\n\n"
-          "  Indented line with  two spaces and tabs\there.\n"
-          "春天来了，花园里的花都开了。\n我们去公园散步吧！\n\n混合 mixed 文本 text 2026年11月30日。\n"
-          "Emoji 🙂🚀 and flags 🇨🇳 in the middle 👍 of words.\n"
-          "def f(x):\n    return x ** 2  # square\n\nprint(f(12345))\n")
+_PROBE = (
+    "The quick brown fox jumps over the lazy dog. It was the best of times,\nit was the worst of times.\n\n"
+    "  Indented line with  two spaces and tabs\there.\n"
+    "春天来了，花园里的花都开了。\n我们去公园散步吧！\n\n混合 mixed 文本 text 2026年11月30日。\n"
+    "Emoji 🙂🚀 and flags 🇨🇳 in the middle 👍 of words.\n"
+    "def f(x):\n    return x ** 2  # square\n\nprint(f(12345))\n"
+)
 
 _NEWLINE_CUT = re.compile(r"(?<=\n)(?=[^\s])")
 _SPACE_CUT = re.compile(r"(?<=[^\s]) (?=[^\s])")

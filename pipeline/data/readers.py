@@ -19,7 +19,7 @@ from typing import IO, Any, cast
 from pipeline.errors import PipelineError
 
 TEXT_SUFFIXES = (".jsonl", ".txt", ".parquet")
-TXT_BLOCK_BYTES = 1 << 20     # a .txt document is read in blocks of this size
+TXT_BLOCK_BYTES = 1 << 20  # a .txt document is read in blocks of this size
 MAX_RECORD_BYTES = 256 << 20  # a JSON line is parsed whole; longer ones are refused (--max-record-bytes)
 COMPRESSIONS = ("", ".gz", ".zst")
 SUPPORTED = tuple(s + c for s in TEXT_SUFFIXES for c in COMPRESSIONS)
@@ -27,18 +27,18 @@ SUPPORTED = tuple(s + c for s in TEXT_SUFFIXES for c in COMPRESSIONS)
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    line: int            # 1-based line for jsonl, row for parquet / datasets, 1 for txt
+    line: int  # 1-based line for jsonl, row for parquet / datasets, 1 for txt
     text: str | None
     error: str | None = None
     reason: str | None = None  # short category for counting: malformed_json, missing_field, ...
-    nbytes: int = 0            # raw bytes this record took in the input, for progress
-    last: bool = True          # False: a block of a long document; the document goes on in the next record
+    nbytes: int = 0  # raw bytes this record took in the input, for progress
+    last: bool = True  # False: a block of a long document; the document goes on in the next record
 
 
 @dataclass(frozen=True, slots=True)
 class Source:
     path: Path
-    kind: str            # "jsonl" | "txt" | "parquet" | "hf"
+    kind: str  # "jsonl" | "txt" | "parquet" | "hf"
 
 
 def _is_hf_dataset_dir(p: Path) -> bool:
@@ -70,14 +70,18 @@ def resolve_inputs(inputs: list[str]) -> list[Source]:
             elif p.is_dir():
                 found = [Source(f, k) for f in sorted(p.rglob("*")) if f.is_file() and (k := _kind(f))]
                 if not found:
-                    raise PipelineError(f"{p}: directory holds no {', '.join(TEXT_SUFFIXES)} files "
-                                        "(optionally .gz/.zst) and is not a datasets save_to_disk folder")
+                    raise PipelineError(
+                        f"{p}: directory holds no {', '.join(TEXT_SUFFIXES)} files "
+                        "(optionally .gz/.zst) and is not a datasets save_to_disk folder"
+                    )
                 out.extend(found)
             else:
                 k = _kind(p)
                 if k is None:
-                    raise PipelineError(f"{p}: unsupported input type; expected one of {', '.join(SUPPORTED)} "
-                                        "or a datasets save_to_disk folder")
+                    raise PipelineError(
+                        f"{p}: unsupported input type; expected one of {', '.join(SUPPORTED)} "
+                        "or a datasets save_to_disk folder"
+                    )
                 out.append(Source(p, k))
     return out
 
@@ -104,9 +108,14 @@ def _jsonl(path: Path, text_key: str, max_record_bytes: int = MAX_RECORD_BYTES) 
                 while (rest := reader.readline(1 << 20)) and not rest.endswith(b"\n"):
                     size += len(rest)  # skip the rest of the record without holding it
                 size += len(rest)
-                yield Record(n, None, f"record of {size:,} bytes is larger than --max-record-bytes "
-                             f"{max_record_bytes:,} (a JSON line is parsed whole; raise the limit if the RAM allows)",
-                             "record_too_large", size)
+                yield Record(
+                    n,
+                    None,
+                    f"record of {size:,} bytes is larger than --max-record-bytes "
+                    f"{max_record_bytes:,} (a JSON line is parsed whole; raise the limit if the RAM allows)",
+                    "record_too_large",
+                    size,
+                )
                 continue
             if not line.strip():
                 continue  # blank lines separate nothing in JSONL; not a document
@@ -120,8 +129,13 @@ def _jsonl(path: Path, text_key: str, max_record_bytes: int = MAX_RECORD_BYTES) 
             except json.JSONDecodeError as e:
                 yield Record(n, None, f"malformed JSON ({e.msg} at column {e.colno})", "malformed_json", len(line))
                 continue
-            yield _check_text(n, obj.get(text_key) if isinstance(obj, dict) else None, text_key,
-                              isinstance(obj, dict) and text_key in obj, len(line))
+            yield _check_text(
+                n,
+                obj.get(text_key) if isinstance(obj, dict) else None,
+                text_key,
+                isinstance(obj, dict) and text_key in obj,
+                len(line),
+            )
 
 
 def _check_text(n: int, text: object, text_key: str, present: bool, nbytes: int = -1) -> Record:
@@ -150,7 +164,9 @@ def _txt(path: Path) -> Iterator[Record]:
                 text = decoder.decode(block)
             except UnicodeDecodeError as e:
                 line = lines + block[: e.start].count(b"\n")
-                yield Record(line, None, f"invalid UTF-8 at byte {offset + e.start}", "invalid_utf8", offset + len(block))
+                yield Record(
+                    line, None, f"invalid UTF-8 at byte {offset + e.start}", "invalid_utf8", offset + len(block)
+                )
                 return
             has_text = has_text or bool(text.strip())
             lines += block.count(b"\n")
@@ -178,8 +194,9 @@ def _parquet(path: Path, text_key: str) -> Iterator[Record]:
     with _open_binary(path) as f:
         pf = pq.ParquetFile(f)
         if text_key not in pf.schema_arrow.names:
-            raise PipelineError(f"{path}: no column '{text_key}' (columns: {', '.join(pf.schema_arrow.names)}); "
-                                "set --text-key")
+            raise PipelineError(
+                f"{path}: no column '{text_key}' (columns: {', '.join(pf.schema_arrow.names)}); set --text-key"
+            )
         row = 0
         for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
             for value in batch.column(0).to_pylist():
@@ -198,8 +215,9 @@ def _hf(path: Path, text_key: str) -> Iterator[Record]:
     row = 0
     for part in parts:
         if text_key not in part.column_names:
-            raise PipelineError(f"{path}: no column '{text_key}' (columns: {', '.join(part.column_names)}); "
-                                "set --text-key")
+            raise PipelineError(
+                f"{path}: no column '{text_key}' (columns: {', '.join(part.column_names)}); set --text-key"
+            )
         for batch in part.select_columns([text_key]).iter(batch_size=1024):
             for value in batch[text_key]:
                 row += 1

@@ -42,11 +42,12 @@ def split_documents(n_docs: int, ratios: tuple[float, float, float], seed: int, 
     perm = np.random.default_rng([seed, source, 0]).permutation(n_docs)
     total = sum(ratios)
     cuts = [0] + [round(n_docs * sum(ratios[: k + 1]) / total) for k in range(3)]
-    return {name: perm[cuts[k]:cuts[k + 1]] for k, name in enumerate(SPLITS)}
+    return {name: perm[cuts[k] : cuts[k + 1]] for k, name in enumerate(SPLITS)}
 
 
-def pack(docs: Iterable[np.ndarray], seq_len: int, cross_document: bool, pad_id: int,
-         dtype: np.dtype) -> Iterator[tuple[np.ndarray, np.ndarray | None, int]]:
+def pack(
+    docs: Iterable[np.ndarray], seq_len: int, cross_document: bool, pad_id: int, dtype: np.dtype
+) -> Iterator[tuple[np.ndarray, np.ndarray | None, int]]:
     """Pure: yields (rows (k, seq_len+1), valid lengths or None, tokens dropped) blocks.
 
     cross_document: documents are concatenated and cut every seq_len+1 tokens; the final tail is dropped.
@@ -65,7 +66,7 @@ def pack(docs: Iterable[np.ndarray], seq_len: int, cross_document: bool, pad_id:
                 stream = np.concatenate([carry, *batch]).astype(dtype, copy=False)
                 n = len(stream) // width
                 yield stream[: n * width].reshape(n, width), None, 0
-                carry, batch, size = stream[n * width:].copy(), [], 0
+                carry, batch, size = stream[n * width :].copy(), [], 0
         stream = np.concatenate([carry, *batch]).astype(dtype, copy=False) if batch or len(carry) else carry
         n = len(stream) // width
         if n:
@@ -78,7 +79,7 @@ def pack(docs: Iterable[np.ndarray], seq_len: int, cross_document: bool, pad_id:
     for doc in docs:
         doc = np.asarray(doc)
         for start in range(0, len(doc), width):
-            piece = doc[start:start + width]
+            piece = doc[start : start + width]
             if len(piece) < 2:
                 dropped += len(piece)
                 continue
@@ -148,28 +149,42 @@ def run(cfg: ShardConfig) -> ShardResult:
     manifests = [read_tokenize_manifest(p) for p, _ in cfg.sources]
     shas = {m["tokenizer"]["sha256"] for m in manifests}
     if len(shas) > 1:
-        listing = "; ".join(f"{p}: {m['tokenizer']['path']} ({m['tokenizer']['sha256'][:12]})"
-                            for (p, _), m in zip(cfg.sources, manifests, strict=True))
-        raise PipelineError(f"inputs were tokenized with different tokenizers ({listing}); "
-                            "re-tokenize them with one --tokenizer")
+        listing = "; ".join(
+            f"{p}: {m['tokenizer']['path']} ({m['tokenizer']['sha256'][:12]})"
+            for (p, _), m in zip(cfg.sources, manifests, strict=True)
+        )
+        raise PipelineError(
+            f"inputs were tokenized with different tokenizers ({listing}); re-tokenize them with one --tokenizer"
+        )
     tok = manifests[0]["tokenizer"]
     dtype = _row_dtype(manifests)
     pad_id = padding_id(tok)
     weights = [w for _, w in cfg.sources] if cfg.weights_given else None
-    args = {"sources": [{"prefix": str(Path(p).resolve()), "manifest_sha256": sha256_file(str(p) + ".manifest.json"),
-                         "weight": w} for p, w in cfg.sources],
-            "seq_len": cfg.seq_len, "split": list(cfg.split), "seed": cfg.seed, "weights_given": cfg.weights_given,
-            "cross_document": cfg.cross_document, "num_shards": cfg.num_shards,
-            "shard_size_bytes": None if cfg.num_shards else cfg.shard_size_bytes, "dtype": dtype.name}
+    args = {
+        "sources": [
+            {"prefix": str(Path(p).resolve()), "manifest_sha256": sha256_file(str(p) + ".manifest.json"), "weight": w}
+            for p, w in cfg.sources
+        ],
+        "seq_len": cfg.seq_len,
+        "split": list(cfg.split),
+        "seed": cfg.seed,
+        "weights_given": cfg.weights_given,
+        "cross_document": cfg.cross_document,
+        "num_shards": cfg.num_shards,
+        "shard_size_bytes": None if cfg.num_shards else cfg.shard_size_bytes,
+        "dtype": dtype.name,
+    }
     fingerprint = _fingerprint(args)
     if (out / "manifest.json").exists():
         old = json.loads((out / "manifest.json").read_text())
         if old.get("fingerprint") == fingerprint and _shards_intact(out, old):
             return ShardResult(out, old, skipped=True)
         if not cfg.overwrite:
-            raise PipelineError(f"{out} already holds shards made with other arguments or inputs "
-                                f"(fingerprint {old.get('fingerprint')} vs {fingerprint}); "
-                                "pass --overwrite to replace them, or choose another --output")
+            raise PipelineError(
+                f"{out} already holds shards made with other arguments or inputs "
+                f"(fingerprint {old.get('fingerprint')} vs {fingerprint}); "
+                "pass --overwrite to replace them, or choose another --output"
+            )
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out))
@@ -184,23 +199,26 @@ def run(cfg: ShardConfig) -> ShardResult:
     return result
 
 
-def _pack_sources(cfg: ShardConfig, work: Path, dtype: np.dtype, pad_id: int
-                  ) -> tuple[dict[str, list[tuple[np.memmap, np.memmap | None]]], dict[str, dict[str, Any]]]:
+def _pack_sources(
+    cfg: ShardConfig, work: Path, dtype: np.dtype, pad_id: int
+) -> tuple[dict[str, list[tuple[np.memmap, np.memmap | None]]], dict[str, dict[str, Any]]]:
     """Split each source by document and pack each split into rows (a temporary file per source and split);
     refuse a seq_len that leaves the train split empty, warn about empty val/test splits."""
     width = cfg.seq_len + 1
     readers = [IndexedReader(p) for p, _ in cfg.sources]
     progress = Progress(sum(int(r.lengths.sum()) for r in readers) * dtype.itemsize, "shard", cfg.progress)
     packed: dict[str, list[tuple[np.memmap, np.memmap | None]]] = {s: [] for s in SPLITS}
-    split_stats: dict[str, dict[str, Any]] = {s: {"documents": 0, "tokens_in": 0, "dropped_tokens": 0,
-                                                  "per_source_samples": []} for s in SPLITS}
+    split_stats: dict[str, dict[str, Any]] = {
+        s: {"documents": 0, "tokens_in": 0, "dropped_tokens": 0, "per_source_samples": []} for s in SPLITS
+    }
     for si, reader in enumerate(readers):
         for split, doc_ids in split_documents(len(reader), cfg.split, cfg.seed, si).items():
             rows_path, lens_path = work / f"src{si}-{split}.rows", work / f"src{si}-{split}.lens"
             n_rows = 0
             with open(rows_path, "wb") as fr, open(lens_path, "wb") as fl:
-                for rows, lens, dropped in pack((reader[int(d)] for d in doc_ids), cfg.seq_len,
-                                                cfg.cross_document, pad_id, dtype):
+                for rows, lens, dropped in pack(
+                    (reader[int(d)] for d in doc_ids), cfg.seq_len, cfg.cross_document, pad_id, dtype
+                ):
                     fr.write(rows.tobytes())
                     if lens is not None:
                         fl.write(lens.tobytes())
@@ -212,28 +230,45 @@ def _pack_sources(cfg: ShardConfig, work: Path, dtype: np.dtype, pad_id: int
             st["tokens_in"] += int(reader.lengths[doc_ids].sum()) if len(doc_ids) else 0
             st["per_source_samples"].append(n_rows)
             rows_mm = np.memmap(rows_path, dtype, "r", shape=(n_rows, width)) if n_rows else None
-            lens_mm = (np.memmap(lens_path, np.int32, "r", shape=(n_rows,))
-                       if n_rows and not cfg.cross_document else None)
+            lens_mm = (
+                np.memmap(lens_path, np.int32, "r", shape=(n_rows,)) if n_rows and not cfg.cross_document else None
+            )
             packed[split].append((rows_mm, lens_mm))  # type: ignore[arg-type]
     progress.close()
     train = split_stats["train"]
     if sum(train["per_source_samples"]) == 0:
         longest = max((int(r.lengths.max()) for r in readers if len(r)), default=0)
-        fix = (f"use a --seq-len below {longest}, the longest document" if not cfg.cross_document
-               else f"use a --seq-len below {train['tokens_in']:,}")
-        raise PipelineError(f"--seq-len {cfg.seq_len}: the train split ({train['tokens_in']:,} tokens in "
-                            f"{train['documents']} documents) holds no whole sample of {width} tokens; {fix}")
+        fix = (
+            f"use a --seq-len below {longest}, the longest document"
+            if not cfg.cross_document
+            else f"use a --seq-len below {train['tokens_in']:,}"
+        )
+        raise PipelineError(
+            f"--seq-len {cfg.seq_len}: the train split ({train['tokens_in']:,} tokens in "
+            f"{train['documents']} documents) holds no whole sample of {width} tokens; {fix}"
+        )
     for split, ratio in zip(SPLITS[1:], cfg.split[1:], strict=True):
         if ratio > 0 and sum(split_stats[split]["per_source_samples"]) == 0:
-            log.warning("warning: the %s split has 0 samples (%d documents of %s tokens); validation needs more "
-                        "documents there: raise its --split ratio or use a shorter --seq-len", split,
-                        split_stats[split]["documents"], f"{split_stats[split]['tokens_in']:,}")
+            log.warning(
+                "warning: the %s split has 0 samples (%d documents of %s tokens); validation needs more "
+                "documents there: raise its --split ratio or use a shorter --seq-len",
+                split,
+                split_stats[split]["documents"],
+                f"{split_stats[split]['tokens_in']:,}",
+            )
     return packed, split_stats
 
 
-def _write_split(cfg: ShardConfig, work: Path, si_split: int, split: str,
-                 packed: list[tuple[np.memmap, np.memmap | None]], st: dict[str, Any], weights: list[float] | None,
-                 dtype: np.dtype) -> dict[str, Any]:
+def _write_split(
+    cfg: ShardConfig,
+    work: Path,
+    si_split: int,
+    split: str,
+    packed: list[tuple[np.memmap, np.memmap | None]],
+    st: dict[str, Any],
+    weights: list[float] | None,
+    dtype: np.dtype,
+) -> dict[str, Any]:
     """Draw (blend) the split's samples from the packed sources, shuffle them, and write its shard files; returns
     the split's manifest entry."""
     width = cfg.seq_len + 1
@@ -249,7 +284,7 @@ def _write_split(cfg: ShardConfig, work: Path, si_split: int, split: str,
         name = f"{split}-{k:05d}"
         with open(work / f"{name}.bin", "wb") as fb, open(work / f"{name}.len", "wb") as fl:
             for c in range(a, b, _GATHER_ROWS):
-                s_ids, r_ids = src_ids[c:min(b, c + _GATHER_ROWS)], row_ids[c:min(b, c + _GATHER_ROWS)]
+                s_ids, r_ids = src_ids[c : min(b, c + _GATHER_ROWS)], row_ids[c : min(b, c + _GATHER_ROWS)]
                 block = np.empty((len(s_ids), width), dtype)
                 lens = np.empty(len(s_ids), np.int32)
                 for s in np.unique(s_ids):
@@ -260,8 +295,12 @@ def _write_split(cfg: ShardConfig, work: Path, si_split: int, split: str,
                 fb.write(block.tobytes())
                 if not cfg.cross_document:
                     fl.write(lens.tobytes())
-        entry = {"file": f"{name}.bin", "samples": b - a, "bytes": (b - a) * width * dtype.itemsize,
-                 "sha256": sha256_file(work / f"{name}.bin")}
+        entry = {
+            "file": f"{name}.bin",
+            "samples": b - a,
+            "bytes": (b - a) * width * dtype.itemsize,
+            "sha256": sha256_file(work / f"{name}.bin"),
+        }
         if cfg.cross_document:
             (work / f"{name}.len").unlink()
         else:
@@ -270,21 +309,43 @@ def _write_split(cfg: ShardConfig, work: Path, si_split: int, split: str,
         files.append(entry)
     n = len(order)
     return {
-        "samples": n, "tokens": n * width, "documents": st["documents"], "input_tokens": st["tokens_in"],
+        "samples": n,
+        "tokens": n * width,
+        "documents": st["documents"],
+        "input_tokens": st["tokens_in"],
         "dropped_tokens": st["dropped_tokens"],
-        "sources": [{"prefix": cfg.sources[s][0], "available_samples": available[s], "drawn_samples": counts[s],
-                     "effective_epochs": round(counts[s] / available[s], 4) if available[s] else 0.0,
-                     "weight": weights[s] if weights else None} for s in range(len(available))],
+        "sources": [
+            {
+                "prefix": cfg.sources[s][0],
+                "available_samples": available[s],
+                "drawn_samples": counts[s],
+                "effective_epochs": round(counts[s] / available[s], 4) if available[s] else 0.0,
+                "weight": weights[s] if weights else None,
+            }
+            for s in range(len(available))
+        ],
         "shards": files,
     }
 
 
-def _build(cfg: ShardConfig, out: Path, work: Path, manifests: list[TokenizeManifest], dtype: np.dtype, pad_id: int,
-           weights: list[float] | None, args: dict[str, Any], fingerprint: str, t0: float) -> ShardResult:
+def _build(
+    cfg: ShardConfig,
+    out: Path,
+    work: Path,
+    manifests: list[TokenizeManifest],
+    dtype: np.dtype,
+    pad_id: int,
+    weights: list[float] | None,
+    args: dict[str, Any],
+    fingerprint: str,
+    t0: float,
+) -> ShardResult:
     width = cfg.seq_len + 1
     packed, split_stats = _pack_sources(cfg, work, dtype, pad_id)
-    shards = {split: _write_split(cfg, work, i, split, packed[split], split_stats[split], weights, dtype)
-              for i, split in enumerate(SPLITS)}
+    shards = {
+        split: _write_split(cfg, work, i, split, packed[split], split_stats[split], weights, dtype)
+        for i, split in enumerate(SPLITS)
+    }
 
     tok = manifests[0]["tokenizer"]
     tokenizer_copy = None
@@ -301,15 +362,28 @@ def _build(cfg: ShardConfig, out: Path, work: Path, manifests: list[TokenizeMani
     wall = time.perf_counter() - t0
     total_tokens = sum(int(m["totals"]["tokens"]) for m in manifests)
     manifest = {
-        "tool": "pipeline shard", "version": __version__,
+        "tool": "pipeline shard",
+        "version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "fingerprint": fingerprint, "args": args,
-        "seq_len": cfg.seq_len, "sample_width": width, "dtype": dtype.name, "cross_document": cfg.cross_document,
-        "pad_id": pad_id, "seed": cfg.seed, "split_ratios": list(cfg.split),
+        "fingerprint": fingerprint,
+        "args": args,
+        "seq_len": cfg.seq_len,
+        "sample_width": width,
+        "dtype": dtype.name,
+        "cross_document": cfg.cross_document,
+        "pad_id": pad_id,
+        "seed": cfg.seed,
+        "split_ratios": list(cfg.split),
         "tokenizer": {**tok, "copy": tokenizer_copy},
-        "source_manifests": [{"prefix": p, "sha256": a["manifest_sha256"], "documents": m["totals"]["documents"],
-                              "tokens": m["totals"]["tokens"]}
-                             for (p, _), a, m in zip(cfg.sources, args["sources"], manifests, strict=True)],
+        "source_manifests": [
+            {
+                "prefix": p,
+                "sha256": a["manifest_sha256"],
+                "documents": m["totals"]["documents"],
+                "tokens": m["totals"]["tokens"],
+            }
+            for (p, _), a, m in zip(cfg.sources, args["sources"], manifests, strict=True)
+        ],
         "splits": shards,
         "wall_time_s": round(wall, 3),
         "throughput_mb_per_s": round(total_tokens * dtype.itemsize / 1e6 / wall, 2),
@@ -330,16 +404,22 @@ def _shards_intact(out: Path, manifest: dict[str, Any]) -> bool:
 def describe(path: str | Path) -> str:
     """`pipeline shard --inspect`: the manifest as a readable summary."""
     m = read_shard_manifest(path)
-    lines = [f"{path}: shards by pipeline {m['version']}, fingerprint {m['fingerprint']}",
-             f"  seq_len {m['seq_len']} ({m['dtype']}), seed {m['seed']}, split {m['split_ratios']}, "
-             f"{'cross-document packing' if m['cross_document'] else 'no cross-document samples (padded, masked)'}",
-             f"  tokenizer {m['tokenizer']['path']} (vocab {m['tokenizer']['vocab_size']}, "
-             f"sha256 {m['tokenizer']['sha256'][:12]})"]
+    lines = [
+        f"{path}: shards by pipeline {m['version']}, fingerprint {m['fingerprint']}",
+        f"  seq_len {m['seq_len']} ({m['dtype']}), seed {m['seed']}, split {m['split_ratios']}, "
+        f"{'cross-document packing' if m['cross_document'] else 'no cross-document samples (padded, masked)'}",
+        f"  tokenizer {m['tokenizer']['path']} (vocab {m['tokenizer']['vocab_size']}, "
+        f"sha256 {m['tokenizer']['sha256'][:12]})",
+    ]
     for name, s in m["splits"].items():
-        lines.append(f"  {name:5s}: {s['samples']:>10,} samples {s['tokens']:>14,} tokens in {len(s['shards'])} "
-                     f"shard(s); {s['documents']:,} documents, {s['dropped_tokens']:,} tail tokens dropped")
+        lines.append(
+            f"  {name:5s}: {s['samples']:>10,} samples {s['tokens']:>14,} tokens in {len(s['shards'])} "
+            f"shard(s); {s['documents']:,} documents, {s['dropped_tokens']:,} tail tokens dropped"
+        )
         for src in s["sources"]:
             w = f", weight {src['weight']}" if src["weight"] is not None else ""
-            lines.append(f"         {src['prefix']}: {src['drawn_samples']:,} of {src['available_samples']:,} "
-                         f"samples ({src['effective_epochs']} epochs{w})")
+            lines.append(
+                f"         {src['prefix']}: {src['drawn_samples']:,} of {src['available_samples']:,} "
+                f"samples ({src['effective_epochs']} epochs{w})"
+            )
     return "\n".join(lines)

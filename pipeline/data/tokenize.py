@@ -55,8 +55,10 @@ class TokenizeResult:
     @property
     def summary(self) -> str:
         t = self.manifest["totals"]
-        lines = [f"wrote {self.prefix}.bin/.idx: {t['documents']:,} documents, {t['tokens']:,} tokens "
-                 f"in {self.manifest['wall_time_s']:.1f}s ({self.manifest['throughput']['tokens_per_s']:,.0f} tok/s)"]
+        lines = [
+            f"wrote {self.prefix}.bin/.idx: {t['documents']:,} documents, {t['tokens']:,} tokens "
+            f"in {self.manifest['wall_time_s']:.1f}s ({self.manifest['throughput']['tokens_per_s']:,.0f} tok/s)"
+        ]
         if t["skipped"]:
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(t["skipped_by_reason"].items()))
             lines.append(f"skipped {t['skipped']:,} records ({reasons}); first ones:")
@@ -82,8 +84,14 @@ class _ErrorSink:
             self.listed.append(where)
 
 
-def _chunks(sources: list[Source], cfg: TokenizeConfig, stats: list[FileStats], sink: _ErrorSink,
-            rules: tuple[str, ...], cut_stats: Counter) -> Iterator[tuple[int, list[tuple[str, bool]], int]]:
+def _chunks(
+    sources: list[Source],
+    cfg: TokenizeConfig,
+    stats: list[FileStats],
+    sink: _ErrorSink,
+    rules: tuple[str, ...],
+    cut_stats: Counter,
+) -> Iterator[tuple[int, list[tuple[str, bool]], int]]:
     """(source index, [(text, ends its document)], raw bytes) chunks, in input order. A document longer than a
     piece is cut into pieces (pipeline.data.pieces), so no chunk holds much more than CHUNK_BYTES of text."""
     for i, src in enumerate(sources):
@@ -123,8 +131,9 @@ def _worker_init(path: str) -> None:
     _WORKER_TOKENIZER = Tokenizer(path)
 
 
-def encode_chunk(tok: Tokenizer, items: list[tuple[str, bool]], eos_id: int | None, dtype: np.dtype
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode_chunk(
+    tok: Tokenizer, items: list[tuple[str, bool]], eos_id: int | None, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pure: [(text, ends its document)] -> (token count per item, ends-a-document flags, concatenated ids), each
     document's last piece followed by `eos_id` when given."""
     arrays = tok.encode_batch([t for t, _ in items])
@@ -132,8 +141,9 @@ def encode_chunk(tok: Tokenizer, items: list[tuple[str, bool]], eos_id: int | No
     if eos_id is not None:
         eos = np.array([eos_id], dtype=dtype)
         parts = [p for a, last in zip(arrays, lasts, strict=True) for p in ((a, eos) if last else (a,))]
-        lengths = np.fromiter((len(a) + int(last) for a, last in zip(arrays, lasts, strict=True)), dtype=np.int64,
-                              count=len(arrays))
+        lengths = np.fromiter(
+            (len(a) + int(last) for a, last in zip(arrays, lasts, strict=True)), dtype=np.int64, count=len(arrays)
+        )
     else:
         parts = list(arrays)
         lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
@@ -141,8 +151,9 @@ def encode_chunk(tok: Tokenizer, items: list[tuple[str, bool]], eos_id: int | No
     return lengths, lasts, flat
 
 
-def _worker_encode(items: list[tuple[str, bool]], eos_id: int | None, dtype: str
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _worker_encode(
+    items: list[tuple[str, bool]], eos_id: int | None, dtype: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     assert _WORKER_TOKENIZER is not None
     return encode_chunk(_WORKER_TOKENIZER, items, eos_id, np.dtype(dtype))
 
@@ -156,7 +167,9 @@ def _sample_documents(sources: list[Source], cfg: TokenizeConfig) -> list[str]:
         for rec in read_records(src, cfg.text_key):
             if rec.text is None:
                 if cfg.on_error == "fail":
-                    raise PipelineError(f"{src.path}:{rec.line}: {rec.error} (use --on-error skip to skip such records)")
+                    raise PipelineError(
+                        f"{src.path}:{rec.line}: {rec.error} (use --on-error skip to skip such records)"
+                    )
                 continue
             if seen < cfg.sample_docs:
                 sample.append(rec.text)
@@ -173,8 +186,9 @@ def _check_writable(prefix: Path) -> None:
     try:
         parent.mkdir(parents=True, exist_ok=True)  # as `shard --output` does
     except (FileExistsError, NotADirectoryError):
-        raise PipelineError(f"--output-prefix {prefix}: {parent} is not a folder (a file is in the way); "
-                            "choose another prefix") from None
+        raise PipelineError(
+            f"--output-prefix {prefix}: {parent} is not a folder (a file is in the way); choose another prefix"
+        ) from None
     except OSError as e:
         raise PipelineError(f"--output-prefix {prefix}: cannot create folder {parent} ({e.strerror})") from None
     if not os.access(parent, os.W_OK):
@@ -191,8 +205,7 @@ def _input_sha256(src: Source) -> str:
     return tokenizer_sha256(src.path) if src.path.is_dir() else sha256_file(src.path)
 
 
-def _tokenizer_path(cfg: TokenizeConfig, sources: list[Source], prefix: Path
-                    ) -> tuple[Path, dict[str, Any] | None]:
+def _tokenizer_path(cfg: TokenizeConfig, sources: list[Source], prefix: Path) -> tuple[Path, dict[str, Any] | None]:
     """The tokenizer to encode with: trained on a seeded sample of the inputs (saved as PREFIX.tokenizer.model,
     with its training settings returned for the manifest), or the one given."""
     if not cfg.train_tokenizer:
@@ -201,37 +214,74 @@ def _tokenizer_path(cfg: TokenizeConfig, sources: list[Source], prefix: Path
     docs = _sample_documents(sources, cfg)
     tok_path = prefix.with_name(prefix.name + ".tokenizer.model")
     log.info("training a %s tokenizer (vocab %d) on %d documents", cfg.model_type, cfg.vocab_size, len(docs))
-    train_sentencepiece(docs, tok_path, vocab_size=cfg.vocab_size, model_type=cfg.model_type,
-                        seed=cfg.seed, threads=cfg.workers)
-    return tok_path, {"vocab_size": cfg.vocab_size, "model_type": cfg.model_type, "sample_docs": cfg.sample_docs,
-                      "seed": cfg.seed}
+    train_sentencepiece(
+        docs, tok_path, vocab_size=cfg.vocab_size, model_type=cfg.model_type, seed=cfg.seed, threads=cfg.workers
+    )
+    return tok_path, {
+        "vocab_size": cfg.vocab_size,
+        "model_type": cfg.model_type,
+        "sample_docs": cfg.sample_docs,
+        "seed": cfg.seed,
+    }
 
 
-def _manifest(cfg: TokenizeConfig, sources: list[Source], stats: list[FileStats], sink: _ErrorSink,
-              writer: IndexedWriter, tok: Tokenizer, tok_path: Path, trained: dict[str, Any] | None,
-              dtype: np.dtype, wall: float) -> dict[str, Any]:
+def _manifest(
+    cfg: TokenizeConfig,
+    sources: list[Source],
+    stats: list[FileStats],
+    sink: _ErrorSink,
+    writer: IndexedWriter,
+    tok: Tokenizer,
+    tok_path: Path,
+    trained: dict[str, Any] | None,
+    dtype: np.dtype,
+    wall: float,
+) -> dict[str, Any]:
     """PREFIX.manifest.json of a finished run: tokenizer, inputs with their checksums, totals, errors, speed."""
     total_bytes = sum(_input_size(s) for s in sources)
     manifest = {
         "tool": "pipeline tokenize",
         "version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "tokenizer": {"path": str(Path(tok_path).resolve()), "sha256": tok.sha256(), "kind": tok.kind,
-                      "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
-                      "pad_id": tok.pad_id, "trained": trained},
+        "tokenizer": {
+            "path": str(Path(tok_path).resolve()),
+            "sha256": tok.sha256(),
+            "kind": tok.kind,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "bos_id": tok.bos_id,
+            "pad_id": tok.pad_id,
+            "trained": trained,
+        },
         "dtype": dtype.name,
         "append_eos": cfg.append_eos,
         "text_key": cfg.text_key,
-        "inputs": [{"path": st.path, "kind": st.kind, "bytes": _input_size(src), "sha256": _input_sha256(src),
-                    "documents": st.documents, "tokens": st.tokens, "skipped": dict(st.skipped)}
-                   for st, src in zip(stats, sources, strict=True)],
-        "totals": {"documents": writer.documents, "tokens": writer.tokens,
-                   "skipped": sum(sink.by_reason.values()), "skipped_by_reason": dict(sink.by_reason),
-                   "input_bytes": total_bytes},
+        "inputs": [
+            {
+                "path": st.path,
+                "kind": st.kind,
+                "bytes": _input_size(src),
+                "sha256": _input_sha256(src),
+                "documents": st.documents,
+                "tokens": st.tokens,
+                "skipped": dict(st.skipped),
+            }
+            for st, src in zip(stats, sources, strict=True)
+        ],
+        "totals": {
+            "documents": writer.documents,
+            "tokens": writer.tokens,
+            "skipped": sum(sink.by_reason.values()),
+            "skipped_by_reason": dict(sink.by_reason),
+            "input_bytes": total_bytes,
+        },
         "errors": sink.listed,
         "wall_time_s": round(wall, 3),
-        "throughput": {"docs_per_s": round(writer.documents / wall, 1), "tokens_per_s": round(writer.tokens / wall, 1),
-                       "mb_per_s": round(total_bytes / 1e6 / wall, 3)},
+        "throughput": {
+            "docs_per_s": round(writer.documents / wall, 1),
+            "tokens_per_s": round(writer.tokens / wall, 1),
+            "mb_per_s": round(total_bytes / 1e6 / wall, 3),
+        },
     }
     return manifest
 
@@ -280,8 +330,10 @@ def run(cfg: TokenizeConfig) -> TokenizeResult:
                 consume(j, nb, *res.get())
         writer.finish(idx_tmp)
         if writer.documents == 0:
-            raise PipelineError("no valid documents in the input; nothing written "
-                                f"({', '.join(f'{k} {v}' for k, v in sink.by_reason.items()) or 'inputs are empty'})")
+            raise PipelineError(
+                "no valid documents in the input; nothing written "
+                f"({', '.join(f'{k} {v}' for k, v in sink.by_reason.items()) or 'inputs are empty'})"
+            )
         manifest_path = prefix.with_name(prefix.name + ".manifest.json")
         manifest_path.unlink(missing_ok=True)  # an old manifest must not vouch for half-replaced files
         os.replace(bin_tmp, prefix.with_name(prefix.name + ".bin"))
@@ -299,10 +351,12 @@ def run(cfg: TokenizeConfig) -> TokenizeResult:
             pool.close()
             pool.join()
 
-    manifest = _manifest(cfg, sources, stats, sink, writer, tok, tok_path, trained, dtype,
-                         time.perf_counter() - t0)
-    manifest["long_documents"] = {"cut_rules": list(rules), "piece_chars": cfg.piece_chars,
-                                  "documents_in_pieces": cut_stats["documents_in_pieces"],
-                                  "unchecked_cuts": cut_stats["unchecked_cuts"]}
+    manifest = _manifest(cfg, sources, stats, sink, writer, tok, tok_path, trained, dtype, time.perf_counter() - t0)
+    manifest["long_documents"] = {
+        "cut_rules": list(rules),
+        "piece_chars": cfg.piece_chars,
+        "documents_in_pieces": cut_stats["documents_in_pieces"],
+        "unchecked_cuts": cut_stats["unchecked_cuts"],
+    }
     write_json(prefix.with_name(prefix.name + ".manifest.json"), manifest)
     return TokenizeResult(prefix, manifest)

@@ -103,8 +103,9 @@ def _sentences(docs: Iterable[str]) -> Iterator[str]:
             yield b.decode("utf-8")
 
 
-def train_sentencepiece(docs: list[str], output: Path, *, vocab_size: int, model_type: str = "bpe",
-                        seed: int = 1234, threads: int = 1) -> Path:
+def train_sentencepiece(
+    docs: list[str], output: Path, *, vocab_size: int, model_type: str = "bpe", seed: int = 1234, threads: int = 1
+) -> Path:
     """Train on `docs` and write `output` (a .model file) atomically. Deterministic for the same docs and seed."""
     import sentencepiece as spm
 
@@ -127,7 +128,10 @@ def train_sentencepiece(docs: list[str], output: Path, *, vocab_size: int, model
             remove_extra_whitespaces=False,
             allow_whitespace_only_pieces=True,
             character_coverage=0.9995,
-            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=PAD_ID,
             max_sentence_length=_MAX_SENTENCE_BYTES,
             input_sentence_size=2_000_000,
             shuffle_input_sentence=True,

@@ -31,8 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.is_available()
     backend = "nccl" if gpu else "gloo"
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
-                            timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{args.master}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=args.timeout),
+    )
     n = int(args.mbytes * 2**20 / 4)
     x = torch.ones(n, dtype=torch.float32, device=device)
     dist.all_reduce(x[: max(1, n // 16)])  # connections up, buffers warm
@@ -50,8 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     t = sorted(times)[len(times) // 2]
     bus = 2 * (args.world - 1) / args.world * n * 4 / t
     if args.rank == 0:
-        print("DOCTOR-BW " + json.dumps({"backend": backend, "bytes": n * 4, "seconds": t, "bus_bytes_per_s": bus,
-                                         "world": args.world}), flush=True)
+        print(
+            "DOCTOR-BW "
+            + json.dumps(
+                {"backend": backend, "bytes": n * 4, "seconds": t, "bus_bytes_per_s": bus, "world": args.world}
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
     return 0
 

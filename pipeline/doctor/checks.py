@@ -32,6 +32,7 @@ class Check:
 @dataclass
 class Needs:
     """What the run needs of each host, from the planner on the config (None: not known)."""
+
     host_ram_bytes: float | None = None
     disk_bytes: float | None = None
     """Room for two checkpoints on the first node (the busiest)."""
@@ -72,8 +73,11 @@ def python_and_versions(r: Report) -> None:
     if missing:
         r.add("versions", FAIL, f"{', '.join(missing)} not installed in {sys.prefix}", "run `make install` here")
     else:
-        r.add("versions", PASS, f"python {r.facts['python_version']} ({sys.prefix}); "
-              + ", ".join(f"{k} {v}" for k, v in versions.items()))
+        r.add(
+            "versions",
+            PASS,
+            f"python {r.facts['python_version']} ({sys.prefix}); " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+        )
 
 
 def deepspeed_ops(r: Report, needs: Needs, gpu: bool) -> None:
@@ -87,8 +91,14 @@ def deepspeed_ops(r: Report, needs: Needs, gpu: bool) -> None:
     except ImportError:
         installed_ops = {}
     prebuilt = sorted(k for k, v in installed_ops.items() if v and k in ("cpu_adam", "fused_adam", "async_io"))
-    problems, notes = [], [f"prebuilt: {', '.join(prebuilt)}" if prebuilt else
-                           "none prebuilt: each is JIT-built on first use (about a minute, cached per machine)"]
+    problems, notes = (
+        [],
+        [
+            f"prebuilt: {', '.join(prebuilt)}"
+            if prebuilt
+            else "none prebuilt: each is JIT-built on first use (about a minute, cached per machine)"
+        ],
+    )
     if not CPUAdamBuilder().is_compatible(verbose=False):
         problems.append("cpu_adam cannot build (offload needs it)")
     if gpu and not FusedAdamBuilder().is_compatible(verbose=False):
@@ -100,8 +110,11 @@ def deepspeed_ops(r: Report, needs: Needs, gpu: bool) -> None:
     if problems:
         r.add("deepspeed ops", FAIL, "; ".join(problems), "install a compiler and libaio-dev, then check `ds_report`")
     else:
-        r.add("deepspeed ops", PASS, "cpu_adam buildable" + (", fused_adam buildable" if gpu else "") + "; "
-              + "; ".join(notes))
+        r.add(
+            "deepspeed ops",
+            PASS,
+            "cpu_adam buildable" + (", fused_adam buildable" if gpu else "") + "; " + "; ".join(notes),
+        )
 
 
 def accelerator(r: Report) -> bool:
@@ -112,8 +125,12 @@ def accelerator(r: Report) -> bool:
         return False
     if not torch.cuda.is_available():
         r.facts["gpus"] = []
-        r.add("accelerator", WARN, "no GPU visible to torch: ranks here would run on the CPU",
-              "install the NVIDIA driver and a CUDA build of torch (make install TORCH_SPEC=...)")
+        r.add(
+            "accelerator",
+            WARN,
+            "no GPU visible to torch: ranks here would run on the CPU",
+            "install the NVIDIA driver and a CUDA build of torch (make install TORCH_SPEC=...)",
+        )
         return False
     gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
     r.facts["gpus"] = [{"name": g.name, "memory_bytes": g.total_memory} for g in gpus]
@@ -125,9 +142,16 @@ def accelerator(r: Report) -> bool:
         r.facts["p2p"] = peer
         if not peer or geforce:
             r.facts["advise_p2p_disable"] = True
-            r.add("gpu p2p", WARN, ("peer-to-peer access reported unavailable" if not peer else
-                                    "consumer GeForce cards: NCCL's P2P path is known to hang (DeepSpeed #4433)"),
-                  "NCCL_P2P_DISABLE=1 (pipeline doctor --write-env adds it)")
+            r.add(
+                "gpu p2p",
+                WARN,
+                (
+                    "peer-to-peer access reported unavailable"
+                    if not peer
+                    else "consumer GeForce cards: NCCL's P2P path is known to hang (DeepSpeed #4433)"
+                ),
+                "NCCL_P2P_DISABLE=1 (pipeline doctor --write-env adds it)",
+            )
         else:
             r.add("gpu p2p", PASS, "peer-to-peer access between the GPUs")
     return True
@@ -136,7 +160,9 @@ def accelerator(r: Report) -> bool:
 def network(r: Report, needs: Needs) -> None:
     addrs = _addresses()
     r.facts["addresses"] = addrs
-    r.facts["infiniband"] = bool(list(Path("/sys/class/infiniband").glob("*"))) if Path("/sys/class/infiniband").exists() else False
+    r.facts["infiniband"] = (
+        bool(list(Path("/sys/class/infiniband").glob("*"))) if Path("/sys/class/infiniband").exists() else False
+    )
     if needs.peer is None:
         r.add("network", PASS, f"addresses {' '.join(addrs) or 'none'} (no other host to route to)")
         return
@@ -146,8 +172,11 @@ def network(r: Report, needs: Needs) -> None:
         return
     speed = _link_speed_mbps(iface)
     r.facts.update(interface=iface, link_mbps=speed)
-    r.add("network", PASS, f"{iface} routes to {needs.peer}"
-          + (f", link {speed / 1000:g} Gbps" if speed else ", link speed not reported"))
+    r.add(
+        "network",
+        PASS,
+        f"{iface} routes to {needs.peer}" + (f", link {speed / 1000:g} Gbps" if speed else ", link speed not reported"),
+    )
 
 
 def limits(r: Report) -> None:
@@ -155,8 +184,12 @@ def limits(r: Report) -> None:
     if soft == resource.RLIM_INFINITY:
         r.add("ulimit -l", PASS, "locked memory unlimited")
     else:
-        r.add("ulimit -l", WARN, f"locked memory limited to {soft / 2**20:.0f} MiB: pinned offload buffers and "
-              "RDMA may fail", "'* - memlock unlimited' in /etc/security/limits.conf (docker: --ulimit memlock=-1)")
+        r.add(
+            "ulimit -l",
+            WARN,
+            f"locked memory limited to {soft / 2**20:.0f} MiB: pinned offload buffers and RDMA may fail",
+            "'* - memlock unlimited' in /etc/security/limits.conf (docker: --ulimit memlock=-1)",
+        )
     try:
         st = os.statvfs("/dev/shm")
         shm = st.f_frsize * st.f_blocks
@@ -164,8 +197,12 @@ def limits(r: Report) -> None:
         shm = 0
     r.facts["shm_bytes"] = shm
     if shm < 256 * 2**20:
-        r.add("/dev/shm", FAIL, f"{shm / 2**20:.0f} MiB: NCCL and DeepSpeed's shared-memory ops fail",
-              "docker run --shm-size=16g (or --ipc=host); mount -o remount,size=16G /dev/shm")
+        r.add(
+            "/dev/shm",
+            FAIL,
+            f"{shm / 2**20:.0f} MiB: NCCL and DeepSpeed's shared-memory ops fail",
+            "docker run --shm-size=16g (or --ipc=host); mount -o remount,size=16G /dev/shm",
+        )
     elif shm < 2 * GIB:
         r.add("/dev/shm", WARN, f"{shm / GIB:.1f} GiB: small for several ranks", "remount /dev/shm larger (16G)")
     else:
@@ -177,9 +214,12 @@ def memory_and_disk(r: Report, needs: Needs, first: bool) -> None:
     r.facts["ram_available_bytes"] = avail
     if needs.host_ram_bytes and avail is not None:
         ok = avail >= needs.host_ram_bytes
-        r.add("host RAM", PASS if ok else FAIL, f"{avail / 1e9:,.0f} GB available, the plan needs "
-              f"{needs.host_ram_bytes / 1e9:,.0f} GB per node", "" if ok else
-              "free memory, or offload less (pipeline plan --config ... shows what fits)")
+        r.add(
+            "host RAM",
+            PASS if ok else FAIL,
+            f"{avail / 1e9:,.0f} GB available, the plan needs {needs.host_ram_bytes / 1e9:,.0f} GB per node",
+            "" if ok else "free memory, or offload less (pipeline plan --config ... shows what fits)",
+        )
     else:
         r.add("host RAM", PASS, f"{(avail or 0) / 1e9:,.0f} GB available (give --config to compare with the plan)")
     if needs.run_dir:
@@ -187,9 +227,12 @@ def memory_and_disk(r: Report, needs: Needs, first: bool) -> None:
         free = shutil.disk_usage(folder).free
         need = needs.disk_bytes if first else None
         ok = need is None or free >= need
-        r.add("disk", PASS if ok else FAIL, f"{free / 1e9:,.0f} GB free at {folder}"
-              + (f"; two checkpoints need {need / 1e9:,.1f} GB" if need else ""),
-              "" if ok else "free space, lower checkpoint.keep_last, or put run_dir on a larger disk")
+        r.add(
+            "disk",
+            PASS if ok else FAIL,
+            f"{free / 1e9:,.0f} GB free at {folder}" + (f"; two checkpoints need {need / 1e9:,.1f} GB" if need else ""),
+            "" if ok else "free space, lower checkpoint.keep_last, or put run_dir on a larger disk",
+        )
     if needs.nvme_path:
         p = Path(needs.nvme_path)
         if not p.is_dir() or not os.access(p, os.W_OK):
@@ -197,9 +240,13 @@ def memory_and_disk(r: Report, needs: Needs, first: bool) -> None:
         else:
             free = shutil.disk_usage(p).free
             ok = not needs.nvme_bytes or free >= needs.nvme_bytes
-            r.add("nvme", PASS if ok else FAIL, f"{free / 1e9:,.0f} GB free at {p}"
-                  + (f"; offload needs {needs.nvme_bytes / 1e9:,.0f} GB" if needs.nvme_bytes else ""),
-                  "" if ok else "a larger NVMe drive, or offload to CPU")
+            r.add(
+                "nvme",
+                PASS if ok else FAIL,
+                f"{free / 1e9:,.0f} GB free at {p}"
+                + (f"; offload needs {needs.nvme_bytes / 1e9:,.0f} GB" if needs.nvme_bytes else ""),
+                "" if ok else "a larger NVMe drive, or offload to CPU",
+            )
 
 
 def data(r: Report, needs: Needs) -> None:
@@ -212,8 +259,12 @@ def data(r: Report, needs: Needs) -> None:
         r.add("data", PASS, f"{needs.data_path}: shards {m['fingerprint'][:12]}")
     except (OSError, ValueError, KeyError) as e:
         r.facts["data_fingerprint"] = None
-        r.add("data", FAIL, f"{manifest}: not readable here ({type(e).__name__})",
-              "copy the shard folder to the same path on every host (or use a shared mount)")
+        r.add(
+            "data",
+            FAIL,
+            f"{manifest}: not readable here ({type(e).__name__})",
+            "copy the shard folder to the same path on every host (or use a shared mount)",
+        )
 
 
 def master_port(r: Report, port: int | None) -> None:
@@ -225,8 +276,12 @@ def master_port(r: Report, port: int | None) -> None:
             s.bind(("", port))
             r.add("master port", PASS, f"{port} free")
         except OSError:
-            r.add("master port", FAIL, f"{port} in use on the first host (another run?)",
-                  "stop it, or pass --master-port with a free port")
+            r.add(
+                "master port",
+                FAIL,
+                f"{port} in use on the first host (another run?)",
+                "stop it, or pass --master-port with a free port",
+            )
 
 
 def run_checks(needs: Needs, *, first: bool = True, quick: bool = False) -> Report:

@@ -53,27 +53,38 @@ def ssh(host: str, command: str, timeout: float, ssh_port: int | None = None) ->
 
 
 def remote_python(module: str, args: list[str]) -> str:
-    return (f"{exports()}cd {shlex.quote(os.getcwd())}; {shlex.quote(sys.executable)} -m {module} "
-            + " ".join(shlex.quote(a) for a in args))
+    return f"{exports()}cd {shlex.quote(os.getcwd())}; {shlex.quote(sys.executable)} -m {module} " + " ".join(
+        shlex.quote(a) for a in args
+    )
 
 
 def _parse(tag: str, out: str) -> Any:
     for line in out.splitlines():
         if line.startswith(tag + " "):
-            return json.loads(line[len(tag) + 1:])
+            return json.loads(line[len(tag) + 1 :])
     return None
 
 
-def doctor(hosts: list[str] | None, needs: Needs, *, timeout: float = 60.0, expected_bus_bytes: float | None = None,
-           bandwidth_mbytes: float = 16.0) -> list[Report]:
+def doctor(
+    hosts: list[str] | None,
+    needs: Needs,
+    *,
+    timeout: float = 60.0,
+    expected_bus_bytes: float | None = None,
+    bandwidth_mbytes: float = 16.0,
+) -> list[Report]:
     """Reports for this machine (hosts None) or for each host, in order."""
     if not hosts:
         return [run_checks(needs)]
     reports = {h: Report(h) for h in hosts}
     launcher = Report("launcher (this machine)")
     ok = shutil.which("pdsh") is not None
-    launcher.add("pdsh", PASS if ok else FAIL, "found" if ok else "not on PATH: DeepSpeed's multi-node launcher "
-                 "runs pdsh here", "" if ok else "apt-get install pdsh")
+    launcher.add(
+        "pdsh",
+        PASS if ok else FAIL,
+        "found" if ok else "not on PATH: DeepSpeed's multi-node launcher runs pdsh here",
+        "" if ok else "apt-get install pdsh",
+    )
     with ThreadPoolExecutor(len(hosts)) as pool:
         answers = dict(zip(hosts, pool.map(lambda h: ssh(h, "hostname -I", timeout), hosts), strict=True))
     reachable = []
@@ -84,8 +95,12 @@ def doctor(hosts: list[str] | None, needs: Needs, *, timeout: float = 60.0, expe
             reachable.append(h)
         else:
             why = (res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1]
-            reports[h].add("ssh", FAIL, f"{h} not reachable by ssh without a password: {why}",
-                           "ssh-copy-id to it from this machine; check its name resolves (~/.ssh/config, /etc/hosts)")
+            reports[h].add(
+                "ssh",
+                FAIL,
+                f"{h} not reachable by ssh without a password: {why}",
+                "ssh-copy-id to it from this machine; check its name resolves (~/.ssh/config, /etc/hosts)",
+            )
     if not reachable:
         return [launcher, *reports.values()]
     master = reports[reachable[0]].facts["addresses"][0]  # as DeepSpeed picks it: the first host's `hostname -I`
@@ -93,8 +108,13 @@ def doctor(hosts: list[str] | None, needs: Needs, *, timeout: float = 60.0, expe
     def checks(h: str) -> tuple[str, Any, str]:
         first = h == hosts[0]
         peer = reports[reachable[1]].facts["addresses"][0] if first and len(reachable) > 1 else master
-        n = Needs(**{**asdict(needs), "peer": peer if len(reachable) > 1 else None,
-                     "master_port": needs.master_port if first else None})
+        n = Needs(
+            **{
+                **asdict(needs),
+                "peer": peer if len(reachable) > 1 else None,
+                "master_port": needs.master_port if first else None,
+            }
+        )
         args = ["--needs", json.dumps(asdict(n))] + ([] if first else ["--not-first"])
         res = ssh(h, remote_python("pipeline.doctor.checks", args), timeout)
         return h, _parse("DOCTOR-JSON", res.stdout), (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
@@ -102,17 +122,20 @@ def doctor(hosts: list[str] | None, needs: Needs, *, timeout: float = 60.0, expe
     with ThreadPoolExecutor(len(reachable)) as pool:
         for h, got, err in pool.map(checks, reachable):
             if got is None:
-                reports[h].add("checks", FAIL, f"the checks did not run there: {err}",
-                               f"run `{sys.executable} -m pipeline.doctor.checks` on {h} to see why; the same venv "
-                               "path must exist on every host")
+                reports[h].add(
+                    "checks",
+                    FAIL,
+                    f"the checks did not run there: {err}",
+                    f"run `{sys.executable} -m pipeline.doctor.checks` on {h} to see why; the same venv "
+                    "path must exist on every host",
+                )
                 continue
             reports[h].checks += [Check(**c) for c in got["checks"]]
             reports[h].facts.update(got["facts"])
     _compare(hosts, reports)
     ran = [h for h in reachable if "versions" in reports[h].facts]
     if len(ran) > 1:  # rank 0 on the first host whose checks ran, at its first address
-        _bandwidth(ran, reports, reports[ran[0]].facts["addresses"][0], timeout, expected_bus_bytes,
-                   bandwidth_mbytes)
+        _bandwidth(ran, reports, reports[ran[0]].facts["addresses"][0], timeout, expected_bus_bytes, bandwidth_mbytes)
     return [launcher, *reports.values()]
 
 
@@ -124,24 +147,37 @@ def _compare(hosts: list[str], reports: dict[str, Report]) -> None:
         f = reports[h].facts
         if "versions" not in f:
             continue
-        diffs = [f"{k} {f['versions'].get(k)} here, {v} on {hosts[0]}" for k, v in ref["versions"].items()
-                 if f["versions"].get(k) != v]
+        diffs = [
+            f"{k} {f['versions'].get(k)} here, {v} on {hosts[0]}"
+            for k, v in ref["versions"].items()
+            if f["versions"].get(k) != v
+        ]
         if f.get("python") != ref.get("python") or f.get("python_version") != ref.get("python_version"):
-            diffs.append(f"python {f.get('python')} ({f.get('python_version')}) here, {ref.get('python')} "
-                         f"({ref.get('python_version')}) on {hosts[0]}")
+            diffs.append(
+                f"python {f.get('python')} ({f.get('python_version')}) here, {ref.get('python')} "
+                f"({ref.get('python_version')}) on {hosts[0]}"
+            )
         if diffs:
-            reports[h].add("same as first host", FAIL, "; ".join(diffs),
-                           "install the same venv at the same path on every host (make install)")
+            reports[h].add(
+                "same as first host",
+                FAIL,
+                "; ".join(diffs),
+                "install the same venv at the same path on every host (make install)",
+            )
         else:
             reports[h].add("same as first host", PASS, "python, venv and versions match")
         if "data_fingerprint" in ref and f.get("data_fingerprint") != ref["data_fingerprint"]:
-            reports[h].add("same data", FAIL, f"shards {str(f.get('data_fingerprint'))[:12]} here, "
-                           f"{str(ref['data_fingerprint'])[:12]} on {hosts[0]}",
-                           "copy the same shard folder to every host (rsync -a), or use a shared mount")
+            reports[h].add(
+                "same data",
+                FAIL,
+                f"shards {str(f.get('data_fingerprint'))[:12]} here, {str(ref['data_fingerprint'])[:12]} on {hosts[0]}",
+                "copy the same shard folder to every host (rsync -a), or use a shared mount",
+            )
 
 
-def _bandwidth(hosts: list[str], reports: dict[str, Report], master: str, timeout: float,
-               expected: float | None, mbytes: float) -> None:
+def _bandwidth(
+    hosts: list[str], reports: dict[str, Report], master: str, timeout: float, expected: float | None, mbytes: float
+) -> None:
     import socket
 
     with socket.socket() as s:  # a port for the rendezvous; free here, and very likely on the first host
@@ -149,38 +185,68 @@ def _bandwidth(hosts: list[str], reports: dict[str, Report], master: str, timeou
         port = s.getsockname()[1]
 
     def rank(i: int) -> subprocess.CompletedProcess:
-        args = ["--rank", str(i), "--world", str(len(hosts)), "--master", f"{master}:{port}", "--mbytes", str(mbytes),
-                "--timeout", str(timeout)]
+        args = [
+            "--rank",
+            str(i),
+            "--world",
+            str(len(hosts)),
+            "--master",
+            f"{master}:{port}",
+            "--mbytes",
+            str(mbytes),
+            "--timeout",
+            str(timeout),
+        ]
         iface = reports[hosts[i]].facts.get("interface")
-        return ssh(hosts[i], remote_python("pipeline.doctor.bandwidth", args + (["--iface", iface] if iface else [])),
-                   timeout + 30)
+        return ssh(
+            hosts[i],
+            remote_python("pipeline.doctor.bandwidth", args + (["--iface", iface] if iface else [])),
+            timeout + 30,
+        )
 
     if expected:
         for h in hosts:
             f = reports[h].facts
             if f.get("link_mbps") and f["link_mbps"] * 1e6 / 8 < 0.9 * expected:
-                reports[h].add("link speed", WARN, f"{f['interface']} is a {f['link_mbps'] / 1000:g} Gbps link; the "
-                               f"hostfile says {expected * 8 / 1e9:g} Gbps",
-                               "if a faster interface exists, NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME=<it>")
+                reports[h].add(
+                    "link speed",
+                    WARN,
+                    f"{f['interface']} is a {f['link_mbps'] / 1000:g} Gbps link; the "
+                    f"hostfile says {expected * 8 / 1e9:g} Gbps",
+                    "if a faster interface exists, NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME=<it>",
+                )
     with ThreadPoolExecutor(len(hosts)) as pool:
         results = list(pool.map(rank, range(len(hosts))))
     got = _parse("DOCTOR-BW", results[0].stdout)
     first = reports[hosts[0]]
     if got is None:
-        errs = "; ".join(f"{h}: {(r.stderr.strip().splitlines() or [f'exit {r.returncode}'])[-1]}"
-                         for h, r in zip(hosts, results, strict=True) if r.returncode != 0)
-        first.add("all-reduce", FAIL, f"between {', '.join(hosts)} failed: {errs or 'no result'}",
-                  "check the interface (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME) and firewalls between the hosts")
+        errs = "; ".join(
+            f"{h}: {(r.stderr.strip().splitlines() or [f'exit {r.returncode}'])[-1]}"
+            for h, r in zip(hosts, results, strict=True)
+            if r.returncode != 0
+        )
+        first.add(
+            "all-reduce",
+            FAIL,
+            f"between {', '.join(hosts)} failed: {errs or 'no result'}",
+            "check the interface (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME) and firewalls between the hosts",
+        )
         return
     bus = got["bus_bytes_per_s"]
     first.facts["allreduce_bus_bytes_per_s"] = bus
-    detail = (f"{got['backend']} all-reduce of {got['bytes'] / 2**20:.0f} MiB over {len(hosts)} hosts: "
-              f"{bus / 1e9:.3g} GB/s bus bandwidth ({bus * 8 / 1e9:.3g} Gbps)")
+    detail = (
+        f"{got['backend']} all-reduce of {got['bytes'] / 2**20:.0f} MiB over {len(hosts)} hosts: "
+        f"{bus / 1e9:.3g} GB/s bus bandwidth ({bus * 8 / 1e9:.3g} Gbps)"
+    )
     if expected:
         detail += f"; the hostfile says {expected * 8 / 1e9:g} Gbps"
         if bus < 0.3 * expected:
-            first.add("all-reduce", WARN, detail + ": under 30% of it",
-                      "check that the interface found is the fast one (not a 1 GbE management port)")
+            first.add(
+                "all-reduce",
+                WARN,
+                detail + ": under 30% of it",
+                "check that the interface found is the fast one (not a 1 GbE management port)",
+            )
             return
     first.add("all-reduce", PASS, detail)
 
@@ -200,8 +266,9 @@ def needs_for_config(config_path: str, sets: list[str], cluster: Any, master_por
             if zero.get(k, {}).get("device") == "nvme":
                 needs.uses_nvme, needs.nvme_path = True, zero[k].get("nvme_path")
     try:
-        est = forecast.forecast_config(config_path, sets, cluster, seq_len=None, layers=None, vocab_size=32000,
-                                       mfu=0.4).yours
+        est = forecast.forecast_config(
+            config_path, sets, cluster, seq_len=None, layers=None, vocab_size=32000, mfu=0.4
+        ).yours
     except PipelineError as e:
         return needs, f"no plan for {config_path} ({e}); RAM and checkpoint room not compared"
     needs.host_ram_bytes = est.host["total"]
@@ -248,8 +315,11 @@ def write_env(path: Path, found: dict[str, str]) -> list[str]:
 
 
 def table(reports: list[Report]) -> str:
-    rows = [(r.host, c.name, c.status, c.detail + (f"  -> {c.fix}" if c.fix and c.status != PASS else ""))
-            for r in reports for c in r.checks]
+    rows = [
+        (r.host, c.name, c.status, c.detail + (f"  -> {c.fix}" if c.fix and c.status != PASS else ""))
+        for r in reports
+        for c in r.checks
+    ]
     wh = max([len(r[0]) for r in rows] + [4])
     wc = max([len(r[1]) for r in rows] + [5])
     out = [f"{'host':<{wh}}  {'check':<{wc}}  status  detail"]

@@ -39,8 +39,15 @@ def hf_tokenizer(sp_model: Path) -> Any:
     if proto.trainer_spec.split_digits:
         pre = [tk.pre_tokenizer] if tk.pre_tokenizer is not None else []
         tk.pre_tokenizer = pre_tokenizers.Sequence([*pre, pre_tokenizers.Digits(individual_digits=True)])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", model_max_length=10**9, clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=10**9,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def check_export_target(output: Path) -> None:
@@ -49,8 +56,10 @@ def check_export_target(output: Path) -> None:
     if output.is_file():
         raise PipelineError(f"--output {output}: is a file; give a folder to write the model into")
     if output.is_dir() and any(output.iterdir()) and not (output / "config.json").exists():
-        raise PipelineError(f"--output {output}: a folder that holds other files and no config.json; it would be "
-                            "replaced whole: give a new or empty folder")
+        raise PipelineError(
+            f"--output {output}: a folder that holds other files and no config.json; it would be "
+            "replaced whole: give a new or empty folder"
+        )
     for parent in output.parents:
         if parent.exists():
             if not parent.is_dir():
@@ -58,9 +67,16 @@ def check_export_target(output: Path) -> None:
             break
 
 
-def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], shape: ModelShape, tokenizer: Path | None,
-                   output: Path, *, dtype: str = "bf16", tok_ids: dict[str, Any] | None = None,
-                   max_shard_bytes: int = 2 * 10**9) -> Path:
+def write_hf_model(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    shape: ModelShape,
+    tokenizer: Path | None,
+    output: Path,
+    *,
+    dtype: str = "bf16",
+    tok_ids: dict[str, Any] | None = None,
+    max_shard_bytes: int = 2 * 10**9,
+) -> Path:
     """Stream `tensors` into safetensors shards in a temporary folder beside `output`, then rename it into place."""
     from safetensors.torch import save_file
 
@@ -91,8 +107,10 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], shape: ModelShap
             os.replace(work / f, work / new)
             final_names[f] = new
         if total > 1:
-            index = {"metadata": {"total_size": sum((work / n).stat().st_size for n in final_names.values())},
-                     "weight_map": {k: final_names[v] for k, v in weight_map.items()}}
+            index = {
+                "metadata": {"total_size": sum((work / n).stat().st_size for n in final_names.values())},
+                "weight_map": {k: final_names[v] for k, v in weight_map.items()},
+            }
             (work / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         _write_config(shape, ids, dtype, work)
         if tokenizer is not None and tokenizer.is_dir():  # a Hugging Face tokenizer: its own files, as they are
@@ -126,8 +144,9 @@ def _write_config(shape: ModelShape, ids: dict[str, Any], dtype: str, work: Path
     elif shape.hf_config:
         GenerationConfig.from_model_config(cfg).save_pretrained(work)
     else:
-        GenerationConfig(bos_token_id=ids["bos_id"], eos_token_id=ids["eos_id"], pad_token_id=ids.get("pad_id"),
-                         do_sample=False).save_pretrained(work)
+        GenerationConfig(
+            bos_token_id=ids["bos_id"], eos_token_id=ids["eos_id"], pad_token_id=ids.get("pad_id"), do_sample=False
+        ).save_pretrained(work)
 
 
 def _flush(shard: dict[str, torch.Tensor], work: Path, k: int, save_file: Any, weight_map: dict[str, str]) -> str:

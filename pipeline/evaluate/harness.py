@@ -42,22 +42,56 @@ def export_if_needed(checkpoint: str, dtype: str = "bf16") -> tuple[Path, bool]:
     return out, True
 
 
-def lm_eval_command(lm_eval: str, model_dir: Path, tasks: str, output: Path, *, device: str, batch_size: str,
-                    limit: float | None = None, include: Path = LOCAL_TASKS) -> list[str]:
-    cmd = [lm_eval, "run", "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=auto", "--tasks", tasks,
-           "--include_path", str(include), "--device", device, "--batch_size", batch_size, "--output_path",
-           str(output)]
+def lm_eval_command(
+    lm_eval: str,
+    model_dir: Path,
+    tasks: str,
+    output: Path,
+    *,
+    device: str,
+    batch_size: str,
+    limit: float | None = None,
+    include: Path = LOCAL_TASKS,
+) -> list[str]:
+    cmd = [
+        lm_eval,
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={model_dir},dtype=auto",
+        "--tasks",
+        tasks,
+        "--include_path",
+        str(include),
+        "--device",
+        device,
+        "--batch_size",
+        batch_size,
+        "--output_path",
+        str(output),
+    ]
     return cmd + (["--limit", f"{limit:g}"] if limit is not None else [])
 
 
-def run_harness(checkpoint: str, tasks: str, lm_eval: str, *, device: str = "auto", batch_size: str = "8",
-                dtype: str = "bf16", limit: float | None = None) -> tuple[int, Path]:
+def run_harness(
+    checkpoint: str,
+    tasks: str,
+    lm_eval: str,
+    *,
+    device: str = "auto",
+    batch_size: str = "8",
+    dtype: str = "bf16",
+    limit: float | None = None,
+) -> tuple[int, Path]:
     """Export if needed, then run the harness; returns its exit code and the results folder
     (RUN_DIR/eval/TAG-lm-eval). Its table goes to this process's standard output."""
     if not Path(lm_eval).is_file():
-        raise PipelineError(f"--lm-eval {lm_eval}: not found; `make eval TASKS=...` installs the harness into its "
-                            "own environment (.venv-lm-eval), or pip install 'lm-eval[hf]' elsewhere and pass its "
-                            "lm_eval")
+        raise PipelineError(
+            f"--lm-eval {lm_eval}: not found; `make eval TASKS=...` installs the harness into its "
+            "own environment (.venv-lm-eval), or pip install 'lm-eval[hf]' elsewhere and pass its "
+            "lm_eval"
+        )
     if device == "auto":
         import torch
 
@@ -65,6 +99,14 @@ def run_harness(checkpoint: str, tasks: str, lm_eval: str, *, device: str = "aut
     model_dir, _ = export_if_needed(checkpoint, dtype)
     r = open_run(checkpoint)
     output = r.run_dir / "eval" / f"{r.tag}-lm-eval"
-    cmd = lm_eval_command(os.path.abspath(lm_eval), model_dir.absolute(), tasks, output.absolute(), device=device, batch_size=batch_size, limit=limit)
+    cmd = lm_eval_command(
+        os.path.abspath(lm_eval),
+        model_dir.absolute(),
+        tasks,
+        output.absolute(),
+        device=device,
+        batch_size=batch_size,
+        limit=limit,
+    )
     # Started in the local tasks' folder: their data paths are relative to it.
     return subprocess.call(cmd, cwd=LOCAL_TASKS), output

@@ -72,8 +72,10 @@ def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.M
     with torch.no_grad():
         for name, t in ckpt.consolidated_tensors(run.run_dir, run.tag, run.shape.tied_names()):
             if name not in params:
-                raise PipelineError(f"{run.run_dir}/{run.tag}: unexpected tensor {name}; the checkpoint's model "
-                                    "differs from its recorded shape")
+                raise PipelineError(
+                    f"{run.run_dir}/{run.tag}: unexpected tensor {name}; the checkpoint's model "
+                    "differs from its recorded shape"
+                )
             params[name].copy_(t)
             seen.add(name)
     if missing := sorted(set(params) - seen):
@@ -82,9 +84,17 @@ def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.M
 
 
 @torch.no_grad()
-def perplexity(model: torch.nn.Module, dataset: ShardedDataset, tokenizer: Tokenizer, *, batch_size: int = 8,
-               max_batches: int | None = None, device: torch.device | None = None, rank: int = 0,
-               world_size: int = 1) -> dict[str, float]:
+def perplexity(
+    model: torch.nn.Module,
+    dataset: ShardedDataset,
+    tokenizer: Tokenizer,
+    *,
+    batch_size: int = 8,
+    max_batches: int | None = None,
+    device: torch.device | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict[str, float]:
     """Loss (nats/token), perplexity and bits per byte over the split's samples in order; bytes are those of
     the decoded label tokens, so the figure is comparable across tokenizers. The loss comes from the model's
     chunked per-token path, so no full (B, T, V) fp32 logits are built.
@@ -117,25 +127,52 @@ def perplexity(model: torch.nn.Module, dataset: ShardedDataset, tokenizer: Token
         sums = total.tolist()
     nats, tokens, nbytes = sums[0], int(sums[1]), int(sums[2])
     loss = nats / max(tokens, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "bits_per_byte": nats / math.log(2) / max(nbytes, 1),
-            "tokens": tokens, "bytes": nbytes, "samples": min(n, batches * batch_size)}
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "bits_per_byte": nats / math.log(2) / max(nbytes, 1),
+        "tokens": tokens,
+        "bytes": nbytes,
+        "samples": min(n, batches * batch_size),
+    }
 
 
 @torch.no_grad()
-def generate(model: Any, tokenizer: Tokenizer, prompts: list[str], *, seed: int, max_new_tokens: int,
-             device: torch.device, synced: bool = False) -> list[dict[str, str]]:
+def generate(
+    model: Any,
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    *,
+    seed: int,
+    max_new_tokens: int,
+    device: torch.device,
+    synced: bool = False,
+) -> list[dict[str, str]]:
     """Greedy and sampled continuations. `synced`: under ZeRO-3 across ranks, every rank generates the same
     prompts with the same seed, and transformers keeps the ranks' forwards in step until all are done."""
     out = []
     for p in prompts:
         ids = torch.tensor([tokenizer.encode(p)], device=device)
-        greedy = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_id,
-                                synced_gpus=synced)
+        greedy = model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_id, synced_gpus=synced
+        )
         torch.manual_seed(seed)
-        sampled = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_k=50,
-                                 pad_token_id=tokenizer.eos_id, synced_gpus=synced)
-        out.append({"prompt": p, "greedy": tokenizer.decode(greedy[0, ids.shape[1]:].tolist()),
-                    "sampled": tokenizer.decode(sampled[0, ids.shape[1]:].tolist())})
+        sampled = model.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=0.8,
+            top_k=50,
+            pad_token_id=tokenizer.eos_id,
+            synced_gpus=synced,
+        )
+        out.append(
+            {
+                "prompt": p,
+                "greedy": tokenizer.decode(greedy[0, ids.shape[1] :].tolist()),
+                "sampled": tokenizer.decode(sampled[0, ids.shape[1] :].tolist()),
+            }
+        )
     return out
 
 
@@ -209,19 +246,27 @@ def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
         if (ours_path / "manifest.json").exists():
             ours = read_shard_manifest(ours_path)
             if ours["tokenizer"]["sha256"] != theirs["tokenizer"]["sha256"]:
-                raise PipelineError(f"--data {path}: tokenized with another tokenizer than the run's "
-                                    f"({theirs['tokenizer']['path']} vs {ours['tokenizer']['path']})")
+                raise PipelineError(
+                    f"--data {path}: tokenized with another tokenizer than the run's "
+                    f"({theirs['tokenizer']['path']} vs {ours['tokenizer']['path']})"
+                )
     if "tokenizer_sha256" in run.marker and theirs["tokenizer"]["sha256"] != run.marker["tokenizer_sha256"]:
-        raise PipelineError(f"--data {path}: tokenized with another tokenizer than the run "
-                            f"({theirs['tokenizer']['path']}); evaluate on shards of the run's tokenizer")
+        raise PipelineError(
+            f"--data {path}: tokenized with another tokenizer than the run "
+            f"({theirs['tokenizer']['path']}); evaluate on shards of the run's tokenizer"
+        )
     if "seq_len" in run.marker and theirs["seq_len"] != run.marker["seq_len"]:
-        raise PipelineError(f"--data {path}: seq_len {theirs['seq_len']} differs from the run's "
-                            f"{run.marker['seq_len']}; shard the held-out data with --seq-len {run.marker['seq_len']}")
+        raise PipelineError(
+            f"--data {path}: seq_len {theirs['seq_len']} differs from the run's "
+            f"{run.marker['seq_len']}; shard the held-out data with --seq-len {run.marker['seq_len']}"
+        )
     if run.shape.hf_config is not None:
         check_tokenizer(run.shape, theirs["tokenizer"], f"--data {path}")
     elif theirs["tokenizer"]["vocab_size"] != run.shape.vocab_size:
-        raise PipelineError(f"--data {path}: vocabulary {theirs['tokenizer']['vocab_size']} differs from the "
-                            f"model's {run.shape.vocab_size}; shards of another tokenizer")
+        raise PipelineError(
+            f"--data {path}: vocabulary {theirs['tokenizer']['vocab_size']} differs from the "
+            f"model's {run.shape.vocab_size}; shards of another tokenizer"
+        )
     return ShardedDataset(path, split)
 
 
@@ -240,7 +285,9 @@ def open_inputs(cfg: EvalConfig) -> Inputs:
     dataset = _dataset(r, cfg.data, cfg.split)
     tok_path = dataset.tokenizer_path
     if tok_path is None:
-        raise PipelineError(f"{dataset.path}: the tokenizer {dataset.manifest['tokenizer']['path']} is gone; re-run shard")
+        raise PipelineError(
+            f"{dataset.path}: the tokenizer {dataset.manifest['tokenizer']['path']} is gone; re-run shard"
+        )
     return Inputs(prompts, r, dataset, Tokenizer(tok_path))
 
 
@@ -252,7 +299,8 @@ def check_fits_device(shape: ModelShape, device: torch.device, free_bytes: int, 
         raise PipelineError(
             f"the checkpoint's model needs {need / 2**30:.1f} GiB in bf16 (with 2 GiB for activations), {device} has "
             f"{free_bytes / 2**30:.1f} of {total_bytes / 2**30:.1f} GiB free; evaluate across GPUs with ZeRO-3: "
-            "pipeline evaluate ... --num-gpus N (this node) or --hostfile HOSTFILE (the training cluster)")
+            "pipeline evaluate ... --num-gpus N (this node) or --hostfile HOSTFILE (the training cluster)"
+        )
 
 
 def run(cfg: EvalConfig) -> dict[str, Any]:
@@ -262,22 +310,33 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     if device.type == "cuda":
         check_fits_device(inputs.run.shape, device, *torch.cuda.mem_get_info(device))
     model = load_model(inputs.run, device, inputs.dataset.manifest["tokenizer"])
-    metrics = perplexity(model, inputs.dataset, inputs.tokenizer, batch_size=cfg.batch_size,
-                         max_batches=cfg.max_batches, device=device)
-    samples = generate(model, inputs.tokenizer, inputs.prompts, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
-                       device=device)
+    metrics = perplexity(
+        model, inputs.dataset, inputs.tokenizer, batch_size=cfg.batch_size, max_batches=cfg.max_batches, device=device
+    )
+    samples = generate(
+        model, inputs.tokenizer, inputs.prompts, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, device=device
+    )
     return write_result(cfg, inputs, metrics, samples, t0)
 
 
-def write_result(cfg: EvalConfig, inputs: Inputs, metrics: dict[str, float], samples: list[dict[str, str]],
-                 t0: float, **extra: Any) -> dict[str, Any]:
+def write_result(
+    cfg: EvalConfig, inputs: Inputs, metrics: dict[str, float], samples: list[dict[str, str]], t0: float, **extra: Any
+) -> dict[str, Any]:
     """The results file (RUN_DIR/eval/TAG-SPLIT.json unless --output) and the loss plot."""
     r, dataset = inputs.run, inputs.dataset
     plot = plot_losses(r.run_dir)
-    result = {"checkpoint": str(r.run_dir / r.tag), "step": r.marker["step"],
-              "consumed_tokens": r.marker["consumed_samples"] * dataset.seq_len, "split": cfg.split,
-              "data": str(dataset.path), **metrics, "samples_generated": samples, **extra,
-              "loss_plot": str(plot) if plot else None, "wall_time_s": round(time.perf_counter() - t0, 2)}
+    result = {
+        "checkpoint": str(r.run_dir / r.tag),
+        "step": r.marker["step"],
+        "consumed_tokens": r.marker["consumed_samples"] * dataset.seq_len,
+        "split": cfg.split,
+        "data": str(dataset.path),
+        **metrics,
+        "samples_generated": samples,
+        **extra,
+        "loss_plot": str(plot) if plot else None,
+        "wall_time_s": round(time.perf_counter() - t0, 2),
+    }
     out = result_path(cfg, r)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, result)
@@ -290,10 +349,16 @@ def result_path(cfg: EvalConfig, r: Run) -> Path:
 
 
 def table(result: dict[str, Any]) -> str:
-    rows = [("checkpoint", result["checkpoint"]), ("step", f"{result['step']:,}"),
-            ("consumed tokens", f"{result['consumed_tokens']:,}"), ("split", result["split"]),
-            ("tokens evaluated", f"{result['tokens']:,}"), ("loss (nats/token)", f"{result['loss']:.4f}"),
-            ("perplexity", f"{result['perplexity']:.2f}"), ("bits per byte", f"{result['bits_per_byte']:.4f}")]
+    rows = [
+        ("checkpoint", result["checkpoint"]),
+        ("step", f"{result['step']:,}"),
+        ("consumed tokens", f"{result['consumed_tokens']:,}"),
+        ("split", result["split"]),
+        ("tokens evaluated", f"{result['tokens']:,}"),
+        ("loss (nats/token)", f"{result['loss']:.4f}"),
+        ("perplexity", f"{result['perplexity']:.2f}"),
+        ("bits per byte", f"{result['bits_per_byte']:.4f}"),
+    ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for s in result["samples_generated"]:
@@ -317,5 +382,12 @@ def export(checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: i
         dataset = ShardedDataset(data, "train")
         tok_path = dataset.tokenizer_path
         tok_ids = model_token_ids(dataset.manifest["tokenizer"])
-    return write_hf_model(ckpt.consolidated_tensors(r.run_dir, r.tag, r.shape.tied_names()), r.shape, tok_path, Path(output), dtype=dtype,
-                          tok_ids=tok_ids, max_shard_bytes=max_shard_bytes)
+    return write_hf_model(
+        ckpt.consolidated_tensors(r.run_dir, r.tag, r.shape.tied_names()),
+        r.shape,
+        tok_path,
+        Path(output),
+        dtype=dtype,
+        tok_ids=tok_ids,
+        max_shard_bytes=max_shard_bytes,
+    )

@@ -32,8 +32,8 @@ class ModelShape:
     qk_norm: bool = False
     """RMSNorm on each head's queries and keys (Qwen3)."""
     hf_config: dict[str, Any] | None = None
-    """A Hugging Face model's config.json (continued pretraining, see pipeline.model.families): the model is built from it
-    by transformers' own class for its `model_type`; the fields above are read from it for the planner."""
+    """A Hugging Face model's config.json (continued pretraining, see pipeline.model.families): the model is built
+    from it by transformers' own class for its `model_type`; the fields above are read from it for the planner."""
 
     def check(self) -> list[str]:
         p = []
@@ -73,7 +73,8 @@ class ModelShape:
 
     def flops_per_token(self, seq_len: int, causal: bool = False) -> float:
         """Training FLOPs per token, PaLM appendix B: 6 N (non-embedding-input params) + 12 L H Q T attention, as
-        TinyLlama and torchtitan count MFU. `causal` counts only the attention a causal mask leaves (half: 6 L H Q T)."""
+        TinyLlama and torchtitan count MFU. `causal` counts only the attention a causal mask leaves (half: 6 L H Q
+        T)."""
         n = self.num_params() - self.embedding_params()
         attention = 12.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
         return 6.0 * n + (attention / 2 if causal else attention)
@@ -91,22 +92,28 @@ class ModelShape:
         name = self.hf_config.get("_name_or_path") if self.hf_config else None
         n = self.num_params()
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-        return (f"{self.family}{f' ({name})' if name else ''}: {size} parameters, "
-                f"{self.num_layers} layers, hidden {self.hidden_size}, heads {self.num_heads}/{self.num_kv_heads} kv, "
-                f"vocab {self.vocab_size:,}")
+        return (
+            f"{self.family}{f' ({name})' if name else ''}: {size} parameters, "
+            f"{self.num_layers} layers, hidden {self.hidden_size}, heads {self.num_heads}/{self.num_kv_heads} kv, "
+            f"vocab {self.vocab_size:,}"
+        )
 
 
 PRESETS: dict[str, ModelShape] = {
     # ~1M parameters with a small vocabulary: for tests and CPU demos.
-    "tiny": ModelShape(hidden_size=64, num_layers=2, ffn_hidden_size=172, num_heads=4, num_kv_heads=2,
-                       max_seq_len=1024),
-    "125m": ModelShape(hidden_size=768, num_layers=12, ffn_hidden_size=2048, num_heads=12, num_kv_heads=12,
-                       max_seq_len=2048),
-    "350m": ModelShape(hidden_size=1024, num_layers=24, ffn_hidden_size=2816, num_heads=16, num_kv_heads=16,
-                       max_seq_len=2048),
+    "tiny": ModelShape(
+        hidden_size=64, num_layers=2, ffn_hidden_size=172, num_heads=4, num_kv_heads=2, max_seq_len=1024
+    ),
+    "125m": ModelShape(
+        hidden_size=768, num_layers=12, ffn_hidden_size=2048, num_heads=12, num_kv_heads=12, max_seq_len=2048
+    ),
+    "350m": ModelShape(
+        hidden_size=1024, num_layers=24, ffn_hidden_size=2816, num_heads=16, num_kv_heads=16, max_seq_len=2048
+    ),
     # TinyLlama-1.1B geometry.
-    "1b": ModelShape(hidden_size=2048, num_layers=22, ffn_hidden_size=5632, num_heads=32, num_kv_heads=4,
-                     max_seq_len=2048),
+    "1b": ModelShape(
+        hidden_size=2048, num_layers=22, ffn_hidden_size=5632, num_heads=32, num_kv_heads=4, max_seq_len=2048
+    ),
     "7b": ModelShape(hidden_size=4096, num_layers=32, ffn_hidden_size=11008, num_heads=32, num_kv_heads=32),
     "13b": ModelShape(hidden_size=5120, num_layers=40, ffn_hidden_size=13824, num_heads=40, num_kv_heads=40),
     # Llama-2-70B geometry.
@@ -125,8 +132,9 @@ def resolve_shape(preset: str | None, overrides: dict[str, Any], vocab_size: int
     try:
         shape = replace(PRESETS[preset], **overrides) if preset else ModelShape(**overrides)
     except TypeError as e:
-        raise ConfigError([f"model: give a preset or all of hidden_size, num_layers, ffn_hidden_size, num_heads, "
-                           f"num_kv_heads ({e})"]) from None
+        raise ConfigError(
+            [f"model: give a preset or all of hidden_size, num_layers, ffn_hidden_size, num_heads, num_kv_heads ({e})"]
+        ) from None
     if vocab_size is not None:
         shape = replace(shape, vocab_size=vocab_size)
     if problems := shape.check():
@@ -138,14 +146,27 @@ def llama_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id:
     from transformers import LlamaConfig
 
     kwargs: dict[str, Any] = dict(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_seq_len,
-        rms_norm_eps=shape.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
-        tie_word_embeddings=shape.tie_embeddings, hidden_act="silu", attention_bias=False, mlp_bias=False,
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_seq_len,
+        rms_norm_eps=shape.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        tie_word_embeddings=shape.tie_embeddings,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
         head_dim=shape.head_dim,
-        attention_dropout=0.0, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=False,
-        initializer_range=0.02, attn_implementation="sdpa",
+        attention_dropout=0.0,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        use_cache=False,
+        initializer_range=0.02,
+        attn_implementation="sdpa",
     )
     return LlamaConfig(**kwargs)
 
@@ -171,8 +192,9 @@ def causal_lm_class(config: Any) -> Any:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def build_model(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id: int | None = 3,
-                skip_init: bool = False) -> Any:
+def build_model(
+    shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id: int | None = 3, skip_init: bool = False
+) -> Any:
     """The one constructor of our models: transformers' causal LM for the shape's family (LlamaForCausalLM for our
     presets), fp32, that can also return its per-token training loss computed in chunks
     (`forward(input_ids, loss_labels=...)`, see `pretraining_class`). `skip_init` skips transformers' random init
@@ -234,7 +256,7 @@ def pretraining_class(shape: ModelShape | None = None) -> Any:
             if loss_labels is None:
                 return super().forward(*args, **kwargs)
             hidden = self.model(*args, **kwargs).last_hidden_state  # (B, T, h)
-            flat = hidden.reshape(-1, hidden.size(-1))               # (B*T, h)
+            flat = hidden.reshape(-1, hidden.size(-1))  # (B*T, h)
             labels = loss_labels.reshape(-1)
             chunk = self.loss_chunk_tokens or loss_chunk_tokens(self.config.vocab_size)
 
@@ -242,9 +264,15 @@ def pretraining_class(shape: ModelShape | None = None) -> Any:
                 return token_losses(self.lm_head(h), y)
 
             if flat.size(0) <= chunk or not torch.is_grad_enabled():
-                return torch.cat([piece(flat[i:i + chunk], labels[i:i + chunk]) for i in range(0, flat.size(0), chunk)])
-            return torch.cat([checkpoint(piece, flat[i:i + chunk], labels[i:i + chunk], use_reentrant=False)
-                              for i in range(0, flat.size(0), chunk)])  # (B*T,) fp32
+                return torch.cat(
+                    [piece(flat[i : i + chunk], labels[i : i + chunk]) for i in range(0, flat.size(0), chunk)]
+                )
+            return torch.cat(
+                [
+                    checkpoint(piece, flat[i : i + chunk], labels[i : i + chunk], use_reentrant=False)
+                    for i in range(0, flat.size(0), chunk)
+                ]
+            )  # (B*T,) fp32
 
     ForPretraining.__name__ = ForPretraining.__qualname__ = f"{base.__name__}Pretraining"
     _PRETRAINING_CLASSES[base] = ForPretraining
@@ -263,5 +291,9 @@ def transformers_helper(module: str, name: str) -> Any:
     except (ImportError, AttributeError):
         import transformers
 
-        raise ConfigError([f"transformers {transformers.__version__} lacks {module}.{name}, which model building "
-                           f"needs; install {TRANSFORMERS_NEEDED} (pip install '{TRANSFORMERS_NEEDED}')"]) from None
+        raise ConfigError(
+            [
+                f"transformers {transformers.__version__} lacks {module}.{name}, which model building "
+                f"needs; install {TRANSFORMERS_NEEDED} (pip install '{TRANSFORMERS_NEEDED}')"
+            ]
+        ) from None

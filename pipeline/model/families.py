@@ -31,8 +31,16 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3", qk_norm=True),
 }
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 """The files of a Hugging Face tokenizer (copied into exports as they are)."""
 
 
@@ -71,43 +79,62 @@ def shape_from_config(cfg: dict[str, Any], source: str | Path) -> ModelShape:
     if model_type not in FAMILIES:
         raise ConfigError([f"{source}: model_type {model_type!r} is not supported; supported: {supported()}"])
     family = FAMILIES[model_type]
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                           "vocab_size") if not isinstance(cfg.get(k), int)]
+    missing = [
+        k
+        for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+        if not isinstance(cfg.get(k), int)
+    ]
     if missing:
         raise ConfigError([f"{source}: field {k} missing or not an integer" for k in missing])
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     shape = ModelShape(
-        hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"], ffn_hidden_size=cfg["intermediate_size"],
-        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        vocab_size=cfg["vocab_size"],
         max_seq_len=int(cfg.get("max_position_embeddings") or 4096),
         rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         head_size=head_dim if head_dim and head_dim * heads != cfg["hidden_size"] else None,
-        qkv_bias=family.qkv_bias or bool(cfg.get("attention_bias", False)), qk_norm=family.qk_norm,
-        hf_config=cfg)
+        qkv_bias=family.qkv_bias or bool(cfg.get("attention_bias", False)),
+        qk_norm=family.qk_norm,
+        hf_config=cfg,
+    )
     if problems := shape.check():
         raise ConfigError([f"{source}: {p}" for p in problems])
     return shape
 
 
-def model_shape(preset: str | None, overrides: dict[str, Any], init_from: str | None,
-                tokenizer_vocab: int | None) -> ModelShape:
+def model_shape(
+    preset: str | None, overrides: dict[str, Any], init_from: str | None, tokenizer_vocab: int | None
+) -> ModelShape:
     """The model a config asks for. `init_from` a Hugging Face folder without a preset: that model's architecture.
     Otherwise a preset (default tiny; `overrides` change some of its fields) or, without a preset, every shape
     field explicitly; with the tokenizer's vocabulary."""
     from pipeline.model import resolve_shape
 
     if preset is None and not overrides and init_from and config_path(init_from) is None:
-        raise ConfigError([f"model.init_from {init_from}: no config.json there; give a Hugging Face model folder "
-                           "(its architecture is read from config.json), or model.preset (or model.shape) to load a "
-                           "bare safetensors file into"])
+        raise ConfigError(
+            [
+                f"model.init_from {init_from}: no config.json there; give a Hugging Face model folder "
+                "(its architecture is read from config.json), or model.preset (or model.shape) to load a "
+                "bare safetensors file into"
+            ]
+        )
     if preset is None and init_from and config_path(init_from) is not None:
         if overrides:
-            raise ConfigError([f"model.shape {sorted(overrides)}: a pretrained model's shape comes from "
-                               f"{config_path(init_from)}; remove model.shape (or give model.preset to load the "
-                               "weights into one of ours)"])
+            raise ConfigError(
+                [
+                    f"model.shape {sorted(overrides)}: a pretrained model's shape comes from "
+                    f"{config_path(init_from)}; remove model.shape (or give model.preset to load the "
+                    "weights into one of ours)"
+                ]
+            )
         return shape_from_config(read_config(init_from), config_path(init_from) or init_from)
     explicit = {"hidden_size", "num_layers", "ffn_hidden_size", "num_heads", "num_kv_heads"} <= set(overrides)
     return resolve_shape(preset or (None if explicit else "tiny"), overrides, tokenizer_vocab)

@@ -16,10 +16,10 @@ class Cluster:
     cpu_mem_bytes: int
     nvme_bytes: int = 0
     network_gbps: float = 100.0
-    nvme_gbs: float = 3.0           # per node, sequential read/write
-    cpu_mem_bw_gbs: float = 80.0    # effective host memory bandwidth per node (CPU Adam; PCIe DMA shares it)
-    cpu_cores: int = 32             # per node: DeepSpeed's CPU Adam runs on them
-    disk_bytes: int = 0             # free space for checkpoints per node (0: not counted)
+    nvme_gbs: float = 3.0  # per node, sequential read/write
+    cpu_mem_bw_gbs: float = 80.0  # effective host memory bandwidth per node (CPU Adam; PCIe DMA shares it)
+    cpu_cores: int = 32  # per node: DeepSpeed's CPU Adam runs on them
+    disk_bytes: int = 0  # free space for checkpoints per node (0: not counted)
 
     @property
     def world(self) -> int:
@@ -29,8 +29,8 @@ class Cluster:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     stage: int
-    offload_optimizer: str          # none | cpu | nvme
-    offload_param: str              # none | cpu | nvme
+    offload_optimizer: str  # none | cpu | nvme
+    offload_param: str  # none | cpu | nvme
     activation_checkpointing: bool
     micro_batch_size: int
     grad_accum: int

@@ -13,11 +13,11 @@ from pipeline.model import ModelShape
 from pipeline.plan.cluster import Candidate, Cluster
 
 GiB = 2**30
-CUDA_CONTEXT = int(0.8 * GiB)       # CUDA context, cuBLAS/NCCL workspaces: outside max_memory_allocated
-FRAGMENTATION = 1.10                # caching-allocator slack on top of live tensors
+CUDA_CONTEXT = int(0.8 * GiB)  # CUDA context, cuBLAS/NCCL workspaces: outside max_memory_allocated
+FRAGMENTATION = 1.10  # caching-allocator slack on top of live tensors
 MARGIN_MIN_BYTES = int(1.5 * GiB)
 MARGIN_FRACTION = 0.07
-RANK_HOST_OVERHEAD = 6 * GiB        # torch + CUDA libraries + DeepSpeed per rank process, host RAM
+RANK_HOST_OVERHEAD = 6 * GiB  # torch + CUDA libraries + DeepSpeed per rank process, host RAM
 
 # Bytes saved for the backward per token by one transformers LlamaDecoderLayer in bf16 with SDPA, measured with
 # saved-tensor hooks (bench/activation_bytes.py; tests/unit/test_plan_memory.py re-measures it):
@@ -30,12 +30,17 @@ LOGIT_BYTES = 14
 
 def layer_activation_bytes_per_token(shape: ModelShape) -> int:
     h_kv = shape.num_kv_heads * shape.head_dim
-    return (ACT_PER_H * shape.hidden_size + ACT_PER_HKV * h_kv + ACT_PER_F * shape.ffn_hidden_size
-            + ACT_PER_HEAD * shape.num_heads)
+    return (
+        ACT_PER_H * shape.hidden_size
+        + ACT_PER_HKV * h_kv
+        + ACT_PER_F * shape.ffn_hidden_size
+        + ACT_PER_HEAD * shape.num_heads
+    )
 
 
-def activation_bytes(shape: ModelShape, seq_len: int, micro: int, checkpointing: bool,
-                     loss_chunk_tokens: int | None = None) -> dict[str, float]:
+def activation_bytes(
+    shape: ModelShape, seq_len: int, micro: int, checkpointing: bool, loss_chunk_tokens: int | None = None
+) -> dict[str, float]:
     """Activation memory of one micro-batch (bf16): `layers` at the end of the forward (full recompute keeps each
     layer's bf16 input plus one layer's activations while it is recomputed), `one_layer`, `logits` (the loss's
     peak: full logits, or one chunk of `loss_chunk_tokens` as our trainer computes it) and `embeddings`."""
@@ -43,12 +48,24 @@ def activation_bytes(shape: ModelShape, seq_len: int, micro: int, checkpointing:
     one = float(sb * layer_activation_bytes_per_token(shape))
     layers = shape.num_layers * 2 * sb * shape.hidden_size + one if checkpointing else shape.num_layers * one
     logit_tokens = sb if loss_chunk_tokens is None else min(sb, loss_chunk_tokens)
-    return {"layers": float(layers), "one_layer": one, "logits": float(LOGIT_BYTES * logit_tokens * shape.vocab_size),
-            "embeddings": float(4 * sb * shape.hidden_size)}
+    return {
+        "layers": float(layers),
+        "one_layer": one,
+        "logits": float(LOGIT_BYTES * logit_tokens * shape.vocab_size),
+        "embeddings": float(4 * sb * shape.hidden_size),
+    }
 
 
-def deepspeed_model_states(stage: int, psi: int, largest_layer: int, gpus_per_node: int, nodes: int,
-                           offload_optimizer: bool, offload_param: bool, buffer_factor: float = 1.5) -> tuple[int, int]:
+def deepspeed_model_states(
+    stage: int,
+    psi: int,
+    largest_layer: int,
+    gpus_per_node: int,
+    nodes: int,
+    offload_optimizer: bool,
+    offload_param: bool,
+    buffer_factor: float = 1.5,
+) -> tuple[int, int]:
     """(cpu bytes per node, gpu bytes per GPU) for model states, exactly as DeepSpeed's estimators compute them
     (stage 2/3; stages 0/1 by the same accounting), zero.Init assumed."""
     g = nodes * gpus_per_node
@@ -72,13 +89,19 @@ def state_split(stage: int, psi: int, g: int, off_opt: bool, off_param: bool) ->
     """GPU model-state bytes per GPU as a real engine holds them (checked against one in
     tests/multiproc/test_plan_measured.py): parameters, gradients (bf16 and fp32 partitions), optimizer states."""
     if stage == 3:
-        return {"params": 0 if off_param else 2 * psi / g, "grads": 0 if off_opt else 6 * psi / g,
-                "optimizer": 0 if off_opt else 12 * psi / g}
+        return {
+            "params": 0 if off_param else 2 * psi / g,
+            "grads": 0 if off_opt else 6 * psi / g,
+            "optimizer": 0 if off_opt else 12 * psi / g,
+        }
     if stage == 2:
         return {"params": 2 * psi, "grads": 0 if off_opt else 6 * psi / g, "optimizer": 0 if off_opt else 12 * psi / g}
     if stage == 1:
-        return {"params": 2 * psi, "grads": 2 * psi + (0 if off_opt else 4 * psi / g),
-                "optimizer": 0 if off_opt else 12 * psi / g}
+        return {
+            "params": 2 * psi,
+            "grads": 2 * psi + (0 if off_opt else 4 * psi / g),
+            "optimizer": 0 if off_opt else 12 * psi / g,
+        }
     return {"params": 2 * psi, "grads": 6 * psi, "optimizer": 12 * psi}
 
 
@@ -86,8 +109,9 @@ def margin_bytes(card_gib: float) -> float:
     return max(MARGIN_MIN_BYTES, MARGIN_FRACTION * card_gib * GiB)
 
 
-def gpu_memory(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate,
-               loss_chunk_tokens: int | None) -> dict[str, float]:
+def gpu_memory(
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, loss_chunk_tokens: int | None
+) -> dict[str, float]:
     """Per-GPU bytes. The peak is the larger of two moments: the start of the backward (every activation and the
     loss's logits and their gradient alive) and its end (buckets full, ZeRO-0/1's whole bf16 gradients alive).
     Model states and ZeRO-3's gathered layer and buffers are alive at both."""
@@ -112,10 +136,20 @@ def gpu_memory(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate,
     backward = buffers + transient_grads + act["one_layer"]  # the end of the backward: gradients, few activations
     peak = static + max(forward, backward)
     reserved = peak * FRAGMENTATION + CUDA_CONTEXT
-    return {**split, "working_layer": working, "ds_buffers": buffers, "activations": act["layers"] + act["embeddings"],
-            "logits": act["logits"], "peak_phase_backward": float(backward > forward),
-            "peak_allocated": peak, "reserved": reserved, "margin": margin_bytes(c.gpu.memory_gib),
-            "cuda_context": float(CUDA_CONTEXT), "fragmentation": peak * (FRAGMENTATION - 1), "total": reserved}
+    return {
+        **split,
+        "working_layer": working,
+        "ds_buffers": buffers,
+        "activations": act["layers"] + act["embeddings"],
+        "logits": act["logits"],
+        "peak_phase_backward": float(backward > forward),
+        "peak_allocated": peak,
+        "reserved": reserved,
+        "margin": margin_bytes(c.gpu.memory_gib),
+        "cuda_context": float(CUDA_CONTEXT),
+        "fragmentation": peak * (FRAGMENTATION - 1),
+        "total": reserved,
+    }
 
 
 def pinned(nbytes: float, pieces: int = 1) -> float:
@@ -137,36 +171,45 @@ def host_memory(shape: ModelShape, c: Cluster, cand: Candidate) -> dict[str, flo
     subgroups = max(1, math.ceil(part / cand.sub_group))
     if cand.offload_optimizer == "cpu":
         if cand.stage == 3:
-            pin += pinned(2 * part)                                       # bf16 gradient accumulation
-            pin += pinned(4 * part, subgroups)                           # fp32 gradients per sub-group
-            pageable += 12 * part                                         # fp32 master, Adam m and v
+            pin += pinned(2 * part)  # bf16 gradient accumulation
+            pin += pinned(4 * part, subgroups)  # fp32 gradients per sub-group
+            pageable += 12 * part  # fp32 master, Adam m and v
         else:
-            pin += pinned(4 * part) + pinned(4 * part)                    # fp32 gradients, fp32 master
+            pin += pinned(4 * part) + pinned(4 * part)  # fp32 gradients, fp32 master
             pageable += 8 * part
     elif cand.offload_optimizer == "nvme":
-        pin += pinned(4 * cand.sub_group * 4, 4)                          # swap buffers
+        pin += pinned(4 * cand.sub_group * 4, 4)  # swap buffers
         pin += pinned(2 * part)
     if cand.offload_param == "cpu":
-        pin += pinned(2 * part)                                           # bf16 partitions (the decay group)
+        pin += pinned(2 * part)  # bf16 partitions (the decay group)
     elif cand.offload_param == "nvme":
         pin += pinned(5 * 1e8 * 2, 5)
     per_node_pinned, per_node_pageable = pin * gpn, pageable * gpn + RANK_HOST_OVERHEAD * gpn
-    out = {"pinned": per_node_pinned, "pageable": per_node_pageable,
-           "itemized": per_node_pinned + per_node_pageable, "deepspeed_estimate": 0.0}
+    out = {
+        "pinned": per_node_pinned,
+        "pageable": per_node_pageable,
+        "itemized": per_node_pinned + per_node_pageable,
+        "deepspeed_estimate": 0.0,
+    }
     if cand.offload_optimizer == "cpu" and cand.stage in (2, 3):
-        cpu, _ = deepspeed_model_states(cand.stage, psi, shape.largest_layer_params(), gpn, c.nodes, True,
-                                        cand.offload_param == "cpu")
+        cpu, _ = deepspeed_model_states(
+            cand.stage, psi, shape.largest_layer_params(), gpn, c.nodes, True, cand.offload_param == "cpu"
+        )
         out["deepspeed_estimate"] = float(cpu) + RANK_HOST_OVERHEAD * gpn
     out["total"] = out["itemized"]  # DeepSpeed's estimate (a flat 1.5x buffer factor) is shown beside it
     return out
 
 
-def checkpoint_bytes(shape: ModelShape, stage: int, world: int, ranks_per_node: int, module_bytes: int = 2
-                     ) -> dict[str, float]:
+def checkpoint_bytes(
+    shape: ModelShape, stage: int, world: int, ranks_per_node: int, module_bytes: int = 2
+) -> dict[str, float]:
     """Bytes one DeepSpeed checkpoint puts on the busiest node (the first): every rank writes its optimizer shard
     (fp32 master weights and Adam moments of the parameters it owns, 12 bytes each), and for ZeRO 0-2 rank 0 also
     writes the whole 16-bit module (`module_bytes` 4 for fp32 runs). `weights_only` is the exported bf16 model."""
     psi = shape.num_params()
     per_node = 12 * psi / world * ranks_per_node + (module_bytes * psi if stage < 3 else 0.0)
-    return {"per_node": per_node, "total": 12.0 * psi + (module_bytes * psi if stage < 3 else 0.0),
-            "weights_only": 2.0 * psi}
+    return {
+        "per_node": per_node,
+        "total": 12.0 * psi + (module_bytes * psi if stage < 3 else 0.0),
+        "weights_only": 2.0 * psi,
+    }

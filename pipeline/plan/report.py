@@ -17,12 +17,14 @@ def _days(tokens: float, tps: float) -> str:
 
 def header(p: Plan) -> list[str]:
     c, s = p.cluster, p.shape
-    return [f"model {s.num_params() / 1e9:.2f}B parameters (h {s.hidden_size}, {s.num_layers} layers, ffn "
-             f"{s.ffn_hidden_size}, {s.num_heads} heads / {s.num_kv_heads} kv, vocab {s.vocab_size}), seq {p.seq_len}",
-             f"cluster {c.nodes} node(s) x {c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gib:.1f} GiB, "
-             f"{c.gpu.bf16_tflops:g} TF bf16 dense, PCIe {c.gpu.pcie_gen}, P2P {'yes' if c.gpu.p2p else 'no'}), "
-             f"{c.cpu_mem_bytes / 1e9:.0f} GB RAM and {c.cpu_cores} cores/node, {c.network_gbps:g} Gbps"
-             + (f", NVMe {c.nvme_bytes / 1e12:.1f} TB/node" if c.nvme_bytes else ", no NVMe")]
+    return [
+        f"model {s.num_params() / 1e9:.2f}B parameters (h {s.hidden_size}, {s.num_layers} layers, ffn "
+        f"{s.ffn_hidden_size}, {s.num_heads} heads / {s.num_kv_heads} kv, vocab {s.vocab_size}), seq {p.seq_len}",
+        f"cluster {c.nodes} node(s) x {c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gib:.1f} GiB, "
+        f"{c.gpu.bf16_tflops:g} TF bf16 dense, PCIe {c.gpu.pcie_gen}, P2P {'yes' if c.gpu.p2p else 'no'}), "
+        f"{c.cpu_mem_bytes / 1e9:.0f} GB RAM and {c.cpu_cores} cores/node, {c.network_gbps:g} Gbps"
+        + (f", NVMe {c.nvme_bytes / 1e12:.1f} TB/node" if c.nvme_bytes else ", no NVMe"),
+    ]
 
 
 def render(p: Plan, token_budget: float | None = None) -> str:
@@ -33,9 +35,11 @@ def render(p: Plan, token_budget: float | None = None) -> str:
         shown: set[str] = set()
 
         def overshoot(e: Estimate) -> float:  # how far over its worst limit a configuration is
-            ratios = ((e.gpu["reserved"] + e.gpu["margin"]) / (c.gpu.memory_gib * GiB),
-                      e.host["total"] / (0.8 * c.cpu_mem_bytes),
-                      e.nvme_bytes / c.nvme_bytes if c.nvme_bytes else (2.0 if e.nvme_bytes else 0.0))
+            ratios = (
+                (e.gpu["reserved"] + e.gpu["margin"]) / (c.gpu.memory_gib * GiB),
+                e.host["total"] / (0.8 * c.cpu_mem_bytes),
+                e.nvme_bytes / c.nvme_bytes if c.nvme_bytes else (2.0 if e.nvme_bytes else 0.0),
+            )
             return sum(max(0.0, r - 1.0) for r in ratios)
 
         for e in sorted(p.rejected, key=overshoot):
@@ -54,15 +58,21 @@ def render(p: Plan, token_budget: float | None = None) -> str:
             if r.candidate.label() in seen:
                 continue
             seen.add(r.candidate.label())
-            lines.append(f"  {r.candidate.label():62s} {r.tokens_per_s:7,.0f} {r.gpu['reserved'] / GiB:8.1f} "
-                         f"{r.host['total'] / 1e9:8.0f}")
+            lines.append(
+                f"  {r.candidate.label():62s} {r.tokens_per_s:7,.0f} {r.gpu['reserved'] / GiB:8.1f} "
+                f"{r.host['total'] / 1e9:8.0f}"
+            )
             if len(seen) > 5:
                 break
     lines.append("\nrejected (each family at its smallest micro-batch)")
     best_of: dict[tuple, Estimate] = {}
     for r in p.rejected:
-        key = (r.candidate.stage, r.candidate.offload_optimizer, r.candidate.offload_param,
-               r.candidate.activation_checkpointing)
+        key = (
+            r.candidate.stage,
+            r.candidate.offload_optimizer,
+            r.candidate.offload_param,
+            r.candidate.activation_checkpointing,
+        )
         if key not in best_of or r.gpu["reserved"] < best_of[key].gpu["reserved"]:
             best_of[key] = r
     for r in sorted(best_of.values(), key=lambda r: r.gpu["reserved"])[:8]:
@@ -74,57 +84,76 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
     """One configuration's memory, host RAM, step time (point and range) and throughput, for people."""
     c, s, cand = p.cluster, p.shape, e.candidate
     gb = cand.micro_batch_size * cand.grad_accum * c.world
-    lines = [f"\n{title}: {cand.label()}" + ("" if e.fits else "  -- DOES NOT FIT: " + "; ".join(e.why_not)),
-             f"  global batch {gb} sequences x {p.seq_len} = {gb * p.seq_len / 1e6:.2f}M tokens per step; "
-             f"buckets: reduce {cand.reduce_bucket:.0e}, prefetch {cand.prefetch_bucket:.0e}, "
-             f"max live {cand.max_live:.0e}, sub-group {cand.sub_group:.0e}"]
+    lines = [
+        f"\n{title}: {cand.label()}" + ("" if e.fits else "  -- DOES NOT FIT: " + "; ".join(e.why_not)),
+        f"  global batch {gb} sequences x {p.seq_len} = {gb * p.seq_len / 1e6:.2f}M tokens per step; "
+        f"buckets: reduce {cand.reduce_bucket:.0e}, prefetch {cand.prefetch_bucket:.0e}, "
+        f"max live {cand.max_live:.0e}, sub-group {cand.sub_group:.0e}",
+    ]
     if p.global_batch_tokens and abs(gb * p.seq_len - p.global_batch_tokens) > 0.01 * p.global_batch_tokens:
-        lines.append(f"  note: {p.global_batch_tokens:,} tokens per step were asked for; whole micro-batches on "
-                     f"{c.world} GPUs give {gb * p.seq_len:,}")
+        lines.append(
+            f"  note: {p.global_batch_tokens:,} tokens per step were asked for; whole micro-batches on "
+            f"{c.world} GPUs give {gb * p.seq_len:,}"
+        )
     lines += [f"  {w}" for w in e.warnings]
     lines.append("\nper GPU memory                    GiB")
-    names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
-             "working_layer": "gathered largest layer (ZeRO-3)", "ds_buffers": "DeepSpeed buckets",
-             "activations": "activations" + (" (checkpointed)" if cand.activation_checkpointing else ""),
-             "logits": "loss (logits, one chunk)" if e.gpu["logits"] else "loss"}
+    names = {
+        "params": "parameters",
+        "grads": "gradients",
+        "optimizer": "optimizer states",
+        "working_layer": "gathered largest layer (ZeRO-3)",
+        "ds_buffers": "DeepSpeed buckets",
+        "activations": "activations" + (" (checkpointed)" if cand.activation_checkpointing else ""),
+        "logits": "loss (logits, one chunk)" if e.gpu["logits"] else "loss",
+    }
     for k, label in names.items():
         lines.append(f"  {label:31s} {e.gpu[k] / GiB:7.2f}")
     g = e.gpu
     card = c.gpu.memory_gib
-    lines += [f"  {'peak allocated':31s} {g['peak_allocated'] / GiB:7.2f}   (torch.cuda.max_memory_allocated; at the "
-              f"{'end' if g['peak_phase_backward'] else 'start'} of the backward)",
-              f"  {'reserved':31s} {g['reserved'] / GiB:7.2f}   (+10% allocator slack, +"
-              f"{g['cuda_context'] / GiB:.1f} CUDA context: what the card must hold)",
-              f"  {'margin kept':31s} {g['margin'] / GiB:7.2f}   (max(1.5 GiB, 7%)); card {card:.1f}, "
-              f"free after all: {card - (g['reserved'] + g['margin']) / GiB:.2f}"]
+    lines += [
+        f"  {'peak allocated':31s} {g['peak_allocated'] / GiB:7.2f}   (torch.cuda.max_memory_allocated; at the "
+        f"{'end' if g['peak_phase_backward'] else 'start'} of the backward)",
+        f"  {'reserved':31s} {g['reserved'] / GiB:7.2f}   (+10% allocator slack, +"
+        f"{g['cuda_context'] / GiB:.1f} CUDA context: what the card must hold)",
+        f"  {'margin kept':31s} {g['margin'] / GiB:7.2f}   (max(1.5 GiB, 7%)); card {card:.1f}, "
+        f"free after all: {card - (g['reserved'] + g['margin']) / GiB:.2f}",
+    ]
     h = e.host
-    lines.append(f"\nper node host RAM: pinned {h['pinned'] / 1e9:.0f} GB (as torch rounds it) + pageable "
-                 f"{h['pageable'] / 1e9:.0f} GB = {h['itemized'] / 1e9:.0f} GB"
-                 + (f" (DeepSpeed's estimator: {h['deepspeed_estimate'] / 1e9:.0f} GB)" if h["deepspeed_estimate"]
-                    else "")
-                 + f"; limit 80% of {c.cpu_mem_bytes / 1e9:.0f} GB; NVMe {e.nvme_bytes / 1e12:.2f} TB")
+    lines.append(
+        f"\nper node host RAM: pinned {h['pinned'] / 1e9:.0f} GB (as torch rounds it) + pageable "
+        f"{h['pageable'] / 1e9:.0f} GB = {h['itemized'] / 1e9:.0f} GB"
+        + (f" (DeepSpeed's estimator: {h['deepspeed_estimate'] / 1e9:.0f} GB)" if h["deepspeed_estimate"] else "")
+        + f"; limit 80% of {c.cpu_mem_bytes / 1e9:.0f} GB; NVMe {e.nvme_bytes / 1e12:.2f} TB"
+    )
     ck = e.checkpoint
-    lines.append(f"checkpoint: {ck['per_node'] / 1e9:,.1f} GB on the first node ({ck['total'] / 1e9:,.0f} GB in all; "
-                 f"weights only {ck['weights_only'] / 1e9:,.1f} GB)"
-                 + (f"; disk {c.disk_bytes / 1e9:,.0f} GB per node" if c.disk_bytes else "; disk not given (--disk)"))
+    lines.append(
+        f"checkpoint: {ck['per_node'] / 1e9:,.1f} GB on the first node ({ck['total'] / 1e9:,.0f} GB in all; "
+        f"weights only {ck['weights_only'] / 1e9:,.1f} GB)"
+        + (f"; disk {c.disk_bytes / 1e9:,.0f} GB per node" if c.disk_bytes else "; disk not given (--disk)")
+    )
     t = e.time
     lo, hi = e.step_time_range_s
     tlo, thi = e.tokens_per_s_range
-    lines += [f"\nstep time {e.step_time_s:,.2f} s (range {lo:,.2f}-{hi:,.2f} s): compute {t['compute']:,.2f} s "
-              f"(at {p.mfu_assumed:.0%} MFU{', +1/3 recompute' if cand.activation_checkpointing else ''}), network "
-              f"{t['network']:,.2f} s, PCIe {t['pcie']:,.2f} s, optimizer {t['optimizer']:,.2f} s, collective "
-              f"latency {t['collective_latency']:,.2f} s, overhead {t['overhead']:,.2f} s (compute/network/PCIe "
-              "overlap partly)",
-              f"throughput {e.tokens_per_s:,.0f} tokens/s (range {tlo:,.0f}-{thi:,.0f}; physical ceiling at 100% of "
-              f"peak: {e.ceiling_tokens_per_s:,.0f}), MFU {e.mfu:.1%} (PaLM count: 6N + 12*L*h*s per token)",
-              "  the range spans compute efficiency "
-              f"{p.mfu_assumed * 0.85:.0%}-{min(1.0, p.mfu_assumed * 1.125):.0%} and the network's "
-              + ("6-12 GB/s per 100 Gbps (sockets: no GPUDirect RDMA on GeForce)" if not c.gpu.p2p
-                 else "90-98% of line rate")]
+    lines += [
+        f"\nstep time {e.step_time_s:,.2f} s (range {lo:,.2f}-{hi:,.2f} s): compute {t['compute']:,.2f} s "
+        f"(at {p.mfu_assumed:.0%} MFU{', +1/3 recompute' if cand.activation_checkpointing else ''}), network "
+        f"{t['network']:,.2f} s, PCIe {t['pcie']:,.2f} s, optimizer {t['optimizer']:,.2f} s, collective "
+        f"latency {t['collective_latency']:,.2f} s, overhead {t['overhead']:,.2f} s (compute/network/PCIe "
+        "overlap partly)",
+        f"throughput {e.tokens_per_s:,.0f} tokens/s (range {tlo:,.0f}-{thi:,.0f}; physical ceiling at 100% of "
+        f"peak: {e.ceiling_tokens_per_s:,.0f}), MFU {e.mfu:.1%} (PaLM count: 6N + 12*L*h*s per token)",
+        "  the range spans compute efficiency "
+        f"{p.mfu_assumed * 0.85:.0%}-{min(1.0, p.mfu_assumed * 1.125):.0%} and the network's "
+        + (
+            "6-12 GB/s per 100 Gbps (sockets: no GPUDirect RDMA on GeForce)" if not c.gpu.p2p else "90-98% of line rate"
+        ),
+    ]
     budget = token_budget or 1e9
-    lines.append(f"time to {budget / 1e9:g}B tokens: {_days(budget, e.tokens_per_s)} (range "
-                 f"{_days(budget, thi)} to {_days(budget, tlo)}); to 20 tokens/parameter "
-                 f"({20 * s.num_params() / 1e9:,.0f}B tokens): {_days(20 * s.num_params(), e.tokens_per_s)}")
+    lines.append(
+        f"time to {budget / 1e9:g}B tokens: {_days(budget, e.tokens_per_s)} (range "
+        f"{_days(budget, thi)} to {_days(budget, tlo)}); to 20 tokens/parameter "
+        f"({20 * s.num_params() / 1e9:,.0f}B tokens): {_days(20 * s.num_params(), e.tokens_per_s)}"
+    )
     return lines
 
 
@@ -132,8 +161,10 @@ def parse_hostfile(path: str) -> tuple[int, int]:
     """(nodes, GPUs per node) from a DeepSpeed hostfile (`host slots=N` lines, # comments)."""
     slots = hostfile_slots(path)
     if len(set(slots)) > 1:
-        raise PipelineError(f"--hostfile {path}: hosts with different slot counts ({', '.join(map(str, slots))}); "
-                            "the planner assumes identical nodes: plan a hostfile of the smaller nodes")
+        raise PipelineError(
+            f"--hostfile {path}: hosts with different slot counts ({', '.join(map(str, slots))}); "
+            "the planner assumes identical nodes: plan a hostfile of the smaller nodes"
+        )
     return len(slots), slots[0]
 
 
@@ -179,16 +210,20 @@ def hostfile_facts(path: str) -> dict[str, str]:
             for item in m.group(1).split():
                 key, sep, value = item.partition("=")
                 if not sep or not value or key not in HOSTFILE_FACTS:
-                    raise PipelineError(f"{path}:{n}: '{item}' in the cluster line; expected key=value with keys "
-                                        f"{', '.join(HOSTFILE_FACTS)}")
+                    raise PipelineError(
+                        f"{path}:{n}: '{item}' in the cluster line; expected key=value with keys "
+                        f"{', '.join(HOSTFILE_FACTS)}"
+                    )
                 facts[key] = value
     return facts
 
 
 def fits_table(rows: list[tuple[str, str, Plan]], token_budget: float = 1e9) -> str:
     """Markdown: for each (preset, hostfile, plan), what fits, how fast, and what it needs per node."""
-    out = ["| model | cluster | fits | tokens/s | days per 1B tokens | host RAM per node | checkpoint per node |",
-           "|---|---|---|---:|---:|---:|---:|"]
+    out = [
+        "| model | cluster | fits | tokens/s | days per 1B tokens | host RAM per node | checkpoint per node |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     for preset, hostfile, p in rows:
         c = p.cluster
         where = f"{Path(hostfile).name} ({c.nodes}x{c.gpus_per_node}, {c.cpu_mem_bytes / 1e9:.0f} GB)"
@@ -201,6 +236,8 @@ def fits_table(rows: list[tuple[str, str, Plan]], token_budget: float = 1e9) -> 
         lo, hi = e.tokens_per_s_range
         days = f"{token_budget / hi / 86400:.2f}-{token_budget / lo / 86400:.2f}"
         note = " (a safe save does not fit the disk)" if any("checkpoint disk" in w for w in e.warnings) else ""
-        out.append(f"| {preset} | {where} | {e.candidate.label()} | {lo:,.0f}-{hi:,.0f} | {days} | "
-                   f"{e.host['total'] / 1e9:,.0f} GB | {e.checkpoint['per_node'] / 1e9:,.0f} GB{note} |")
+        out.append(
+            f"| {preset} | {where} | {e.candidate.label()} | {lo:,.0f}-{hi:,.0f} | {days} | "
+            f"{e.host['total'] / 1e9:,.0f} GB | {e.checkpoint['per_node'] / 1e9:,.0f} GB{note} |"
+        )
     return "\n".join(out)

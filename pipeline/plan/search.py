@@ -21,23 +21,23 @@ from pipeline.model import ModelShape
 from pipeline.plan.cluster import Candidate, Cluster
 from pipeline.plan.memory import GiB, checkpoint_bytes, gpu_memory, host_memory
 
-HOST_RAM_LIMIT = 0.80               # refuse plans above 80% of a node's RAM (host OOM kills are silent)
-ADAM_BYTES_PER_PARAM = 32           # CPU Adam traffic: read p, g, m, v (16 B fp32), write p, m, v, bf16 copy
+HOST_RAM_LIMIT = 0.80  # refuse plans above 80% of a node's RAM (host OOM kills are silent)
+ADAM_BYTES_PER_PARAM = 32  # CPU Adam traffic: read p, g, m, v (16 B fp32), write p, m, v, bf16 copy
 CPU_ADAM_PARAMS_PER_CORE_S = 0.85e9  # DeepSpeed's CPUAdam, one thread, measured 0.81-0.89e9 params/s
 OVERLAP_RESIDUE = 0.25
 COLLECTIVE_LATENCY_S = 2e-4
-STEP_OVERHEAD_S = 0.02              # engine bookkeeping per optimizer step (clipping, norms, scheduler)
-MFU_RANGE = (0.85, 1.125)           # around the assumed MFU: 0.34-0.45 at the default 0.40
+STEP_OVERHEAD_S = 0.02  # engine bookkeeping per optimizer step (clipping, norms, scheduler)
+MFU_RANGE = (0.85, 1.125)  # around the assumed MFU: 0.34-0.45 at the default 0.40
 # Fraction of a NIC's line rate that NCCL reaches: with GPUDirect RDMA ~98% (12.2 GB/s busbw on 100 Gbps, an NCCL
 # maintainer); GeForce has none, so traffic is staged through host memory and sockets reach 6-12 GB/s.
-NET_EFFICIENCY_RDMA = (0.90, 0.94, 0.98)   # low, point, high
+NET_EFFICIENCY_RDMA = (0.90, 0.94, 0.98)  # low, point, high
 NET_EFFICIENCY_SOCKETS = (0.48, 0.72, 0.96)
 # Measured on an H200 capped at 24 GiB (70B geometry): DeepSpeed's defaults (5e8 reduce, 5e7 prefetch, 1e9 live)
 # ran out of memory, 1e8/1e8/3e8 peaked at 5.8 GiB. Only sizes at or below the largest measured-safe set are
 # offered, and a config with larger ones is not vouched for: the buffer arithmetic cannot explain that OOM.
 BUCKETS_ZERO3 = [(1e8, 1e8, 3e8), (2e8, 2e8, 5e8)]  # reduce, prefetch, max-live
 MEASURED_SAFE_ZERO3 = BUCKETS_ZERO3[-1]
-NEAR_TIE = 0.02                     # throughputs within 2% are a tie, broken toward less memory
+NEAR_TIE = 0.02  # throughputs within 2% are a tie, broken toward less memory
 
 
 @dataclass
@@ -63,8 +63,9 @@ def _net_efficiency(c: Cluster) -> tuple[float, float, float]:
     return NET_EFFICIENCY_RDMA if c.gpu.p2p else NET_EFFICIENCY_SOCKETS
 
 
-def _step_time(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu: float, net_eff: float
-               ) -> dict[str, float]:
+def _step_time(
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu: float, net_eff: float
+) -> dict[str, float]:
     """Seconds per optimizer step, by part. Collective bytes are per rank; a ring over the nodes carries about a
     rank's volume across each node's NIC, which all of the node's GPUs share."""
     psi, g, gpn = shape.num_params(), c.world, c.gpus_per_node
@@ -87,8 +88,9 @@ def _step_time(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu
         layer = shape.layer_params()
         if cand.activation_checkpointing and (cand.max_reuse or cand.max_live) < layer:
             gathers += 1  # the recompute gathers each layer again: it was released (reuse distance < a layer)
-    net_micro = (gathers * 2 * psi + 2 * psi) * share if cand.stage == 3 else (2 * psi * share if cand.stage == 2
-                                                                                else 0.0)
+    net_micro = (
+        (gathers * 2 * psi + 2 * psi) * share if cand.stage == 3 else (2 * psi * share if cand.stage == 2 else 0.0)
+    )
     net_step = {0: 4 * psi * share, 1: 6 * psi * share, 2: 2 * psi * share, 3: 0.0}[cand.stage]
     # PCIe per GPU per micro-step, the busier direction: offloaded parameter partitions in for each gather,
     # offloaded gradient partitions out, and collectives staged through host memory without P2P/GPUDirect RDMA.
@@ -111,13 +113,26 @@ def _step_time(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu
         opt_t = (psi / g if cand.stage else psi) * ADAM_BYTES_PER_PARAM / (c.gpu.mem_bw_gbs * 1e9)
     step_net_t = net_step / coll_bw if net_step else 0.0
     total = cand.grad_accum * micro_t + opt_t + step_net_t + pcie_step_t + STEP_OVERHEAD_S
-    return {"total": total, "compute": cand.grad_accum * compute, "network": cand.grad_accum * net_t + step_net_t,
-            "pcie": cand.grad_accum * pcie_micro_t + pcie_step_t, "optimizer": opt_t,
-            "collective_latency": cand.grad_accum * n_coll * COLLECTIVE_LATENCY_S, "overhead": STEP_OVERHEAD_S}
+    return {
+        "total": total,
+        "compute": cand.grad_accum * compute,
+        "network": cand.grad_accum * net_t + step_net_t,
+        "pcie": cand.grad_accum * pcie_micro_t + pcie_step_t,
+        "optimizer": opt_t,
+        "collective_latency": cand.grad_accum * n_coll * COLLECTIVE_LATENCY_S,
+        "overhead": STEP_OVERHEAD_S,
+    }
 
 
-def estimate(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu_assumed: float = 0.40,
-             loss_chunk_tokens: int | None = None, keep_last: int = 1) -> Estimate:
+def estimate(
+    shape: ModelShape,
+    seq_len: int,
+    c: Cluster,
+    cand: Candidate,
+    mfu_assumed: float = 0.40,
+    loss_chunk_tokens: int | None = None,
+    keep_last: int = 1,
+) -> Estimate:
     """One configuration: memory, time (point and range), fit. `loss_chunk_tokens`: the trainer's chunked loss
     (pipeline.model.loss_chunk_tokens); None models a plain loss over full logits. `keep_last`: checkpoints kept
     (checkpoint.keep_last); a safe save writes one more before the oldest goes."""
@@ -142,40 +157,63 @@ def estimate(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu_a
     warnings: list[str] = []
     limit = c.gpu.memory_gib * GiB
     if gpu["reserved"] + gpu["margin"] > limit:
-        why.append(f"GPU memory {gpu['reserved'] / GiB:.1f} GiB + {gpu['margin'] / GiB:.1f} GiB margin > "
-                   f"{c.gpu.memory_gib:.1f} GiB")
+        why.append(
+            f"GPU memory {gpu['reserved'] / GiB:.1f} GiB + {gpu['margin'] / GiB:.1f} GiB margin > "
+            f"{c.gpu.memory_gib:.1f} GiB"
+        )
     if host["total"] > HOST_RAM_LIMIT * c.cpu_mem_bytes:
         why.append(f"host RAM {host['total'] / 1e9:.0f} GB per node > 80% of {c.cpu_mem_bytes / 1e9:.0f} GB")
     if nvme > c.nvme_bytes:
         why.append(f"NVMe {nvme / 1e12:.2f} TB per node needed, {c.nvme_bytes / 1e12:.2f} TB given")
-    if cand.stage == 3 and any(v > m for v, m in zip((cand.reduce_bucket, cand.prefetch_bucket, cand.max_live),
-                                                     MEASURED_SAFE_ZERO3, strict=True)):
+    if cand.stage == 3 and any(
+        v > m
+        for v, m in zip((cand.reduce_bucket, cand.prefetch_bucket, cand.max_live), MEASURED_SAFE_ZERO3, strict=True)
+    ):
         sizes = f"reduce {cand.reduce_bucket:.0e}, prefetch {cand.prefetch_bucket:.0e}, max live {cand.max_live:.0e}"
-        why.append(f"ZeRO-3 buckets ({sizes}) above the largest measured to fit (2e8, 2e8, 5e8): DeepSpeed's "
-                   "defaults ran out of memory on a 24 GiB card with a 70B slice that the buffer arithmetic puts "
-                   "at 9 GiB; use the planner's sizes (--write-ds-config)")
+        why.append(
+            f"ZeRO-3 buckets ({sizes}) above the largest measured to fit (2e8, 2e8, 5e8): DeepSpeed's "
+            "defaults ran out of memory on a 24 GiB card with a 70B slice that the buffer arithmetic puts "
+            "at 9 GiB; use the planner's sizes (--write-ds-config)"
+        )
     ckpt = checkpoint_bytes(shape, cand.stage, c.world, c.gpus_per_node)
     if c.disk_bytes:
         safe = (keep_last + 1) * ckpt["per_node"]
-        ways_out = ("put run_dir on a larger disk or a shared mount, train a smaller model, or spread it over more "
-                    "nodes")
+        ways_out = "put run_dir on a larger disk or a shared mount, train a smaller model, or spread it over more nodes"
         if ckpt["per_node"] > c.disk_bytes:
-            why.append(f"checkpoint {ckpt['per_node'] / 1e9:.0f} GB per node (model and optimizer shards) > disk "
-                       f"{c.disk_bytes / 1e9:.0f} GB: no checkpoint can be saved; {ways_out}")
+            why.append(
+                f"checkpoint {ckpt['per_node'] / 1e9:.0f} GB per node (model and optimizer shards) > disk "
+                f"{c.disk_bytes / 1e9:.0f} GB: no checkpoint can be saved; {ways_out}"
+            )
         elif safe > c.disk_bytes:
-            warnings.append(f"checkpoint disk: a safe save keeps {keep_last} checkpoint(s) while writing the next: "
-                            f"{safe / 1e9:.0f} GB per node > disk {c.disk_bytes / 1e9:.0f} GB; the first save that "
-                            f"does not fit fails the run; {ways_out}")
+            warnings.append(
+                f"checkpoint disk: a safe save keeps {keep_last} checkpoint(s) while writing the next: "
+                f"{safe / 1e9:.0f} GB per node > disk {c.disk_bytes / 1e9:.0f} GB; the first save that "
+                f"does not fit fails the run; {ways_out}"
+            )
     # No clamp to the ceiling: with 0 < MFU <= 1 the compute time alone keeps tokens/s below it, and a figure
     # above it would be a planner bug to see, not to hide.
-    return Estimate(cand, gpu, host, nvme, {k: v for k, v in t.items() if k != "total"}, t["total"], tps,
-                    g * peak / fpt, tps * fpt / (g * peak), not why, why,
-                    step_time_range_s=(fast, slow), tokens_per_s_range=(tokens_step / slow, tokens_step / fast),
-                    warnings=warnings, checkpoint=ckpt)
+    return Estimate(
+        cand,
+        gpu,
+        host,
+        nvme,
+        {k: v for k, v in t.items() if k != "total"},
+        t["total"],
+        tps,
+        g * peak / fpt,
+        tps * fpt / (g * peak),
+        not why,
+        why,
+        step_time_range_s=(fast, slow),
+        tokens_per_s_range=(tokens_step / slow, tokens_step / fast),
+        warnings=warnings,
+        checkpoint=ckpt,
+    )
 
 
-def candidate_from_ds(ds: dict[str, Any], micro_batch_size: int, grad_accum: int,
-                      activation_checkpointing: bool) -> Candidate:
+def candidate_from_ds(
+    ds: dict[str, Any], micro_batch_size: int, grad_accum: int, activation_checkpointing: bool
+) -> Candidate:
     """The configuration a DeepSpeed JSON describes; fields it leaves out (or "auto") take DeepSpeed's defaults."""
     zero = ds.get("zero_optimization") or {}
 
@@ -188,23 +226,44 @@ def candidate_from_ds(ds: dict[str, Any], micro_batch_size: int, grad_accum: int
         return d if d in ("cpu", "nvme") else "none"
 
     stage = zero.get("stage", 0)
-    return Candidate(int(stage) if isinstance(stage, int) else 0, device("offload_optimizer"), device("offload_param"),
-                     activation_checkpointing, micro_batch_size, grad_accum, num("reduce_bucket_size", 5e8),
-                     num("stage3_prefetch_bucket_size", 5e7), num("stage3_max_live_parameters", 1e9),
-                     num("sub_group_size", 1e9), num("stage3_max_reuse_distance", 1e9))
+    return Candidate(
+        int(stage) if isinstance(stage, int) else 0,
+        device("offload_optimizer"),
+        device("offload_param"),
+        activation_checkpointing,
+        micro_batch_size,
+        grad_accum,
+        num("reduce_bucket_size", 5e8),
+        num("stage3_prefetch_bucket_size", 5e7),
+        num("stage3_max_live_parameters", 1e9),
+        num("sub_group_size", 1e9),
+        num("stage3_max_reuse_distance", 1e9),
+    )
 
 
-def candidates(c: Cluster, seq_len: int, global_batch_tokens: int, micro_sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
-               fixed_micro: int | None = None) -> list[Candidate]:
+def candidates(
+    c: Cluster,
+    seq_len: int,
+    global_batch_tokens: int,
+    micro_sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
+    fixed_micro: int | None = None,
+) -> list[Candidate]:
     out = []
     global_seqs = max(1, round(global_batch_tokens / seq_len))
-    offloads = [(0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (2, "cpu", "none"),
-                (3, "none", "none"), (3, "cpu", "none"), (3, "cpu", "cpu")]
+    offloads = [
+        (0, "none", "none"),
+        (1, "none", "none"),
+        (2, "none", "none"),
+        (2, "cpu", "none"),
+        (3, "none", "none"),
+        (3, "cpu", "none"),
+        (3, "cpu", "cpu"),
+    ]
     if c.nvme_bytes:
         offloads += [(3, "nvme", "cpu"), (3, "nvme", "nvme")]
     for stage, oo, op in offloads:
         for ckpt in (False, True):
-            for micro in ((fixed_micro,) if fixed_micro else micro_sizes):
+            for micro in (fixed_micro,) if fixed_micro else micro_sizes:
                 per = micro * c.world
                 ga = max(1, round(global_seqs / per))
                 buckets = BUCKETS_ZERO3 if stage == 3 else [(5e8, 5e7, 1e9)]
@@ -228,25 +287,45 @@ class Plan:
     """What was asked; the chosen configuration's own global batch may differ (rounded to whole micro-batches)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.shape.as_dict(), "params": self.shape.num_params(), "seq_len": self.seq_len,
-                "cluster": {**asdict(self.cluster), "gpu": asdict(self.cluster.gpu)},
-                "best": estimate_dict(self.best) if self.best else None,
-                "runners_up": [estimate_dict(e) for e in self.ranked[1:6]],
-                "advice": self.advice, "mfu_assumed": self.mfu_assumed, "mfu_convention": MFU_CONVENTION,
-                "global_batch_tokens_requested": self.global_batch_tokens}
+        return {
+            "model": self.shape.as_dict(),
+            "params": self.shape.num_params(),
+            "seq_len": self.seq_len,
+            "cluster": {**asdict(self.cluster), "gpu": asdict(self.cluster.gpu)},
+            "best": estimate_dict(self.best) if self.best else None,
+            "runners_up": [estimate_dict(e) for e in self.ranked[1:6]],
+            "advice": self.advice,
+            "mfu_assumed": self.mfu_assumed,
+            "mfu_convention": MFU_CONVENTION,
+            "global_batch_tokens_requested": self.global_batch_tokens,
+        }
 
 
 MFU_CONVENTION = "PaLM: 6N + 12*L*h*s FLOPs per token (as TinyLlama and torchtitan count)"
 
 
 def estimate_dict(e: Estimate) -> dict[str, Any]:
-    return {"config": asdict(e.candidate), "label": e.candidate.label(), "gpu_bytes": e.gpu,
-            "peak_allocated": e.gpu["peak_allocated"], "reserved": e.gpu["reserved"], "margin": e.gpu["margin"],
-            "host_bytes_per_node": e.host, "nvme_bytes_per_node": e.nvme_bytes, "time_s": e.time,
-            "step_time_s": e.step_time_s, "step_time_range_s": list(e.step_time_range_s),
-            "tokens_per_s": e.tokens_per_s, "tokens_per_s_range": list(e.tokens_per_s_range),
-            "ceiling_tokens_per_s": e.ceiling_tokens_per_s, "mfu": e.mfu, "fits": e.fits, "why_not": e.why_not,
-            "warnings": e.warnings, "checkpoint_bytes": e.checkpoint}
+    return {
+        "config": asdict(e.candidate),
+        "label": e.candidate.label(),
+        "gpu_bytes": e.gpu,
+        "peak_allocated": e.gpu["peak_allocated"],
+        "reserved": e.gpu["reserved"],
+        "margin": e.gpu["margin"],
+        "host_bytes_per_node": e.host,
+        "nvme_bytes_per_node": e.nvme_bytes,
+        "time_s": e.time,
+        "step_time_s": e.step_time_s,
+        "step_time_range_s": list(e.step_time_range_s),
+        "tokens_per_s": e.tokens_per_s,
+        "tokens_per_s_range": list(e.tokens_per_s_range),
+        "ceiling_tokens_per_s": e.ceiling_tokens_per_s,
+        "mfu": e.mfu,
+        "fits": e.fits,
+        "why_not": e.why_not,
+        "warnings": e.warnings,
+        "checkpoint_bytes": e.checkpoint,
+    }
 
 
 def trainer_loss_chunk(shape: ModelShape) -> int:
@@ -266,17 +345,27 @@ def choose(fitting: list[Estimate]) -> list[Estimate]:
     return [ties[0]] + [e for e in ranked if e is not ties[0]]
 
 
-def search(shape: ModelShape, seq_len: int, c: Cluster, global_batch_tokens: int = 4 * 2**20,
-           mfu_assumed: float = 0.40, fixed_micro: int | None = None, loss_chunk_tokens: int | None = -1) -> Plan:
+def search(
+    shape: ModelShape,
+    seq_len: int,
+    c: Cluster,
+    global_batch_tokens: int = 4 * 2**20,
+    mfu_assumed: float = 0.40,
+    fixed_micro: int | None = None,
+    loss_chunk_tokens: int | None = -1,
+) -> Plan:
     """All candidate configurations, fitting ones ranked. `loss_chunk_tokens` -1: the trainer's default chunk."""
     chunk = trainer_loss_chunk(shape) if loss_chunk_tokens == -1 else loss_chunk_tokens
-    ests = [estimate(shape, seq_len, c, cand, mfu_assumed, chunk)
-            for cand in candidates(c, seq_len, global_batch_tokens, fixed_micro=fixed_micro)]
+    ests = [
+        estimate(shape, seq_len, c, cand, mfu_assumed, chunk)
+        for cand in candidates(c, seq_len, global_batch_tokens, fixed_micro=fixed_micro)
+    ]
     fitting = choose([e for e in ests if e.fits])
     rejected = sorted((e for e in ests if not e.fits), key=lambda e: -e.tokens_per_s)
     advice = [] if fitting else _advice(shape, seq_len, c, global_batch_tokens, mfu_assumed)
-    return Plan(shape, seq_len, c, fitting[0] if fitting else None, fitting, rejected, advice, mfu_assumed,
-                global_batch_tokens)
+    return Plan(
+        shape, seq_len, c, fitting[0] if fitting else None, fitting, rejected, advice, mfu_assumed, global_batch_tokens
+    )
 
 
 def _advice(shape: ModelShape, seq_len: int, c: Cluster, gbt: int, mfu: float) -> list[str]:
@@ -285,18 +374,27 @@ def _advice(shape: ModelShape, seq_len: int, c: Cluster, gbt: int, mfu: float) -
     offload = estimate(shape, seq_len, c, Candidate(3, "cpu", "cpu", True, 1, 1, *BUCKETS_ZERO3[0], 1e8), mfu)
     if offload.host["total"] > HOST_RAM_LIMIT * c.cpu_mem_bytes:
         per_node_limit = HOST_RAM_LIMIT * c.cpu_mem_bytes
-        nodes_needed = next((n for n in range(c.nodes + 1, 1025)
-                             if host_memory(shape, replace(c, nodes=n), offload.candidate)["total"] <= per_node_limit),
-                            1024)
-        tips.append(f"fp32 master weights, gradients and Adam moments alone are {16 * psi / 1e9:,.0f} GB; ZeRO-3 with "
-                    f"CPU offload needs {offload.host['total'] / 1e9:,.0f} GB of host RAM per node here (80% limit: "
-                    f"{per_node_limit / 1e9:,.0f} GB): about {nodes_needed} nodes of "
-                    f"{c.cpu_mem_bytes / 1e9:.0f} GB RAM (you have {c.nodes})")
+        nodes_needed = next(
+            (
+                n
+                for n in range(c.nodes + 1, 1025)
+                if host_memory(shape, replace(c, nodes=n), offload.candidate)["total"] <= per_node_limit
+            ),
+            1024,
+        )
+        tips.append(
+            f"fp32 master weights, gradients and Adam moments alone are {16 * psi / 1e9:,.0f} GB; ZeRO-3 with "
+            f"CPU offload needs {offload.host['total'] / 1e9:,.0f} GB of host RAM per node here (80% limit: "
+            f"{per_node_limit / 1e9:,.0f} GB): about {nodes_needed} nodes of "
+            f"{c.cpu_mem_bytes / 1e9:.0f} GB RAM (you have {c.nodes})"
+        )
     if not c.nvme_bytes:
         nv = replace(c, nvme_bytes=10**15)
         if search(shape, seq_len, nv, gbt, mfu).best is not None:
-            tips.append(f"NVMe offload (ZeRO-Infinity) would fit: about {18 * psi / c.nodes / 1e12:.1f} TB of NVMe "
-                        "per node (--nvme SIZE)")
+            tips.append(
+                f"NVMe offload (ZeRO-Infinity) would fit: about {18 * psi / c.nodes / 1e12:.1f} TB of NVMe "
+                "per node (--nvme SIZE)"
+            )
     from pipeline.model import PRESETS
 
     for name, s in sorted(PRESETS.items(), key=lambda kv: -kv[1].num_params()):
@@ -310,25 +408,48 @@ def _advice(shape: ModelShape, seq_len: int, c: Cluster, gbt: int, mfu: float) -
 def ds_config(e: Estimate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
     """A DeepSpeed JSON for the chosen configuration; batch and precision fields stay "auto" for pretrain."""
     cand = e.candidate
-    zero: dict[str, Any] = {"stage": cand.stage, "overlap_comm": True, "contiguous_gradients": True,
-                            "reduce_bucket_size": cand.reduce_bucket}
+    zero: dict[str, Any] = {
+        "stage": cand.stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": cand.reduce_bucket,
+    }
     if cand.stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": cand.prefetch_bucket, "stage3_max_live_parameters": cand.max_live,
-                     "stage3_max_reuse_distance": cand.max_live, "stage3_param_persistence_threshold": 1e5,
-                     "sub_group_size": cand.sub_group, "stage3_gather_16bit_weights_on_model_save": False})
+        zero.update(
+            {
+                "stage3_prefetch_bucket_size": cand.prefetch_bucket,
+                "stage3_max_live_parameters": cand.max_live,
+                "stage3_max_reuse_distance": cand.max_live,
+                "stage3_param_persistence_threshold": 1e5,
+                "sub_group_size": cand.sub_group,
+                "stage3_gather_16bit_weights_on_model_save": False,
+            }
+        )
     for key, dev in (("offload_optimizer", cand.offload_optimizer), ("offload_param", cand.offload_param)):
         if dev != "none":
             zero[key] = {"device": dev, "pin_memory": True}
             if dev == "nvme":
                 zero[key]["nvme_path"] = nvme_path
     ds: dict[str, Any] = {
-        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto", "loss_scale": 0},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                  "weight_decay": "auto"}},
-        "zero_optimization": zero, "steps_per_print": 10**9}
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto", "loss_scale": 0},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
     if "nvme" in (cand.offload_optimizer, cand.offload_param):
-        ds["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
-                     "overlap_events": True}
+        ds["aio"] = {
+            "block_size": 1048576,
+            "queue_depth": 8,
+            "thread_count": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        }
     return ds
-

@@ -70,8 +70,9 @@ def prune(run_dir: Path, keep_last: int) -> list[str]:
     latest = tags[-1] if tags else None
     doomed = tags[: max(0, len(tags) - max(1, keep_last))]
     if latest:
-        doomed += [p.name for p in run_dir.iterdir()
-                   if _TAG.match(p.name) and not (p / MARKER).exists() and p.name < latest]
+        doomed += [
+            p.name for p in run_dir.iterdir() if _TAG.match(p.name) and not (p / MARKER).exists() and p.name < latest
+        ]
     for t in doomed:
         if t != latest:
             shutil.rmtree(run_dir / t, ignore_errors=True)
@@ -136,9 +137,20 @@ class Checkpointer:
     `keep_last`, with a barrier on either side so no rank runs ahead of a checkpoint that is not complete. A write
     that fails (a full disk) stops every rank with one message; the previous checkpoint stays the latest."""
 
-    def __init__(self, engine: Any, run_dir: Path, *, keep_last: int, rank: int, world_size: int,
-                 config: dict[str, Any], last_saved: int = -1, enabled: bool = True, verify: bool = False,
-                 size_hint: float = 0.0):
+    def __init__(
+        self,
+        engine: Any,
+        run_dir: Path,
+        *,
+        keep_last: int,
+        rank: int,
+        world_size: int,
+        config: dict[str, Any],
+        last_saved: int = -1,
+        enabled: bool = True,
+        verify: bool = False,
+        size_hint: float = 0.0,
+    ):
         self.engine, self.run_dir, self.keep_last, self.rank, self.config = engine, run_dir, keep_last, rank, config
         self.world_size, self.last_saved, self.enabled, self.verify = world_size, last_saved, enabled, verify
         self.size_hint = size_hint
@@ -155,12 +167,18 @@ class Checkpointer:
             (self.run_dir / tag / MARKER).unlink(missing_ok=True)  # a re-save makes the tag incomplete until done
             shutil.rmtree(self.run_dir / f"{tag}{UNIVERSAL}", ignore_errors=True)  # converted from the old files
         dist.barrier()
-        guard = _GuardedWrites(self.engine.checkpoint_engine, self.run_dir / tag, verify=self.verify,
-                               step=marker["step"], last_rank=self.rank == self.world_size - 1)
+        guard = _GuardedWrites(
+            self.engine.checkpoint_engine,
+            self.run_dir / tag,
+            verify=self.verify,
+            step=marker["step"],
+            last_rank=self.rank == self.world_size - 1,
+        )
         self.engine.checkpoint_engine = guard
         try:
-            self.engine.save_checkpoint(str(self.run_dir), tag=tag, client_state={**marker, "config": self.config},
-                                        save_latest=False)
+            self.engine.save_checkpoint(
+                str(self.run_dir), tag=tag, client_state={**marker, "config": self.config}, save_latest=False
+            )
         finally:
             self.engine.checkpoint_engine = guard.inner
         reports: list[Any] = [None] * self.world_size
@@ -173,7 +191,8 @@ class Checkpointer:
                 f"checkpoint {tag} could not be saved ({errors[0]}); {free / 1e9:,.1f} GB free at {self.run_dir}"
                 + (f", a checkpoint needs about {self.size_hint / 1e9:,.1f} GB on a node" if self.size_hint else "")
                 + f". The run stops; {latest or 'no checkpoint'} stays the latest complete checkpoint and the "
-                f"incomplete {tag}/ can be deleted. Free space or move run_dir, then resume with the same command")
+                f"incomplete {tag}/ can be deleted. Free space or move run_dir, then resume with the same command"
+            )
         if self.rank == 0:
             files: dict[str, dict[str, Any]] = {}
             for _, written in reports:
@@ -203,8 +222,15 @@ def universal(run_dir: Path, tag: str) -> tuple[str, bool]:
 
     tmp = Path(run_dir) / f".{tag}{UNIVERSAL}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    args = SimpleNamespace(input_folder=str(Path(run_dir) / tag), output_folder=str(tmp), num_extract_workers=2,
-                           num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    args = SimpleNamespace(
+        input_folder=str(Path(run_dir) / tag),
+        output_folder=str(tmp),
+        num_extract_workers=2,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     with contextlib.redirect_stdout(io.StringIO()):
         ds_to_universal(args)
     (Path(run_dir) / "latest_universal").unlink(missing_ok=True)  # it names the temporary folder; not ours to keep
@@ -247,15 +273,19 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     path = Path(path)
     if _TAG.match(path.name) and path.is_dir():
         if not (path / MARKER).exists():
-            raise PipelineError(f"{path}: checkpoint is incomplete (still being written, or its save crashed); "
-                                f"use an earlier tag or the run folder {path.parent}")
+            raise PipelineError(
+                f"{path}: checkpoint is incomplete (still being written, or its save crashed); "
+                f"use an earlier tag or the run folder {path.parent}"
+            )
         return path.parent, path.name
     if not path.is_dir():
         raise PipelineError(f"{path}: no such run folder or checkpoint")
     tag = latest_complete(path)
     if tag is None:
-        raise PipelineError(f"{path}: holds no complete checkpoint (expected folders step00000100/ with {MARKER}); "
-                            "is it a run folder of `pipeline pretrain`?")
+        raise PipelineError(
+            f"{path}: holds no complete checkpoint (expected folders step00000100/ with {MARKER}); "
+            "is it a run folder of `pipeline pretrain`?"
+        )
     return path, tag
 
 
@@ -310,13 +340,18 @@ def space_problem(run_dir: Path, per_node_bytes: float, keep_last: int) -> str |
     folder = Path(run_dir).absolute()
     while not folder.exists():
         folder = folder.parent
-    existing = sum(f.stat().st_size for d in Path(run_dir).glob("step*") if d.is_dir() for f in d.rglob("*")
-                   if f.is_file()) if Path(run_dir).is_dir() else 0
+    existing = (
+        sum(f.stat().st_size for d in Path(run_dir).glob("step*") if d.is_dir() for f in d.rglob("*") if f.is_file())
+        if Path(run_dir).is_dir()
+        else 0
+    )
     need = (keep_last + 1) * per_node_bytes - existing
     free = shutil.disk_usage(folder).free
     if need <= free:
         return None
-    return (f"run_dir {run_dir}: a checkpoint is {per_node_bytes / 1e9:,.1f} GB on this node; keeping {keep_last} "
-            f"while the next is written needs {need / 1e9:,.1f} GB more, and {folder} has {free / 1e9:,.1f} GB free. "
-            "Put run_dir on a larger disk or a shared mount, set checkpoint.keep_last lower, use more nodes (ZeRO "
-            "spreads the optimizer shards), or a smaller model; checkpoint.enabled: false runs without saving")
+    return (
+        f"run_dir {run_dir}: a checkpoint is {per_node_bytes / 1e9:,.1f} GB on this node; keeping {keep_last} "
+        f"while the next is written needs {need / 1e9:,.1f} GB more, and {folder} has {free / 1e9:,.1f} GB free. "
+        "Put run_dir on a larger disk or a shared mount, set checkpoint.keep_last lower, use more nodes (ZeRO "
+        "spreads the optimizer shards), or a smaller model; checkpoint.enabled: false runs without saving"
+    )

@@ -49,7 +49,8 @@ class BatchSection:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimSection:
     name: str = "adamw"
-    """adamw (DeepSpeed's: FusedAdam on GPU, CPUAdam when offloading) | adamw8bit (bitsandbytes, ZeRO 0-2, no offload)."""
+    """adamw (DeepSpeed's: FusedAdam on GPU, CPUAdam when offloading) | adamw8bit (bitsandbytes, ZeRO 0-2, no
+    offload)."""
     lr: float = 3e-4
     min_lr: float = 3e-5
     warmup_steps: int = 100
@@ -140,8 +141,16 @@ _SECTIONS = {f.name: f.type for f in dataclasses.fields(PretrainConfig)}
 
 
 def _section_class(name: str) -> Any:
-    return {"model": ModelSection, "data": DataSection, "batch": BatchSection, "optim": OptimSection,
-            "train": TrainSection, "eval": EvalSection, "checkpoint": CheckpointSection, "log": LogSection}[name]
+    return {
+        "model": ModelSection,
+        "data": DataSection,
+        "batch": BatchSection,
+        "optim": OptimSection,
+        "train": TrainSection,
+        "eval": EvalSection,
+        "checkpoint": CheckpointSection,
+        "log": LogSection,
+    }[name]
 
 
 def apply_overrides(raw: dict[str, Any], sets: list[str]) -> dict[str, Any]:
@@ -171,7 +180,9 @@ def from_dict(raw: dict[str, Any], source: str = "config") -> PretrainConfig:
             kwargs[key] = str(value)
             continue
         if key not in _SECTIONS:
-            problems.append(f"{key}: unknown section (known: run_dir, {', '.join(s for s in _SECTIONS if s != 'run_dir')})")
+            problems.append(
+                f"{key}: unknown section (known: run_dir, {', '.join(s for s in _SECTIONS if s != 'run_dir')})"
+            )
             continue
         cls = _section_class(key)
         if not isinstance(value, dict):
@@ -197,8 +208,7 @@ def from_dict(raw: dict[str, Any], source: str = "config") -> PretrainConfig:
     return PretrainConfig(**kwargs)
 
 
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-               "None": "null"}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "None": "null"}
 
 
 def coerce(value: Any, annotation: str) -> Any:

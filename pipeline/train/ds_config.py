@@ -29,8 +29,12 @@ def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
     b = cfg.batch
     if b.global_batch_tokens is not None:
         if b.global_batch_tokens % seq_len:
-            raise ConfigError([f"batch.global_batch_tokens {b.global_batch_tokens} is not a multiple of seq_len "
-                               f"{seq_len}; use {max(1, round(b.global_batch_tokens / seq_len)) * seq_len}"])
+            raise ConfigError(
+                [
+                    f"batch.global_batch_tokens {b.global_batch_tokens} is not a multiple of seq_len "
+                    f"{seq_len}; use {max(1, round(b.global_batch_tokens / seq_len)) * seq_len}"
+                ]
+            )
         global_batch = b.global_batch_tokens // seq_len
     else:
         assert b.global_batch_size is not None
@@ -39,12 +43,19 @@ def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
     if global_batch % per_step:
         lo, hi = (global_batch // per_step) * per_step, math.ceil(global_batch / per_step) * per_step
         micros = [m for m in range(1, 65) if global_batch % (m * world_size) == 0]
-        micro_hint = (f"batch.micro_batch_size {' or '.join(map(str, micros[-3:]))} keeps it"
-                      if micros else f"no micro_batch_size divides it on {world_size} ranks")
-        raise ConfigError([f"batch: global batch {global_batch} sequences is not divisible by micro_batch_size "
-                           f"{b.micro_batch_size} x {world_size} data-parallel ranks = {per_step}; {micro_hint}; "
-                           f"or --set batch.global_batch_size={f'{lo} or {hi}' if lo else hi} (a resumed run then "
-                           "trains with another batch than it started with)"])
+        micro_hint = (
+            f"batch.micro_batch_size {' or '.join(map(str, micros[-3:]))} keeps it"
+            if micros
+            else f"no micro_batch_size divides it on {world_size} ranks"
+        )
+        raise ConfigError(
+            [
+                f"batch: global batch {global_batch} sequences is not divisible by micro_batch_size "
+                f"{b.micro_batch_size} x {world_size} data-parallel ranks = {per_step}; {micro_hint}; "
+                f"or --set batch.global_batch_size={f'{lo} or {hi}' if lo else hi} (a resumed run then "
+                "trains with another batch than it started with)"
+            ]
+        )
     return BatchPlan(b.micro_batch_size, world_size, global_batch // per_step, global_batch, seq_len)
 
 
@@ -59,22 +70,30 @@ def _filled(value: Any, ours: Any, name: str, problems: list[str]) -> Any:
     if value == "auto" or value is None:
         return ours
     if value != ours:
-        problems.append(f"{name} is {value} in the DeepSpeed config but {ours} from our config; set it to \"auto\"")
+        problems.append(f'{name} is {value} in the DeepSpeed config but {ours} from our config; set it to "auto"')
     return value
 
 
-def resolve(cfg: PretrainConfig, ds_raw: dict[str, Any], plan: BatchPlan, *, accelerator: str,
-            source: str = "deepspeed config", num_params: int | None = None) -> dict[str, Any]:
+def resolve(
+    cfg: PretrainConfig,
+    ds_raw: dict[str, Any],
+    plan: BatchPlan,
+    *,
+    accelerator: str,
+    source: str = "deepspeed config",
+    num_params: int | None = None,
+) -> dict[str, Any]:
     """Fill the "auto" fields of a DeepSpeed config from ours and refuse unsupported combinations, listing
     every problem at once. With `num_params`, buckets larger than the model are cut to its size."""
     ds = json.loads(json.dumps(ds_raw))
     p: list[str] = []
-    ds["train_micro_batch_size_per_gpu"] = _filled(ds.get("train_micro_batch_size_per_gpu", "auto"),
-                                                   plan.micro_batch_size, "train_micro_batch_size_per_gpu", p)
-    ds["gradient_accumulation_steps"] = _filled(ds.get("gradient_accumulation_steps", "auto"), plan.grad_accum,
-                                                "gradient_accumulation_steps", p)
-    ds["train_batch_size"] = _filled(ds.get("train_batch_size", "auto"), plan.global_batch_size,
-                                     "train_batch_size", p)
+    ds["train_micro_batch_size_per_gpu"] = _filled(
+        ds.get("train_micro_batch_size_per_gpu", "auto"), plan.micro_batch_size, "train_micro_batch_size_per_gpu", p
+    )
+    ds["gradient_accumulation_steps"] = _filled(
+        ds.get("gradient_accumulation_steps", "auto"), plan.grad_accum, "gradient_accumulation_steps", p
+    )
+    ds["train_batch_size"] = _filled(ds.get("train_batch_size", "auto"), plan.global_batch_size, "train_batch_size", p)
     ds["gradient_clipping"] = _filled(ds.get("gradient_clipping", "auto"), cfg.optim.grad_clip, "gradient_clipping", p)
     prec = cfg.train.precision
     for key in ("bf16", "fp16"):
@@ -83,8 +102,9 @@ def resolve(cfg: PretrainConfig, ds_raw: dict[str, Any], plan: BatchPlan, *, acc
         ds[key] = sec
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     stage = int(zero.get("stage", 0))
-    offload = any(zero.get(k, {}).get("device", "none") not in ("none", None)
-                  for k in ("offload_optimizer", "offload_param"))
+    offload = any(
+        zero.get(k, {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param")
+    )
     o = cfg.optim
     if o.name == "adamw":
         opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
@@ -92,32 +112,40 @@ def resolve(cfg: PretrainConfig, ds_raw: dict[str, Any], plan: BatchPlan, *, acc
         params["lr"] = o.lr if params.get("lr", "auto") == "auto" else params["lr"]
         params["betas"] = _filled(params.get("betas", "auto"), [o.beta1, o.beta2], "optimizer.params.betas", p)
         params["eps"] = _filled(params.get("eps", "auto"), o.eps, "optimizer.params.eps", p)
-        params["weight_decay"] = _filled(params.get("weight_decay", "auto"), o.weight_decay,
-                                         "optimizer.params.weight_decay", p)
+        params["weight_decay"] = _filled(
+            params.get("weight_decay", "auto"), o.weight_decay, "optimizer.params.weight_decay", p
+        )
         if str(opt.get("type", "")).lower() not in ("adamw", "adam"):
             p.append(f"optimizer.type {opt.get('type')}: only AdamW is supported here")
     else:
         ds.pop("optimizer", None)
         if offload or stage >= 3:
-            p.append(f"optim.name adamw8bit cannot run with ZeRO-{stage}{' and offload' if offload else ''}: "
-                     "bitsandbytes optimizers need their states on the GPU and unsharded parameters")
+            p.append(
+                f"optim.name adamw8bit cannot run with ZeRO-{stage}{' and offload' if offload else ''}: "
+                "bitsandbytes optimizers need their states on the GPU and unsharded parameters"
+            )
         # DeepSpeed's ZeRO-1/2 wrap only optimizers on its own list unless told otherwise; bitsandbytes' AdamW8bit
         # steps element-wise on the flat fp32 partition ZeRO hands it, which is all ZeRO-1/2 need of it.
         if stage in (1, 2):
             ds["zero_allow_untested_optimizer"] = True
     if cfg.train.compile and stage == 3:
-        p.append("train.compile with ZeRO-3: not supported yet (ZeRO-3's parameter hooks break the compiled "
-                 "graphs); use ZeRO-1/2 or compile: false")
+        p.append(
+            "train.compile with ZeRO-3: not supported yet (ZeRO-3's parameter hooks break the compiled "
+            "graphs); use ZeRO-1/2 or compile: false"
+        )
     if prec == "bf16" and stage in (1, 2):
         # DeepSpeed's ZeRO-1/2 skip an update whose gradient norm is not finite (fp32 and fp16 always, ZeRO-3 in
         # every precision) but apply it in bf16 unless told to check: a NaN would then reach the weights.
         ds["bf16"].setdefault("check_grad_overflow", True)
     if cfg.train.on_nonfinite == "skip" and stage == 0:
-        p.append("train.on_nonfinite skip needs ZeRO 1-3 (DeepSpeed drops a non-finite update there); with ZeRO-0 "
-                 "use stop")
+        p.append(
+            "train.on_nonfinite skip needs ZeRO 1-3 (DeepSpeed drops a non-finite update there); with ZeRO-0 use stop"
+        )
     if cfg.train.on_nonfinite == "skip" and cfg.optim.grad_clip == 0:
-        p.append("train.on_nonfinite skip needs optim.grad_clip > 0: DeepSpeed finds a non-finite gradient through "
-                 "the norm it computes for clipping")
+        p.append(
+            "train.on_nonfinite skip needs optim.grad_clip > 0: DeepSpeed finds a non-finite gradient through "
+            "the norm it computes for clipping"
+        )
     if prec == "fp16" and accelerator == "cpu":
         p.append("train.precision fp16 is not supported on the CPU accelerator; use bf16 or fp32")
     if "pipeline" in ds or ds.get("pipeline_parallel_size", 1) not in (1, None):

@@ -31,8 +31,19 @@ def replay_adam_beta_powers(optimizer: Any, device: torch.device) -> int:
     elif isinstance(basic, FusedAdam) and device.type == "cpu":
         p, g, m, v = dummy
         for t in range(1, steps + 1):
-            multi_tensor_applier(basic.multi_tensor_adam, basic._dummy_overflow_buf, [[g], [p], [m], [v]], 0.0,
-                                 beta1, beta2, group["eps"], t, basic.adam_w_mode, 1, 0.0)
+            multi_tensor_applier(
+                basic.multi_tensor_adam,
+                basic._dummy_overflow_buf,
+                [[g], [p], [m], [v]],
+                0.0,
+                beta1,
+                beta2,
+                group["eps"],
+                t,
+                basic.adam_w_mode,
+                1,
+                0.0,
+            )
     else:
         return 0  # CUDA FusedAdam computes beta^t on every call
     return steps

@@ -20,8 +20,9 @@ from pipeline.train.weights import init_weights, load_initial_weights
 log = logging.getLogger("pipeline.pretrain")
 
 
-def build_training_model(shape: ModelShape, ds: dict[str, Any], cfg: PretrainConfig, tok: TokenizerInfo,
-                         rank: int) -> torch.nn.Module:
+def build_training_model(
+    shape: ModelShape, ds: dict[str, Any], cfg: PretrainConfig, tok: TokenizerInfo, rank: int
+) -> torch.nn.Module:
     """The model with its initial weights (our deterministic init, or `model.init_from`), checkpointing set."""
     stage3 = zero_stage(ds) == 3
     ids = model_token_ids(tok)
@@ -34,8 +35,9 @@ def build_training_model(shape: ModelShape, ds: dict[str, Any], cfg: PretrainCon
 
             # As transformers' own zero.Init path does: keep RoPE's arange in fp32, then partition each parameter
             # as it is created, so that no rank ever holds the whole model.
-            stack.enter_context(transformers_helper("transformers.integrations.deepspeed",
-                                                    "prevent_arange_dtype_change")())
+            stack.enter_context(
+                transformers_helper("transformers.integrations.deepspeed", "prevent_arange_dtype_change")()
+            )
             stack.enter_context(deepspeed.zero.Init(config_dict_or_path=ds))
         model = build_model(shape, skip_init=True, **ids)  # every weight is filled below
     model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
@@ -61,12 +63,16 @@ def build_engine(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, tok
     if cfg.optim.name == "adamw8bit":
         import bitsandbytes as bnb
 
-        client_optimizer = bnb.optim.AdamW8bit(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                                               eps=cfg.optim.eps)
+        client_optimizer = bnb.optim.AdamW8bit(
+            groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps
+        )
     check_aio(ds)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
-                                           model_parameters=None if client_optimizer else groups,  # type: ignore[arg-type]
-                                           config=ds)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=client_optimizer,
+        model_parameters=None if client_optimizer else groups,  # type: ignore[arg-type]
+        config=ds,
+    )
     return engine
 
 
@@ -90,8 +96,10 @@ def check_aio(ds: dict[str, Any]) -> None:
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
         if not AsyncIOBuilder().is_compatible():
-            raise PipelineError("NVMe offload needs DeepSpeed's async_io op, which cannot build here (install "
-                                "libaio-dev, then check `ds_report`); or use ds_configs/zero3_offload.json (CPU)")
+            raise PipelineError(
+                "NVMe offload needs DeepSpeed's async_io op, which cannot build here (install "
+                "libaio-dev, then check `ds_report`); or use ds_configs/zero3_offload.json (CPU)"
+            )
         for k in ("offload_optimizer", "offload_param"):
             path = zero.get(k, {}).get("nvme_path")
             if path and not os.access(path, os.W_OK):

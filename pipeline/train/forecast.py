@@ -32,13 +32,18 @@ class Forecast:
     search: Plan
 
 
-def shape_and_seq(cfg: PretrainConfig, seq_len: int | None, layers: int | None, vocab_size: int
-                  ) -> tuple[ModelShape, int, str, int]:
+def shape_and_seq(
+    cfg: PretrainConfig, seq_len: int | None, layers: int | None, vocab_size: int
+) -> tuple[ModelShape, int, str, int]:
     """(shape, seq_len, where seq_len came from, vocabulary): the shards' manifest when they exist, else the flag."""
     manifest_path = Path(cfg.data.path) / "manifest.json"
     if manifest_path.exists():
         manifest = read_shard_manifest(cfg.data.path)
-        seq, source, vocab = int(manifest["seq_len"]), f"the shards ({manifest_path})", manifest["tokenizer"]["vocab_size"]
+        seq, source, vocab = (
+            int(manifest["seq_len"]),
+            f"the shards ({manifest_path})",
+            manifest["tokenizer"]["vocab_size"],
+        )
     elif seq_len:
         seq, source, vocab = seq_len, "--seq-len", vocab_size
     else:
@@ -51,13 +56,22 @@ def shape_and_seq(cfg: PretrainConfig, seq_len: int | None, layers: int | None, 
     return shape, seq, source, vocab
 
 
-def forecast_config(config_path: str, sets: list[str], cluster: Cluster, *, seq_len: int | None, layers: int | None,
-                    vocab_size: int, mfu: float) -> Forecast:
+def forecast_config(
+    config_path: str,
+    sets: list[str],
+    cluster: Cluster,
+    *,
+    seq_len: int | None,
+    layers: int | None,
+    vocab_size: int,
+    mfu: float,
+) -> Forecast:
     cfg = load(config_path, sets)
     shape, seq, source, _ = shape_and_seq(cfg, seq_len, layers, vocab_size)
     if cfg.train.gpu_memory_cap_gib:
-        cluster = replace(cluster, gpu=replace(cluster.gpu, memory_gib=min(cluster.gpu.memory_gib,
-                                                                            cfg.train.gpu_memory_cap_gib)))
+        cluster = replace(
+            cluster, gpu=replace(cluster.gpu, memory_gib=min(cluster.gpu.memory_gib, cfg.train.gpu_memory_cap_gib))
+        )
     bp = batch_plan(cfg, cluster.world, seq)
     chunk = cfg.train.loss_chunk_tokens or loss_chunk_tokens(shape.vocab_size)
     found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk)
@@ -66,8 +80,12 @@ def forecast_config(config_path: str, sets: list[str], cluster: Cluster, *, seq_
             raise PipelineError("train.deepspeed_config auto: nothing fits this cluster; " + "; ".join(found.advice))
         yours = found.best
     else:
-        cand = candidate_from_ds(load_ds_config(cfg.train.deepspeed_config), bp.micro_batch_size, bp.grad_accum,
-                                 cfg.train.activation_checkpointing)
+        cand = candidate_from_ds(
+            load_ds_config(cfg.train.deepspeed_config),
+            bp.micro_batch_size,
+            bp.grad_accum,
+            cfg.train.activation_checkpointing,
+        )
         yours = estimate(shape, seq, cluster, cand, mfu, chunk)
     return Forecast(config_path, shape, seq, source, bp, cluster, yours, found)
 
@@ -111,12 +129,15 @@ def forecast_run(run_dir: str, cluster: Cluster | None, *, mfu: float) -> tuple[
         env = json.loads((rd / "environment.json").read_text())
     cfg = load(rd / "config.yaml")
     ds = json.loads((rd / "ds_config.json").read_text())
-    world = int(ds["train_batch_size"]) // (int(ds["train_micro_batch_size_per_gpu"])
-                                            * int(ds["gradient_accumulation_steps"]))
+    world = int(ds["train_batch_size"]) // (
+        int(ds["train_micro_batch_size_per_gpu"]) * int(ds["gradient_accumulation_steps"])
+    )
     if cluster is None:
         if not env:
-            raise PipelineError(f"{rd}: no environment.json (a run from before runs recorded their cluster); give "
-                                "--gpu and --hostfile (or --nodes and --gpus-per-node)")
+            raise PipelineError(
+                f"{rd}: no environment.json (a run from before runs recorded their cluster); give "
+                "--gpu and --hostfile (or --nodes and --gpus-per-node)"
+            )
         per_node = int(env.get("ranks_per_node") or world)
         ram = int(env.get("host_ram_bytes") or 512 * 10**9)
         if env.get("device", "cpu") == "cpu":
@@ -125,8 +146,9 @@ def forecast_run(run_dir: str, cluster: Cluster | None, *, mfu: float) -> tuple[
             try:
                 card = lookup(env["device"])
             except KeyError:
-                raise PipelineError(f"{rd}/environment.json: no planner data for GPU '{env['device']}'; give "
-                                    "--gpu") from None
+                raise PipelineError(
+                    f"{rd}/environment.json: no planner data for GPU '{env['device']}'; give --gpu"
+                ) from None
             if env.get("device_memory_bytes"):
                 card = replace(card, memory_gib=env["device_memory_bytes"] / 2**30)
         cluster = Cluster(max(1, world // per_node), per_node, card, ram, cpu_cores=int(env.get("cpu_cores") or 32))
@@ -134,17 +156,24 @@ def forecast_run(run_dir: str, cluster: Cluster | None, *, mfu: float) -> tuple[
         raise PipelineError(f"{rd}: the run had {world} ranks, the cluster given has {cluster.world}")
     shape, seq, source, _ = shape_and_seq(cfg, None, None, 32000)
     if cfg.train.gpu_memory_cap_gib:
-        cluster = replace(cluster, gpu=replace(cluster.gpu, memory_gib=min(cluster.gpu.memory_gib,
-                                                                            cfg.train.gpu_memory_cap_gib)))
-    bp = BatchPlan(int(ds["train_micro_batch_size_per_gpu"]), world, int(ds["gradient_accumulation_steps"]),
-                   int(ds["train_batch_size"]), seq)
+        cluster = replace(
+            cluster, gpu=replace(cluster.gpu, memory_gib=min(cluster.gpu.memory_gib, cfg.train.gpu_memory_cap_gib))
+        )
+    bp = BatchPlan(
+        int(ds["train_micro_batch_size_per_gpu"]),
+        world,
+        int(ds["gradient_accumulation_steps"]),
+        int(ds["train_batch_size"]),
+        seq,
+    )
     chunk = cfg.train.loss_chunk_tokens or loss_chunk_tokens(shape.vocab_size)
     cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, cfg.train.activation_checkpointing)
     yours = estimate(shape, seq, cluster, cand, mfu, chunk)
     found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk)
     got = measured(rd, bp.tokens_per_step)
-    got.memory_kind = "peak RSS per process (CPU run)" if env.get("device", "cpu") == "cpu" else \
-        "torch.cuda.max_memory_allocated"
+    got.memory_kind = (
+        "peak RSS per process (CPU run)" if env.get("device", "cpu") == "cpu" else "torch.cuda.max_memory_allocated"
+    )
     return Forecast(str(rd / "config.yaml"), shape, seq, source, bp, cluster, yours, found), got, env
 
 
@@ -157,46 +186,65 @@ def render_config(f: Forecast, token_budget: float | None = None) -> str:
     lines += describe_estimate(f.search, e, token_budget, title="your config")
     verdict = "FITS" if e.fits else "DOES NOT FIT"
     free = f.cluster.gpu.memory_gib - (e.gpu["reserved"] + e.gpu["margin"]) / 2**30
-    lines.append(f"\n{verdict}: {free:+.2f} GiB per GPU beyond the {e.gpu['margin'] / 2**30:.2f} GiB margin; host RAM "
-                 f"{e.host['total'] / 1e9:.0f} of {0.8 * f.cluster.cpu_mem_bytes / 1e9:.0f} GB allowed per node")
+    lines.append(
+        f"\n{verdict}: {free:+.2f} GiB per GPU beyond the {e.gpu['margin'] / 2**30:.2f} GiB margin; host RAM "
+        f"{e.host['total'] / 1e9:.0f} of {0.8 * f.cluster.cpu_mem_bytes / 1e9:.0f} GB allowed per node"
+    )
     if best is None:
         lines.append("the search finds nothing that fits this cluster: " + "; ".join(f.search.advice))
     elif best.candidate == e.candidate:
         lines.append("the search would choose the same configuration")
     else:
-        lines.append(f"the search would choose: {best.candidate.label()} (buckets {best.candidate.reduce_bucket:.0e}/"
-                     f"{best.candidate.prefetch_bucket:.0e}/{best.candidate.max_live:.0e}): "
-                     f"{best.tokens_per_s:,.0f} tokens/s ({best.tokens_per_s / e.tokens_per_s:.2f}x yours), "
-                     f"{best.gpu['reserved'] / 2**30:.1f} GiB reserved; --write-ds-config writes it")
+        lines.append(
+            f"the search would choose: {best.candidate.label()} (buckets {best.candidate.reduce_bucket:.0e}/"
+            f"{best.candidate.prefetch_bucket:.0e}/{best.candidate.max_live:.0e}): "
+            f"{best.tokens_per_s:,.0f} tokens/s ({best.tokens_per_s / e.tokens_per_s:.2f}x yours), "
+            f"{best.gpu['reserved'] / 2**30:.1f} GiB reserved; --write-ds-config writes it"
+        )
     return "\n".join(lines)
 
 
 def comparison(f: Forecast, got: RunMeasured) -> dict[str, Any]:
     e = f.yours
-    rows = {"peak_memory_gib": (e.gpu["peak_allocated"] / 2**30, got.peak_memory_gib),
-            "step_time_s": (e.step_time_s, got.step_time_s), "tokens_per_s": (e.tokens_per_s, got.tokens_per_s)}
+    rows = {
+        "peak_memory_gib": (e.gpu["peak_allocated"] / 2**30, got.peak_memory_gib),
+        "step_time_s": (e.step_time_s, got.step_time_s),
+        "tokens_per_s": (e.tokens_per_s, got.tokens_per_s),
+    }
     return {k: {"predicted": p, "measured": m, "ratio": m / p if p else None} for k, (p, m) in rows.items()} | {
-        "step_time_range_s": list(e.step_time_range_s), "tokens_per_s_range": list(e.tokens_per_s_range),
-        "memory_measured_as": got.memory_kind, "log_lines": got.records}
+        "step_time_range_s": list(e.step_time_range_s),
+        "tokens_per_s_range": list(e.tokens_per_s_range),
+        "memory_measured_as": got.memory_kind,
+        "log_lines": got.records,
+    }
 
 
 def render_run(f: Forecast, got: RunMeasured, env: dict[str, Any]) -> str:
     """`pipeline plan --from-run`: the plan for exactly this run beside what it measured."""
     c = comparison(f, got)
     lo, hi = f.yours.step_time_range_s
-    lines = [f"run {Path(f.config).parent}: {f.yours.candidate.label()}, {f.cluster.nodes} node(s) x "
-             f"{f.cluster.gpus_per_node} {f.cluster.gpu.name}, seq {f.seq_len}, "
-             f"{f.batch.tokens_per_step:,} tokens per step ({got.records} log lines)",
-             "",
-             f"{'':24s} {'planned':>12s} {'measured':>12s} {'measured/planned':>17s}"]
-    for key, label in (("peak_memory_gib", "peak memory GiB"), ("step_time_s", "step time s"),
-                       ("tokens_per_s", "tokens/s")):
+    lines = [
+        f"run {Path(f.config).parent}: {f.yours.candidate.label()}, {f.cluster.nodes} node(s) x "
+        f"{f.cluster.gpus_per_node} {f.cluster.gpu.name}, seq {f.seq_len}, "
+        f"{f.batch.tokens_per_step:,} tokens per step ({got.records} log lines)",
+        "",
+        f"{'':24s} {'planned':>12s} {'measured':>12s} {'measured/planned':>17s}",
+    ]
+    for key, label in (
+        ("peak_memory_gib", "peak memory GiB"),
+        ("step_time_s", "step time s"),
+        ("tokens_per_s", "tokens/s"),
+    ):
         row = c[key]
         lines.append(f"{label:24s} {row['predicted']:12,.3f} {row['measured']:12,.3f} {row['ratio']:17.2f}")
-    lines += [f"\nplanned step time range {lo:,.3f}-{hi:,.3f} s; memory measured as {got.memory_kind}, planned as "
-              "live tensors at the peak (torch.cuda.max_memory_allocated)"]
+    lines += [
+        f"\nplanned step time range {lo:,.3f}-{hi:,.3f} s; memory measured as {got.memory_kind}, planned as "
+        "live tensors at the peak (torch.cuda.max_memory_allocated)"
+    ]
     if env.get("device", "cpu") == "cpu":
-        lines.append("a CPU run: the planner's GPU model (MFU, PCIe, a nominal 0.5 TF per rank) does not describe "
-                     "it; the comparison checks the plumbing. On GPUs, ratios near 1 mean the plan for the rest of "
-                     "the cluster can be trusted; far from 1, plan with --mfu set to the measured MFU.")
+        lines.append(
+            "a CPU run: the planner's GPU model (MFU, PCIe, a nominal 0.5 TF per rank) does not describe "
+            "it; the comparison checks the plumbing. On GPUs, ratios near 1 mean the plan for the rest of "
+            "the cluster can be trusted; far from 1, plan with --mfu set to the measured MFU."
+        )
     return "\n".join(lines)

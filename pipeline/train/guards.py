@@ -54,10 +54,13 @@ class Watchdog:
         while not self._done.wait(min(10.0, self.timeout_s / 4)):
             idle = time.monotonic() - self._last
             if not self._paused and idle > self.timeout_s:
-                print(f"error: rank {self.rank}: no training step finished for {idle:.0f} s "
-                      f"(train.comm_timeout_minutes {self.timeout_s / 60:g}); another rank has hung or died. "
-                      "Exiting so that the launch fails instead of hanging; resume with the same command",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"error: rank {self.rank}: no training step finished for {idle:.0f} s "
+                    f"(train.comm_timeout_minutes {self.timeout_s / 60:g}); another rank has hung or died. "
+                    "Exiting so that the launch fails instead of hanging; resume with the same command",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(3)
 
 
@@ -92,15 +95,26 @@ class NonFinite:
             from pipeline.train.checkpoint import latest_complete
 
             latest = latest_complete(run_dir)
-            why = ("train.on_nonfinite is stop" if self.cfg.train.on_nonfinite == "stop"
-                   else f"{self.in_a_row} in a row > train.max_nonfinite_in_a_row")
+            why = (
+                "train.on_nonfinite is stop"
+                if self.cfg.train.on_nonfinite == "stop"
+                else f"{self.in_a_row} in a row > train.max_nonfinite_in_a_row"
+            )
             raise PipelineError(
                 f"step {step}: {what} ({why}); {applied} and nothing was saved, so {latest or 'no checkpoint'} "
                 f"stays the latest. The step's samples (train split ids): {shown}. Look at them, lower optim.lr, "
-                "or set train.on_nonfinite: skip; then resume with the same command")
+                "or set train.on_nonfinite: skip; then resume with the same command"
+            )
         if self.rank == 0:
-            log.warning("step %d: %s; %s (skipped %d in a row, %d in this launch); samples %s", step, what, applied,
-                        self.in_a_row, self.total, shown)
+            log.warning(
+                "step %d: %s; %s (skipped %d in a row, %d in this launch); samples %s",
+                step,
+                what,
+                applied,
+                self.in_a_row,
+                self.total,
+                shown,
+            )
 
     def sample_ids(self) -> list[int]:
         """The train-split sample ids of the step just taken (the loader's order is the same for any world size)."""
@@ -115,5 +129,10 @@ def checkpoint_size(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, 
     from pipeline.train.ds_config import zero_stage
     from pipeline.train.setup import ranks_per_node
 
-    return checkpoint_bytes(shape, zero_stage(ds), env.world_size, ranks_per_node(env.world_size),
-                            module_bytes=4 if cfg.train.precision == "fp32" else 2)["per_node"]
+    return checkpoint_bytes(
+        shape,
+        zero_stage(ds),
+        env.world_size,
+        ranks_per_node(env.world_size),
+        module_bytes=4 if cfg.train.precision == "fp32" else 2,
+    )["per_node"]

@@ -58,8 +58,7 @@ class RunState:
     resumed: bool
 
 
-def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: ModelShape,
-          manifest: ShardManifest) -> int:
+def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: ModelShape, manifest: ShardManifest) -> int:
     """Stage 3 on every rank: process group, resume or start, the loop, a final checkpoint."""
     import torch.distributed as tdist
 
@@ -79,8 +78,9 @@ def train(cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: Model
     return 0
 
 
-def start_or_resume(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, manifest: ShardManifest,
-                    env: Dist) -> RunState:
+def start_or_resume(
+    cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, manifest: ShardManifest, env: Dist
+) -> RunState:
     """Open the data, decide whether to resume (before anything heavy is built), build the engine, load the
     checkpoint, and write the resolved configs into the run folder."""
     import deepspeed.comm as dist
@@ -94,12 +94,19 @@ def start_or_resume(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, 
         run_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     tag = resume_tag(cfg, run_dir, env, checkpoint_size(cfg, ds, shape, env) if cfg.checkpoint.enabled else 0.0)
-    if tag and (problems := resume_problems(
-            ckpt.read_marker(run_dir, tag), data_fingerprint=train_data.fingerprint, model_shape=shape.as_dict(),
-            world_size=env.world_size, zero_stage=zero_stage(ds),
-            nvme_optimizer=ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme")):
-        raise PipelineError(f"cannot resume {run_dir}/{tag}: " + "; ".join(problems) +
-                            " (use a new run_dir to start fresh)")
+    if tag and (
+        problems := resume_problems(
+            ckpt.read_marker(run_dir, tag),
+            data_fingerprint=train_data.fingerprint,
+            model_shape=shape.as_dict(),
+            world_size=env.world_size,
+            zero_stage=zero_stage(ds),
+            nvme_optimizer=ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme",
+        )
+    ):
+        raise PipelineError(
+            f"cannot resume {run_dir}/{tag}: " + "; ".join(problems) + " (use a new run_dir to start fresh)"
+        )
     load_tag, engine_ds = tag, ds
     if tag and ckpt.read_marker(run_dir, tag)["world_size"] != env.world_size and zero_stage(ds) > 0:
         # Another world size: DeepSpeed's universal checkpoint re-partitions the optimizer states. Rank 0 converts
@@ -109,15 +116,22 @@ def start_or_resume(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, 
     engine = build_engine(cfg, engine_ds, shape, manifest["tokenizer"], env.rank)
     state = RunState(engine, train_data, val_data, 0, 0, resumed=tag is not None)
     if tag:
-        engine.load_checkpoint(str(run_dir), tag=load_tag, load_optimizer_states=True,
-                               load_lr_scheduler_states=False)
+        engine.load_checkpoint(str(run_dir), tag=load_tag, load_optimizer_states=True, load_lr_scheduler_states=False)
         replay_adam_beta_powers(engine.optimizer, env.device)
         marker = ckpt.read_marker(run_dir, tag)
         state.step, state.consumed_samples = marker["step"], marker["consumed_samples"]
         if env.rank == 0:
-            log.info("resumed from %s/%s: step %d, %d samples consumed%s", run_dir, tag, state.step,
-                     state.consumed_samples, f" (saved by {marker['world_size']} ranks, now {env.world_size}: "
-                     f"through the universal checkpoint {load_tag})" if load_tag != tag else "")
+            log.info(
+                "resumed from %s/%s: step %d, %d samples consumed%s",
+                run_dir,
+                tag,
+                state.step,
+                state.consumed_samples,
+                f" (saved by {marker['world_size']} ranks, now {env.world_size}: "
+                f"through the universal checkpoint {load_tag})"
+                if load_tag != tag
+                else "",
+            )
     if env.rank == 0:
         write_text(run_dir / "config.yaml", dump(cfg))
         write_json(run_dir / "ds_config.json", ds)
@@ -134,8 +148,12 @@ def universal_checkpoint(run_dir: Path, tag: str, env: Dist) -> str:
         try:
             answer[0], converted = ckpt.universal(run_dir, tag)
             if converted:
-                log.info("converted %s/%s to DeepSpeed's universal checkpoint %s (once; kept for later launches)",
-                         run_dir, tag, answer[0])
+                log.info(
+                    "converted %s/%s to DeepSpeed's universal checkpoint %s (once; kept for later launches)",
+                    run_dir,
+                    tag,
+                    answer[0],
+                )
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, not only rank 0
             answer[1] = f"converting {run_dir}/{tag} to a universal checkpoint failed: {type(e).__name__}: {e}"
     tdist.broadcast_object_list(answer, src=0)
@@ -174,29 +192,58 @@ def resume_tag(cfg: PretrainConfig, run_dir: Path, env: Dist, checkpoint_bytes: 
     return answer[0]
 
 
-def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPlan, shape: ModelShape,
-        manifest: ShardManifest, env: Dist) -> None:
+def fit(
+    state: RunState,
+    cfg: PretrainConfig,
+    ds: dict[str, Any],
+    plan: BatchPlan,
+    shape: ModelShape,
+    manifest: ShardManifest,
+    env: Dist,
+) -> None:
     """Step until `max_steps` or a stop signal: log, validate and checkpoint at their intervals."""
     import deepspeed.comm as dist
 
     run_dir, engine, device = Path(cfg.run_dir), state.engine, env.device
     max_steps = max_steps_for(cfg, plan)
-    metrics = MetricsSink(run_dir, rank=env.rank, tensorboard=cfg.log.tensorboard,
-                          resumed_at=state.step if state.resumed else None)
-    checkpointer = ckpt.Checkpointer(engine, run_dir, keep_last=cfg.checkpoint.keep_last, rank=env.rank,
-                                     world_size=env.world_size, config=cfg.to_dict(),
-                                     last_saved=state.step if state.resumed else -1, enabled=cfg.checkpoint.enabled,
-                                     verify=cfg.checkpoint.verify, size_hint=checkpoint_size(cfg, ds, shape, env))
+    metrics = MetricsSink(
+        run_dir, rank=env.rank, tensorboard=cfg.log.tensorboard, resumed_at=state.step if state.resumed else None
+    )
+    checkpointer = ckpt.Checkpointer(
+        engine,
+        run_dir,
+        keep_last=cfg.checkpoint.keep_last,
+        rank=env.rank,
+        world_size=env.world_size,
+        config=cfg.to_dict(),
+        last_saved=state.step if state.resumed else -1,
+        enabled=cfg.checkpoint.enabled,
+        verify=cfg.checkpoint.verify,
+        size_hint=checkpoint_size(cfg, ds, shape, env),
+    )
 
     def marker() -> ckpt.Marker:
-        return {"step": state.step, "consumed_samples": state.consumed_samples,
-                "data_fingerprint": state.train_data.fingerprint, "seq_len": plan.seq_len,
-                "tokenizer_sha256": manifest["tokenizer"]["sha256"], "model_shape": shape.as_dict(),
-                "world_size": env.world_size}
+        return {
+            "step": state.step,
+            "consumed_samples": state.consumed_samples,
+            "data_fingerprint": state.train_data.fingerprint,
+            "seq_len": plan.seq_len,
+            "tokenizer_sha256": manifest["tokenizer"]["sha256"],
+            "model_shape": shape.as_dict(),
+            "world_size": env.world_size,
+        }
 
-    batches = iter(build_loader(state.train_data, seed=cfg.train.seed, micro_batch_size=plan.micro_batch_size,
-                                data_parallel_size=env.world_size, rank=env.rank,
-                                consumed_samples=state.consumed_samples, num_workers=cfg.data.num_workers))
+    batches = iter(
+        build_loader(
+            state.train_data,
+            seed=cfg.train.seed,
+            micro_batch_size=plan.micro_batch_size,
+            data_parallel_size=env.world_size,
+            rank=env.rank,
+            consumed_samples=state.consumed_samples,
+            num_workers=cfg.data.num_workers,
+        )
+    )
     stop = StopFlag()
     watchdog = Watchdog(cfg.train.comm_timeout_minutes * 60, env.rank)
     peak = peak_for(device, cfg.train.peak_tflops, env.rank)
@@ -224,8 +271,11 @@ def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPla
             if env.rank == 0:
                 log.info(format_line(rec, max_steps, eta))
             metrics.emit(rec)
-        if state.val_data is not None and cfg.eval.batches and (state.step % cfg.eval.interval == 0
-                                                                or state.step == max_steps):
+        if (
+            state.val_data is not None
+            and cfg.eval.batches
+            and (state.step % cfg.eval.interval == 0 or state.step == max_steps)
+        ):
             val_loss = validate(engine, state.val_data, cfg, plan, env.rank, env.world_size, device)
             if env.rank == 0:
                 log.info("step %d | val loss %.4f | val ppl %.2f", state.step, val_loss, math.exp(min(val_loss, 50)))
@@ -254,14 +304,33 @@ def fit(state: RunState, cfg: PretrainConfig, ds: dict[str, Any], plan: BatchPla
         log.info("done: step %d, final loss %.4f", state.step, last_loss)
 
 
-def step_record(state: RunState, engine: Any, ds: dict[str, Any], plan: BatchPlan, shape: ModelShape, env: Dist, *,
-                loss: float, lr: float, tokens_per_s: float, peak: float | None) -> dict[str, Any]:
+def step_record(
+    state: RunState,
+    engine: Any,
+    ds: dict[str, Any],
+    plan: BatchPlan,
+    shape: ModelShape,
+    env: Dist,
+    *,
+    loss: float,
+    lr: float,
+    tokens_per_s: float,
+    peak: float | None,
+) -> dict[str, Any]:
     """One metrics line: loss, lr, gradient norm, throughput, TFLOP/s and MFU (PaLM count), memory."""
     tflops = tokens_per_s * shape.flops_per_token(plan.seq_len) / env.world_size / 1e12
     gnorm = engine.get_global_grad_norm()
-    rec = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": float(gnorm) if gnorm is not None else None,
-           "tokens": state.consumed_samples * plan.seq_len, "tokens_per_s": tokens_per_s,
-           "tflops_per_device": tflops, "mfu": tflops / peak if peak else None, "mem_gib": mem_gib(env.device)}
+    rec = {
+        "step": state.step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": float(gnorm) if gnorm is not None else None,
+        "tokens": state.consumed_samples * plan.seq_len,
+        "tokens_per_s": tokens_per_s,
+        "tflops_per_device": tflops,
+        "mfu": tflops / peak if peak else None,
+        "mem_gib": mem_gib(env.device),
+    }
     if ds.get("fp16", {}).get("enabled"):
         rec["loss_scale"] = float(getattr(engine.optimizer, "cur_scale", getattr(engine.optimizer, "loss_scale", 0)))
         rec["skipped_steps"] = int(engine.skipped_steps)
@@ -276,14 +345,24 @@ def peak_for(device: torch.device, override: float | None, rank: int) -> float |
     name = torch.cuda.get_device_name(device)
     peak = peak_tflops_for_device(name)
     if peak is None and rank == 0:
-        log.warning("GPU '%s' is not in the planner's table: MFU is logged as n/a; set train.peak_tflops to the "
-                    "card's dense bf16 TFLOP/s to see it", name)
+        log.warning(
+            "GPU '%s' is not in the planner's table: MFU is logged as n/a; set train.peak_tflops to the "
+            "card's dense bf16 TFLOP/s to see it",
+            name,
+        )
     return peak
 
 
 @torch.no_grad()
-def validate(engine: Any, val_ds: ShardedDataset, cfg: PretrainConfig, plan: BatchPlan, rank: int, world: int,
-             device: torch.device) -> float:
+def validate(
+    engine: Any,
+    val_ds: ShardedDataset,
+    cfg: PretrainConfig,
+    plan: BatchPlan,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> float:
     """Mean token loss over the first `eval.batches` micro-batches per rank of the val split (fixed order)."""
     import deepspeed.comm as dist
 

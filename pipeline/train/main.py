@@ -18,15 +18,23 @@ command for you."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="pipeline/pretrain.py", description=DESCRIPTION,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="pipeline/pretrain.py", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", required=True, help="YAML config (see configs/).")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="Override a config field, e.g. --set optim.lr=1e-3 (repeatable).")
-    ap.add_argument("--dry-run", action="store_true", help="Print the resolved config, batch plan and DeepSpeed "
-                    "config, then exit without starting training.")
-    ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")),
-                    help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="Override a config field, e.g. --set optim.lr=1e-3 (repeatable).",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Print the resolved config, batch plan and DeepSpeed config, then exit without starting training.",
+    )
+    ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -54,14 +62,18 @@ def main(argv: list[str] | None = None) -> int:
 def describe(prepared: Prepared) -> str:
     """What `--dry-run` prints: the resolved config, the batch arithmetic, the model and the DeepSpeed JSON."""
     cfg, ds, plan, shape, _ = prepared
-    return "\n".join([
-        dump(cfg),
-        f"# batch: micro {plan.micro_batch_size} x data-parallel {plan.data_parallel_size} x grad-accum "
-        f"{plan.grad_accum} = {plan.global_batch_size} sequences of {plan.seq_len} tokens",
-        f"# model: {shape.describe()}" if shape.hf_config else
-        f"# model: {shape.num_params() / 1e6:.1f}M parameters {shape.as_dict()}",
-        "# deepspeed config:",
-        json.dumps(ds, indent=2)])
+    return "\n".join(
+        [
+            dump(cfg),
+            f"# batch: micro {plan.micro_batch_size} x data-parallel {plan.data_parallel_size} x grad-accum "
+            f"{plan.grad_accum} = {plan.global_batch_size} sequences of {plan.seq_len} tokens",
+            f"# model: {shape.describe()}"
+            if shape.hf_config
+            else f"# model: {shape.num_params() / 1e6:.1f}M parameters {shape.as_dict()}",
+            "# deepspeed config:",
+            json.dumps(ds, indent=2),
+        ]
+    )
 
 
 def run_as_script() -> None:

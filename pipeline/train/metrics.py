@@ -75,9 +75,11 @@ class Throughput:
 def format_line(rec: dict[str, Any], max_steps: int, eta_s: float) -> str:
     mfu = f"{rec['mfu']:.1%}" if rec.get("mfu") is not None else "n/a"
     gnorm = f"{rec['grad_norm']:.3f}" if rec.get("grad_norm") is not None else "n/a"
-    return (f"step {rec['step']}/{max_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | gnorm {gnorm} | "
-            f"tok/s {rec['tokens_per_s']:.1f} | tflops {rec['tflops_per_device']:.2f} | mfu {mfu} | "
-            f"mem {rec['mem_gib']:.2f}G | eta {fmt_eta(eta_s)}")
+    return (
+        f"step {rec['step']}/{max_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | gnorm {gnorm} | "
+        f"tok/s {rec['tokens_per_s']:.1f} | tflops {rec['tflops_per_device']:.2f} | mfu {mfu} | "
+        f"mem {rec['mem_gib']:.2f}G | eta {fmt_eta(eta_s)}"
+    )
 
 
 def mem_gib(device: torch.device) -> float:

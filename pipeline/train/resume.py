@@ -15,32 +15,46 @@ def choose_resume(policy: str, complete_tags: list[str], run_dir: str) -> str | 
         return complete_tags[-1] if complete_tags else None
     if policy == "never":
         if complete_tags:
-            raise PipelineError(f"{run_dir} holds checkpoints but checkpoint.resume is never; use another run_dir "
-                                "or resume: auto")
+            raise PipelineError(
+                f"{run_dir} holds checkpoints but checkpoint.resume is never; use another run_dir or resume: auto"
+            )
         return None
     if policy not in complete_tags:
         raise PipelineError(f"checkpoint.resume {policy}: no complete checkpoint of that tag in {run_dir}")
     return policy
 
 
-def resume_problems(marker: Marker, *, data_fingerprint: str, model_shape: dict[str, Any], world_size: int,
-                    zero_stage: int, nvme_optimizer: bool = False) -> list[str]:
+def resume_problems(
+    marker: Marker,
+    *,
+    data_fingerprint: str,
+    model_shape: dict[str, Any],
+    world_size: int,
+    zero_stage: int,
+    nvme_optimizer: bool = False,
+) -> list[str]:
     """Why this launch cannot continue the checkpoint described by `marker` (empty: it can)."""
     problems = []
     if nvme_optimizer:
         # Measured (tests/multiproc/test_pretrain.py): DeepSpeed 0.19.8 saves the NVMe swap files into the
         # checkpoint and copies them back on load, yet the resumed run trains on freshly initialised weights (its
         # loss returns to the first step's). Refuse rather than restart silently.
-        problems.append("the DeepSpeed config offloads the optimizer to NVMe, and DeepSpeed 0.19 resumes such "
-                        "checkpoints with freshly initialised weights instead of the saved ones; resuming is "
-                        "refused until that is fixed upstream (start a new run_dir, or train with "
-                        "ds_configs/zero3_offload.json, whose checkpoints resume exactly)")
+        problems.append(
+            "the DeepSpeed config offloads the optimizer to NVMe, and DeepSpeed 0.19 resumes such "
+            "checkpoints with freshly initialised weights instead of the saved ones; resuming is "
+            "refused until that is fixed upstream (start a new run_dir, or train with "
+            "ds_configs/zero3_offload.json, whose checkpoints resume exactly)"
+        )
     if marker["data_fingerprint"] != data_fingerprint:
-        problems.append(f"data fingerprint {data_fingerprint} differs from the checkpoint's "
-                        f"{marker['data_fingerprint']} (other shards, seq_len or seed)")
+        problems.append(
+            f"data fingerprint {data_fingerprint} differs from the checkpoint's "
+            f"{marker['data_fingerprint']} (other shards, seq_len or seed)"
+        )
     if marker["model_shape"] != model_shape:
         problems.append(f"model shape {model_shape} differs from the checkpoint's {marker['model_shape']}")
     if marker["world_size"] != world_size and nvme_optimizer:
-        problems.append(f"world size {world_size} differs from the checkpoint's {marker['world_size']} and the "
-                        "optimizer is on NVMe; DeepSpeed's universal checkpoint does not cover NVMe swap files")
+        problems.append(
+            f"world size {world_size} differs from the checkpoint's {marker['world_size']} and the "
+            "optimizer is on NVMe; DeepSpeed's universal checkpoint does not cover NVMe swap files"
+        )
     return problems

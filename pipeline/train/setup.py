@@ -84,8 +84,9 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
     manifest = read_shard_manifest(cfg.data.path)
     seq_len = int(manifest["seq_len"])
     plan = batch_plan(cfg, world_size, seq_len)
-    shape = model_shape(cfg.model.preset, dict(cfg.model.shape), cfg.model.init_from,
-                        manifest["tokenizer"]["vocab_size"])
+    shape = model_shape(
+        cfg.model.preset, dict(cfg.model.shape), cfg.model.init_from, manifest["tokenizer"]["vocab_size"]
+    )
     check_tokenizer(shape, manifest["tokenizer"], f"{cfg.data.path}/manifest.json")
     if seq_len > shape.max_seq_len:
         shape = replace(shape, max_seq_len=seq_len)
@@ -107,8 +108,10 @@ def planning_card(device_name: str, total_bytes: int, gpu_memory_cap_gib: float 
     try:
         card = lookup(device_name)
     except KeyError:
-        raise PipelineError(f"train.deepspeed_config auto: no planner data for GPU '{device_name}'; run "
-                            "`pipeline plan` with a known --gpu and --write-ds-config") from None
+        raise PipelineError(
+            f"train.deepspeed_config auto: no planner data for GPU '{device_name}'; run "
+            "`pipeline plan` with a known --gpu and --write-ds-config"
+        ) from None
     memory = total_bytes / 2**30
     return replace(card, memory_gib=min(memory, gpu_memory_cap_gib or memory))
 
@@ -135,9 +138,15 @@ def environment(world_size: int, device: torch.device) -> dict[str, Any]:
     import importlib.metadata as md
 
     local = ranks_per_node(world_size)
-    info: dict[str, Any] = {"world_size": world_size, "ranks_per_node": local, "nodes": max(1, world_size // local),
-                            "device": "cpu", "device_memory_bytes": None, "host_ram_bytes": host_ram_bytes(),
-                            "cpu_cores": os.cpu_count()}
+    info: dict[str, Any] = {
+        "world_size": world_size,
+        "ranks_per_node": local,
+        "nodes": max(1, world_size // local),
+        "device": "cpu",
+        "device_memory_bytes": None,
+        "host_ram_bytes": host_ram_bytes(),
+        "cpu_cores": os.cpu_count(),
+    }
     if device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(device)
         info["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
@@ -149,9 +158,13 @@ def environment(world_size: int, device: torch.device) -> dict[str, Any]:
     return info
 
 
-def auto_ds_config(shape: ModelShape, plan: BatchPlan, world_size: int,
-                   gpu_memory_cap_gib: float | None = None, local_size: int | None = None
-                   ) -> tuple[dict[str, Any], bool]:
+def auto_ds_config(
+    shape: ModelShape,
+    plan: BatchPlan,
+    world_size: int,
+    gpu_memory_cap_gib: float | None = None,
+    local_size: int | None = None,
+) -> tuple[dict[str, Any], bool]:
     """Plan for this machine and world: nodes from the launcher's LOCAL_SIZE, the card from torch (capped at
     `gpu_memory_cap_gib`; a CPU run counts host RAM shared by its ranks), host RAM from the OS; the config's
     micro-batch is kept. `local_size` (ranks per node) defaults to the launcher's LOCAL_SIZE."""
@@ -162,15 +175,18 @@ def auto_ds_config(shape: ModelShape, plan: BatchPlan, world_size: int,
     ram = host_ram_bytes()
     card: GPU
     if accelerator_name() == "cuda":
-        card = planning_card(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory,
-                             gpu_memory_cap_gib)
+        card = planning_card(
+            torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory, gpu_memory_cap_gib
+        )
     else:
         card = cpu_card(ram, local)
     cluster = planner.Cluster(max(1, world_size // local), local, card, ram)
     result = planner.search(shape, plan.seq_len, cluster, plan.tokens_per_step, fixed_micro=plan.micro_batch_size)
     if result.best is None:
-        raise PipelineError("train.deepspeed_config auto: nothing fits this machine; see `pipeline plan` for "
-                            "what would: " + "; ".join(result.advice))
+        raise PipelineError(
+            "train.deepspeed_config auto: nothing fits this machine; see `pipeline plan` for "
+            "what would: " + "; ".join(result.advice)
+        )
     return planner.ds_config(result.best), result.best.candidate.activation_checkpointing
 
 
@@ -196,9 +212,11 @@ def check_tokenizer(shape: ModelShape, tok: TokenizerInfo, source: str) -> None:
     if own is not None and own != tok["vocab_size"]:
         problems.append(f"it has {tok['vocab_size']:,} tokens, the model folder's own tokenizer {own:,}")
     if problems:
-        raise PipelineError(f"{source}: the data was tokenized with {tok.get('path')}, which is not the tokenizer of "
-                            f"{model}: " + "; ".join(problems) + ". Re-tokenize with `pipeline tokenize --tokenizer "
-                            "MODEL_DIR` (the model's own tokenizer)")
+        raise PipelineError(
+            f"{source}: the data was tokenized with {tok.get('path')}, which is not the tokenizer of "
+            f"{model}: " + "; ".join(problems) + ". Re-tokenize with `pipeline tokenize --tokenizer "
+            "MODEL_DIR` (the model's own tokenizer)"
+        )
 
 
 def _model_tokenizer_size(cfg: dict[str, Any]) -> int | None:

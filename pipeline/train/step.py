@@ -18,8 +18,9 @@ def reduce_token_losses(per_token: torch.Tensor, labels: torch.Tensor) -> tuple[
     buffer's memory alignment, which would make a resumed run's logged loss differ from the uninterrupted one by
     an ulp. Nothing here waits for the device when `labels` is the host copy: the count comes from it."""
     count = int((labels != -100).sum())
-    total = (per_token.detach().double().cumsum(0)[-1] if per_token.numel()
-             else per_token.new_zeros((), dtype=torch.float64))
+    total = (
+        per_token.detach().double().cumsum(0)[-1] if per_token.numel() else per_token.new_zeros((), dtype=torch.float64)
+    )
     return per_token.sum() / max(count, 1), total, count
 
 
@@ -29,17 +30,25 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     return reduce_token_losses(per_token, labels)
 
 
-def micro_step_loss(engine: Any, batch: dict[str, torch.Tensor], device: torch.device
-                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+def micro_step_loss(
+    engine: Any, batch: dict[str, torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Forward one micro-batch through the engine with the model's chunked loss (no full logits)."""
     labels = batch["labels"]
-    per_token = engine(input_ids=batch["input_ids"].to(device, non_blocking=True),
-                       loss_labels=labels.to(device, non_blocking=True))
+    per_token = engine(
+        input_ids=batch["input_ids"].to(device, non_blocking=True), loss_labels=labels.to(device, non_blocking=True)
+    )
     return reduce_token_losses(per_token, labels)
 
 
-def train_step(engine: Any, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int, lr: float,
-               device: torch.device, poison: bool = False) -> torch.Tensor:
+def train_step(
+    engine: Any,
+    batches: Iterator[dict[str, torch.Tensor]],
+    grad_accum: int,
+    lr: float,
+    device: torch.device,
+    poison: bool = False,
+) -> torch.Tensor:
     """Set the learning rate, run `grad_accum` micro-steps (forward, backward, DeepSpeed's step, which applies
     the update at the accumulation boundary) and return the mean per-token loss as a float64 device tensor.
     `poison` (tests only, pipeline.train.faults) makes the first micro-step's loss NaN."""

@@ -22,8 +22,9 @@ def full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
     return tuple(getattr(p, "ds_shape", p.shape))
 
 
-def parameter_groups(named: list[tuple[str, torch.nn.Parameter]], max_numel: int
-                     ) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+def parameter_groups(
+    named: list[tuple[str, torch.nn.Parameter]], max_numel: int
+) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
     """Consecutive parameters in groups of at most `max_numel` elements (a larger tensor forms its own group)."""
     group: list[tuple[str, torch.nn.Parameter]] = []
     size = 0
@@ -38,8 +39,13 @@ def parameter_groups(named: list[tuple[str, torch.nn.Parameter]], max_numel: int
         yield group
 
 
-def fill_parameters(model: torch.nn.Module, value: Callable[[int, str, tuple[int, ...]], torch.Tensor] | None, *,
-                    stage3: bool, max_group_numel: int = GROUP_NUMEL) -> None:
+def fill_parameters(
+    model: torch.nn.Module,
+    value: Callable[[int, str, tuple[int, ...]], torch.Tensor] | None,
+    *,
+    stage3: bool,
+    max_group_numel: int = GROUP_NUMEL,
+) -> None:
     """Set every parameter to `value(index, name, shape)`. Under ZeRO-3 every rank must call this (the groups are
     gathered collectively), but only rank 0 passes `value` (None elsewhere): its tensors are broadcast and
     re-partitioned when each group is released. Without ZeRO-3 every rank passes `value`. `value` must not raise
@@ -90,12 +96,15 @@ def load_initial_weights(model: torch.nn.Module, path: str, rank: int, stage3: b
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(where))
     if missing:
-        raise PipelineError(f"model.init_from {path}: missing {len(missing)} tensors, e.g. {missing[:3]}; "
-                            "the checkpoint's shape differs from model.*")
+        raise PipelineError(
+            f"model.init_from {path}: missing {len(missing)} tensors, e.g. {missing[:3]}; "
+            "the checkpoint's shape differs from model.*"
+        )
     for name, p in params.items():
         if shapes[name] != full_shape(p):
-            raise PipelineError(f"model.init_from {path}: {name} has shape {shapes[name]}, the model expects "
-                                f"{full_shape(p)}")
+            raise PipelineError(
+                f"model.init_from {path}: {name} has shape {shapes[name]}, the model expects {full_shape(p)}"
+            )
 
     def value(i: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         with safe_open(str(where[name]), "pt") as sf:

@@ -17,21 +17,43 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pipeline(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=launch.env(), capture_output=True,
-                         text=True, timeout=timeout, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        env=launch.env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res
 
 
 def test_tokenize_shard_pretrain_evaluate_export(tmp_path: Path) -> None:
     prefix = tmp_path / "corpus"
-    _pipeline("tokenize", str(CORPUS), "--output-prefix", str(prefix), "--train-tokenizer", "--vocab-size", "600",
-              "--workers", "2")
-    out = _pipeline("shard", str(prefix), "--output", str(tmp_path / "shards"), "--seq-len", "64",
-                    "--split", "80,10,10")
+    _pipeline(
+        "tokenize",
+        str(CORPUS),
+        "--output-prefix",
+        str(prefix),
+        "--train-tokenizer",
+        "--vocab-size",
+        "600",
+        "--workers",
+        "2",
+    )
+    out = _pipeline(
+        "shard", str(prefix), "--output", str(tmp_path / "shards"), "--seq-len", "64", "--split", "80,10,10"
+    )
     assert "train:" in out.stdout
-    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=tmp_path / "run", shards=tmp_path / "shards",
-                              ds_config="zero2.json", steps=12, ckpt_interval=6)
+    cfg = launch.write_config(
+        tmp_path / "c.yaml",
+        run_dir=tmp_path / "run",
+        shards=tmp_path / "shards",
+        ds_config="zero2.json",
+        steps=12,
+        ckpt_interval=6,
+    )
     res = _pipeline("pretrain", "--config", str(cfg), "--num-gpus", "2", "--master-port", str(launch.free_port()))
     assert "deepspeed --num_gpus 2" in res.stderr and "pipeline/pretrain.py" in res.stderr
     ev = _pipeline("evaluate", "--checkpoint", str(tmp_path / "run"), "--split", "test", "--max-new-tokens", "8")

@@ -37,20 +37,30 @@ def main() -> int:
     engine.backward(loss)
     if stage == 3:
         fp32 = list(zero.fp32_partitioned_groups_flat)
-        grads16 = [g for g in zero.averaged_gradients.values() for g in (g if isinstance(g, list) else [g])] \
-            if isinstance(zero.averaged_gradients, dict) else []
+        grads16 = (
+            [g for g in zero.averaged_gradients.values() for g in (g if isinstance(g, list) else [g])]
+            if isinstance(zero.averaged_gradients, dict)
+            else []
+        )
     else:
         fp32 = list(zero.single_partition_of_fp32_groups)
-        grads16 = [g for group in zero.averaged_gradients.values() for g in group] \
-            if isinstance(zero.averaged_gradients, dict) else []
+        grads16 = (
+            [g for group in zero.averaged_gradients.values() for g in group]
+            if isinstance(zero.averaged_gradients, dict)
+            else []
+        )
     grads16_bytes = _bytes(grads16) or sum(t.numel() for t in fp32) * 2
     engine.step()
     states = [v for s in zero.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
-    result = {"stage": stage, "world": dist.get_world_size(), "psi": shape.num_params(),
-              "params": _bytes(params),
-              # 16-bit gradient partition held after backward + the fp32 copy the optimizer step makes of it
-              "grads": grads16_bytes + sum(t.numel() for t in fp32) * 4,
-              "optimizer": _bytes(fp32) + _bytes(states)}
+    result = {
+        "stage": stage,
+        "world": dist.get_world_size(),
+        "psi": shape.num_params(),
+        "params": _bytes(params),
+        # 16-bit gradient partition held after backward + the fp32 copy the optimizer step makes of it
+        "grads": grads16_bytes + sum(t.numel() for t in fp32) * 4,
+        "optimizer": _bytes(fp32) + _bytes(states),
+    }
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

@@ -32,15 +32,27 @@ def env() -> dict[str, str]:
     return e
 
 
-def write_config(path: Path, *, run_dir: Path, shards: Path, ds_config: str, steps: int = 20, micro: int = 2,
-                 global_batch: int = 8, ckpt_interval: int = 5, extra: str = "", model: str = "{preset: tiny}",
-                 lr: float = 3e-3, min_lr: float = 3e-4) -> Path:
+def write_config(
+    path: Path,
+    *,
+    run_dir: Path,
+    shards: Path,
+    ds_config: str,
+    steps: int = 20,
+    micro: int = 2,
+    global_batch: int = 8,
+    ckpt_interval: int = 5,
+    extra: str = "",
+    model: str = "{preset: tiny}",
+    lr: float = 3e-3,
+    min_lr: float = 3e-4,
+) -> Path:
     path.write_text(f"""run_dir: {run_dir}
 model: {model}
 data: {{path: {shards}, num_workers: 1, verify: true}}
 batch: {{micro_batch_size: {micro}, global_batch_size: {global_batch}}}
 optim: {{lr: {lr}, min_lr: {min_lr}, warmup_steps: 3, weight_decay: 0.1, grad_clip: 1.0}}
-train: {{max_steps: {steps}, seed: 1234, precision: fp32, deepspeed_config: {ROOT / 'ds_configs' / ds_config},
+train: {{max_steps: {steps}, seed: 1234, precision: fp32, deepspeed_config: {ROOT / "ds_configs" / ds_config},
         loss_chunk_tokens: 48}}
 eval: {{interval: 10, batches: 2}}
 checkpoint: {{interval: {ckpt_interval}, keep_last: 2}}
@@ -51,22 +63,42 @@ log: {{interval: 1, tensorboard: true}}
 
 def command(config: Path, *, num_gpus: int = 2, port: int | None = None, sets: tuple[str, ...] = ()) -> list[str]:
     deepspeed = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [deepspeed, "--num_gpus", str(num_gpus), "--master_port", str(port or free_port()), str(SCRIPT),
-           "--config", str(config)]
+    cmd = [
+        deepspeed,
+        "--num_gpus",
+        str(num_gpus),
+        "--master_port",
+        str(port or free_port()),
+        str(SCRIPT),
+        "--config",
+        str(config),
+    ]
     for s in sets:
         cmd += ["--set", s]
     return cmd
 
 
 def run(config: Path, timeout: int = 900, extra_env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(command(config, **kw), env={**env(), **(extra_env or {})}, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        command(config, **kw),
+        env={**env(), **(extra_env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def start(config: Path, log: Path, extra_env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
     f = open(log, "w")
-    return subprocess.Popen(command(config, **kw), env={**env(), **(extra_env or {})}, stdout=f,
-                            stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    return subprocess.Popen(
+        command(config, **kw),
+        env={**env(), **(extra_env or {})},
+        stdout=f,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        start_new_session=True,
+    )
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:

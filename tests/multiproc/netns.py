@@ -74,12 +74,21 @@ def hosts(work: Path, extra: dict[str, str] | None = None) -> Iterator[dict]:
     venv_bin = str(Path(sys.executable).parent)
     e = launch.env()
     # pdsh forwards few variables: what every rank needs goes through DeepSpeed's env file.
-    env_file.write_text(f"DS_ACCELERATOR=cpu\nGLOO_SOCKET_IFNAME={iface}\nOMP_NUM_THREADS=1\n"
-                        f"TORCH_EXTENSIONS_DIR={e['TORCH_EXTENSIONS_DIR']}\nPATH={venv_bin}:/usr/sbin:/usr/bin:/bin\n")
+    env_file.write_text(
+        f"DS_ACCELERATOR=cpu\nGLOO_SOCKET_IFNAME={iface}\nOMP_NUM_THREADS=1\n"
+        f"TORCH_EXTENSIONS_DIR={e['TORCH_EXTENSIONS_DIR']}\nPATH={venv_bin}:/usr/sbin:/usr/bin:/bin\n"
+    )
     env = {**e, "PATH": f"{bin_dir}:{venv_bin}:{e['PATH']}", "DS_ENV_FILE": str(env_file)}
     try:
-        yield {"ns": ns, "iface": iface, "subnet": subnet, "work": work, "env": env, "hostfile": work / "hostfile",
-               "env_file": env_file}
+        yield {
+            "ns": ns,
+            "iface": iface,
+            "subnet": subnet,
+            "work": work,
+            "env": env,
+            "hostfile": work / "hostfile",
+            "env_file": env_file,
+        }
     finally:
         for n in ns:
             pids = subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()

@@ -24,24 +24,54 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     work = tmp_path_factory.mktemp("doctor")
     fake = work / "other-venv"  # a second deepspeed install that shadows the venv's on node1 only
     (fake / "deepspeed-0.14.0.dist-info").mkdir(parents=True)
-    (fake / "deepspeed-0.14.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\n"
-                                                                   "Version: 0.14.0\n")
+    (fake / "deepspeed-0.14.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.14.0\n"
+    )
     with netns.hosts(work, {"node1": "", "node2": "hang"}) as h:
         ns = h["ns"]
         (h["work"] / "bin" / "hosts").write_text(f"node0 {ns[0]}\nnode1 {ns[1]} PYTHONPATH={fake}\nnode2 hang\n")
         for n in ns:
             try:
-                subprocess.run(["ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", h["iface"], "root", "tbf",
-                                "rate", f"{RATE_MBIT}mbit", "burst", "64kb", "latency", "400ms"],
-                               check=True, capture_output=True)
+                subprocess.run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        n,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        h["iface"],
+                        "root",
+                        "tbf",
+                        "rate",
+                        f"{RATE_MBIT}mbit",
+                        "burst",
+                        "64kb",
+                        "latency",
+                        "400ms",
+                    ],
+                    check=True,
+                    capture_output=True,
+                )
             except (subprocess.CalledProcessError, FileNotFoundError) as e:
                 pytest.skip(f"cannot limit the link with tc here: {e}")
         yield h
 
 
 def doctor(h: dict, hostfile: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
-    cmd = ["ip", "netns", "exec", h["ns"][0], str(Path(sys.executable).parent / "pipeline"), "doctor", "--hostfile",
-           str(hostfile), *args]
+    cmd = [
+        "ip",
+        "netns",
+        "exec",
+        h["ns"][0],
+        str(Path(sys.executable).parent / "pipeline"),
+        "doctor",
+        "--hostfile",
+        str(hostfile),
+        *args,
+    ]
     t0 = time.monotonic()
     out = subprocess.run(cmd, env=h["env"], capture_output=True, text=True, timeout=300, cwd=h["work"])
     return out, time.monotonic() - t0

@@ -27,9 +27,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def engine_logits(run_dir: Path, tmp_path: Path) -> dict:
     out = tmp_path / f"{run_dir.name}-logits.pt"
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port()),
-           str(ROOT / "tests/multiproc/engine_logits.py"), str(run_dir.parent / f"{run_dir.name}.yaml"),
-           "step00000020", str(out)]
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(launch.free_port()),
+        str(ROOT / "tests/multiproc/engine_logits.py"),
+        str(run_dir.parent / f"{run_dir.name}.yaml"),
+        "step00000020",
+        str(out),
+    ]
     res = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out)
@@ -57,8 +65,13 @@ def test_exported_tokenizer_matches_pipeline_tokenizer(zero_runs: dict[int, Path
     hf_dir = export_checkpoint(str(zero_runs[2]), str(tmp_path / "hf"), dtype="bf16")
     ours = Tokenizer(ShardedDataset(open_run(zero_runs[2]).config["data"]["path"]).tokenizer_path)  # type: ignore[arg-type]
     theirs = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    texts = ["To be, or not to be: that is the question.", "  two  spaces\tand a tab\n\nand 12345 digits",
-             "春天来了，花园里的花都开了。", "混合 mixed 文本 text 2026年11月30日", "Ελληνικά 🙂"]
+    texts = [
+        "To be, or not to be: that is the question.",
+        "  two  spaces\tand a tab\n\nand 12345 digits",
+        "春天来了，花园里的花都开了。",
+        "混合 mixed 文本 text 2026年11月30日",
+        "Ελληνικά 🙂",
+    ]
     for t in texts:
         assert theirs.encode(t, add_special_tokens=False) == ours.encode(t), t
         assert theirs.decode(ours.encode(t)) == t
@@ -69,8 +82,9 @@ def test_trained_model_beats_fresh_init_on_held_out_data(zero_runs: dict[int, Pa
     from pipeline.model import build_model
     from pipeline.train.weights import init_weights
 
-    res = evaluate_run(EvalConfig(checkpoint=str(zero_runs[1]), split="val", output=str(tmp_path / "e.json"),
-                                  max_new_tokens=8))
+    res = evaluate_run(
+        EvalConfig(checkpoint=str(zero_runs[1]), split="val", output=str(tmp_path / "e.json"), max_new_tokens=8)
+    )
     run = open_run(zero_runs[1])
     dataset = ShardedDataset(run.config["data"]["path"], "val")
     fresh = build_model(run.shape).eval()
@@ -85,28 +99,60 @@ def test_trained_model_beats_fresh_init_on_held_out_data(zero_runs: dict[int, Pa
 
 
 def test_zero3_checkpoint_evaluates_like_zero1(zero_runs: dict[int, Path], tmp_path: Path) -> None:
-    a = evaluate_run(EvalConfig(checkpoint=str(zero_runs[1]), max_batches=2, output=str(tmp_path / "a.json"),
-                                max_new_tokens=2))
-    b = evaluate_run(EvalConfig(checkpoint=str(zero_runs[3] / "step00000020"), max_batches=2,
-                                output=str(tmp_path / "b.json"), max_new_tokens=2))
+    a = evaluate_run(
+        EvalConfig(checkpoint=str(zero_runs[1]), max_batches=2, output=str(tmp_path / "a.json"), max_new_tokens=2)
+    )
+    b = evaluate_run(
+        EvalConfig(
+            checkpoint=str(zero_runs[3] / "step00000020"),
+            max_batches=2,
+            output=str(tmp_path / "b.json"),
+            max_new_tokens=2,
+        )
+    )
     assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-4  # same training, other partitioning
 
 
 def test_zero3_evaluation_across_two_ranks_equals_one_process(zero_runs: dict[int, Path], tmp_path: Path) -> None:
     """`pipeline evaluate --num-gpus 2`: the model split across two ranks with ZeRO-3 (as a checkpoint larger than
     one GPU is evaluated); 3 batches over 2 ranks, so one rank runs a discarded extra forward."""
-    one = evaluate_run(EvalConfig(checkpoint=str(zero_runs[1]), max_batches=3, batch_size=4,
-                                  output=str(tmp_path / "one.json"), max_new_tokens=6))
-    cmd = [str(Path(sys.executable).parent / "pipeline"), "evaluate", "--checkpoint", str(zero_runs[1]),
-           "--max-batches", "3", "--batch-size", "4", "--output", str(tmp_path / "two.json"), "--max-new-tokens",
-           "6", "--num-gpus", "2", "--master-port", str(launch.free_port())]
+    one = evaluate_run(
+        EvalConfig(
+            checkpoint=str(zero_runs[1]),
+            max_batches=3,
+            batch_size=4,
+            output=str(tmp_path / "one.json"),
+            max_new_tokens=6,
+        )
+    )
+    cmd = [
+        str(Path(sys.executable).parent / "pipeline"),
+        "evaluate",
+        "--checkpoint",
+        str(zero_runs[1]),
+        "--max-batches",
+        "3",
+        "--batch-size",
+        "4",
+        "--output",
+        str(tmp_path / "two.json"),
+        "--max-new-tokens",
+        "6",
+        "--num-gpus",
+        "2",
+        "--master-port",
+        str(launch.free_port()),
+    ]
     res = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "bits per byte" in res.stdout and str(tmp_path / "two.json") in res.stdout
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["ranks"] == 2 and two["zero_stage"] == 3
-    assert (two["tokens"], two["bytes"], two["samples"]) == (one["tokens"], one["bytes"], one["samples"]) == (
-        3 * 4 * 64, one["bytes"], 12)
+    assert (
+        (two["tokens"], two["bytes"], two["samples"])
+        == (one["tokens"], one["bytes"], one["samples"])
+        == (3 * 4 * 64, one["bytes"], 12)
+    )
     for key in ("loss", "bits_per_byte", "perplexity"):
         assert abs(two[key] - one[key]) <= 1e-5 * one[key], key
     assert [s["greedy"] for s in two["samples_generated"]] == [s["greedy"] for s in one["samples_generated"]]

@@ -22,40 +22,54 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def pipeline_pretrain(cfg: Path, *args: str, extra_env: dict[str, str] | None = None,
-                      timeout: int = 900) -> subprocess.CompletedProcess:
-    cmd = [str(Path(sys.executable).parent / "pipeline"), "pretrain", "--config", str(cfg), "--num-gpus", "2",
-           "--master-port", str(launch.free_port()), *args]
-    return subprocess.run(cmd, env={**launch.env(), **(extra_env or {})}, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+def pipeline_pretrain(
+    cfg: Path, *args: str, extra_env: dict[str, str] | None = None, timeout: int = 900
+) -> subprocess.CompletedProcess:
+    cmd = [
+        str(Path(sys.executable).parent / "pipeline"),
+        "pretrain",
+        "--config",
+        str(cfg),
+        "--num-gpus",
+        "2",
+        "--master-port",
+        str(launch.free_port()),
+        *args,
+    ]
+    return subprocess.run(
+        cmd, env={**launch.env(), **(extra_env or {})}, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
-def test_a_rank_killed_mid_save_restarts_by_itself_with_identical_losses(zero_runs: dict[int, Path], shards: Path,
-                                                                         tmp_path: Path) -> None:
+def test_a_rank_killed_mid_save_restarts_by_itself_with_identical_losses(
+    zero_runs: dict[int, Path], shards: Path, tmp_path: Path
+) -> None:
     """The last rank dies after writing part of checkpoint 10: 10 is left incomplete, 5 stays the latest, and
     `--max-restarts 1` relaunches, resumes from 5 and finishes with the uninterrupted run's loss at every step."""
     run_dir = tmp_path / "run"
-    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json",
-                              steps=STEPS)
+    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=STEPS)
     once = tmp_path / "fired"
-    out = pipeline_pretrain(cfg, "--max-restarts", "1", extra_env={"PIPELINE_FAULT_KILL_IN_SAVE": "10",
-                                                                    "PIPELINE_FAULT_ONCE": str(once)})
+    out = pipeline_pretrain(
+        cfg, "--max-restarts", "1", extra_env={"PIPELINE_FAULT_KILL_IN_SAVE": "10", "PIPELINE_FAULT_ONCE": str(once)}
+    )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     assert once.exists() and "restart 1 of 1, from the latest complete checkpoint" in log
     assert f"resumed from {run_dir}/step00000005" in log  # not from the half-written step00000010
     uninterrupted, resumed = launch.losses(zero_runs[2]), launch.losses(run_dir)
     assert sorted(resumed) == list(range(1, STEPS + 1))
-    assert all(resumed[s] == uninterrupted[s] for s in resumed), \
-        [(s, resumed[s], uninterrupted[s]) for s in resumed if resumed[s] != uninterrupted[s]]
+    assert all(resumed[s] == uninterrupted[s] for s in resumed), [
+        (s, resumed[s], uninterrupted[s]) for s in resumed if resumed[s] != uninterrupted[s]
+    ]
     marker = ckpt.read_marker(run_dir, "step00000020")
     assert marker["files"] and all(v["size"] > 0 for v in marker["files"].values())
 
 
 def test_damaged_checkpoints_are_skipped_with_a_warning(shards: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json",
-                              steps=12, extra="")
+    cfg = launch.write_config(
+        tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json", steps=12, extra=""
+    )
     sets = ("checkpoint.keep_last=3", "checkpoint.verify=true")
     out = launch.run(cfg, sets=sets)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -104,8 +118,9 @@ def test_a_nonfinite_loss_stops_without_saving_or_is_skipped(shards: Path, tmp_p
     assert ckpt.complete_tags(stop_dir) == ["step00000005"]
 
     skip_dir = tmp_path / "skip"
-    cfg = launch.write_config(tmp_path / "k.yaml", run_dir=skip_dir, shards=shards, ds_config="zero2.json", steps=10,
-                              extra="")
+    cfg = launch.write_config(
+        tmp_path / "k.yaml", run_dir=skip_dir, shards=shards, ds_config="zero2.json", steps=10, extra=""
+    )
     out = launch.run(cfg, sets=("train.on_nonfinite=skip",), extra_env={"PIPELINE_FAULT_NONFINITE_AT_STEP": "7"})
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
@@ -117,13 +132,15 @@ def test_a_nonfinite_loss_stops_without_saving_or_is_skipped(shards: Path, tmp_p
 
 def test_a_hung_rank_fails_the_launch_instead_of_hanging(shards: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=400,
-                              ckpt_interval=1000)
+    cfg = launch.write_config(
+        tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=400, ckpt_interval=1000
+    )
     proc = launch.start(cfg, tmp_path / "log", sets=("train.comm_timeout_minutes=0.25",))
     try:
         launch.wait_for_step(run_dir, 3, proc)
-        ranks = subprocess.run(["pgrep", "-f", f"pretrain.py --local_rank=1 --config {cfg}"], capture_output=True,
-                               text=True).stdout.split()
+        ranks = subprocess.run(
+            ["pgrep", "-f", f"pretrain.py --local_rank=1 --config {cfg}"], capture_output=True, text=True
+        ).stdout.split()
         assert ranks, "rank 1 not found"
         os.kill(int(ranks[0]), signal.SIGSTOP)
         t0 = time.monotonic()

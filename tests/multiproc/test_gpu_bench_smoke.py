@@ -16,8 +16,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_gpu_bench_smoke_runs_every_case(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(launch.ROOT / "bench" / "gpu_bench.py"), "--smoke", "--out",
-                          str(tmp_path)], env=launch.env(), capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, str(launch.ROOT / "bench" / "gpu_bench.py"), "--smoke", "--out", str(tmp_path)],
+        env=launch.env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     [result] = tmp_path.glob("cpu-smoke-*.json")
     doc = json.loads(result.read_text())

@@ -19,13 +19,20 @@ def test_make_eval_with_tasks_runs_the_harness_offline(zero_runs: dict[int, Path
     from pipeline.evaluate.harness import STAMP, export_if_needed
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    install = subprocess.run(["make", "harness-install"], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=1200)
+    install = subprocess.run(
+        ["make", "harness-install"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200
+    )
     if install.returncode != 0:
         pytest.skip(f"lm-evaluation-harness could not be installed here: {install.stderr[-500:]}")
     run_dir = zero_runs[1]
-    out = subprocess.run(["make", "eval", f"CKPT={run_dir}", "TASKS=pipeline_demo_ppl"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=1200)
+    out = subprocess.run(
+        ["make", "eval", f"CKPT={run_dir}", "TASKS=pipeline_demo_ppl"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "|pipeline_demo_ppl|" in out.stdout and "bits_per_byte" in out.stdout, out.stdout[-3000:]
     exported = run_dir / "export" / "step00000020"

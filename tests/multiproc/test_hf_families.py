@@ -40,11 +40,25 @@ def model_and_data(family: str, tokenizer: Path, base: Path) -> tuple[Path, Path
     `pipeline tokenize --tokenizer MODEL_DIR`; transformers picks the family's tokenizer class there), packed to 64
     tokens."""
     model_dir = write_model(family, base / family, tokenizer)
-    tokenizing.run(TokenizeConfig(inputs=(str(CORPUS),), output_prefix=str(base / "corpus"),
-                                  tokenizer=str(model_dir), workers=1, progress=False))
+    tokenizing.run(
+        TokenizeConfig(
+            inputs=(str(CORPUS),),
+            output_prefix=str(base / "corpus"),
+            tokenizer=str(model_dir),
+            workers=1,
+            progress=False,
+        )
+    )
     shards = base / "shards"
-    shard_stage.run(ShardConfig(sources=((str(base / "corpus"), 1.0),), output=str(shards), seq_len=64,
-                                split=(80.0, 10.0, 10.0), progress=False))
+    shard_stage.run(
+        ShardConfig(
+            sources=((str(base / "corpus"), 1.0),),
+            output=str(shards),
+            seq_len=64,
+            split=(80.0, 10.0, 10.0),
+            progress=False,
+        )
+    )
     return model_dir, shards
 
 
@@ -68,16 +82,26 @@ def transformers_losses(model_dir: Path, shards: Path, steps: int, seed: int = 1
 
 
 def engine_logits(config: Path, tag: str, out: Path) -> dict[str, torch.Tensor]:
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port()),
-           str(Path(__file__).parent / "engine_logits.py"), str(config), tag, str(out)]
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(launch.free_port()),
+        str(Path(__file__).parent / "engine_logits.py"),
+        str(config),
+        tag,
+        str(out),
+    ]
     res = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=600, cwd=launch.ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_continued_pretraining_starts_from_the_model_trains_and_exports(family: str, tokenizer: Path,
-                                                                        tmp_path: Path) -> None:
+def test_continued_pretraining_starts_from_the_model_trains_and_exports(
+    family: str, tokenizer: Path, tmp_path: Path
+) -> None:
     model_dir, shards = model_and_data(family, tokenizer, tmp_path)
     reference = transformers_losses(model_dir, shards, steps=3)
     model = f"{{init_from: {model_dir}}}"
@@ -85,8 +109,18 @@ def test_continued_pretraining_starts_from_the_model_trains_and_exports(family: 
     # ZeRO-1 at a learning rate of 1e-30 (0 is refused as a config error; this one moves no fp32 weight): every
     # step's loss is transformers' loss on the same samples.
     frozen = tmp_path / "zero1"
-    cfg = launch.write_config(tmp_path / "z1.yaml", run_dir=frozen, shards=shards, ds_config="zero1.json", steps=3,
-                              model=model, lr=1e-30, min_lr=1e-30, micro=MICRO, global_batch=GLOBAL)
+    cfg = launch.write_config(
+        tmp_path / "z1.yaml",
+        run_dir=frozen,
+        shards=shards,
+        ds_config="zero1.json",
+        steps=3,
+        model=model,
+        lr=1e-30,
+        min_lr=1e-30,
+        micro=MICRO,
+        global_batch=GLOBAL,
+    )
     out = launch.run(cfg, sets=("checkpoint.enabled=false",))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = launch.losses(frozen)
@@ -95,8 +129,17 @@ def test_continued_pretraining_starts_from_the_model_trains_and_exports(family: 
 
     # ZeRO-3 (the weights loaded into partitioned parameters) trains from the same start.
     run_dir = tmp_path / "zero3"
-    cfg = launch.write_config(tmp_path / "z3.yaml", run_dir=run_dir, shards=shards, ds_config="zero3.json", steps=6,
-                              model=model, ckpt_interval=6, micro=MICRO, global_batch=GLOBAL)
+    cfg = launch.write_config(
+        tmp_path / "z3.yaml",
+        run_dir=run_dir,
+        shards=shards,
+        ds_config="zero3.json",
+        steps=6,
+        model=model,
+        ckpt_interval=6,
+        micro=MICRO,
+        global_batch=GLOBAL,
+    )
     out = launch.run(cfg, sets=("eval.interval=3",))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = launch.losses(run_dir)
@@ -112,8 +155,16 @@ def test_continued_pretraining_starts_from_the_model_trains_and_exports(family: 
     exported = export(str(run_dir), str(tmp_path / "export"), dtype="fp32")
     config = json.loads((exported / "config.json").read_text())
     assert config["model_type"] == family and config["architectures"] == CONFIGS[family]["architectures"]
-    for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "tie_word_embeddings", "head_dim",
-                "vocab_size", "bos_token_id", "eos_token_id"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+        "head_dim",
+        "vocab_size",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         if key in CONFIGS[family]:
             assert config[key] == CONFIGS[family][key], key
     if family == "llama":
@@ -135,6 +186,7 @@ def test_continued_pretraining_starts_from_the_model_trains_and_exports(family: 
     with torch.no_grad():
         ours = load_model(open_run(run_dir), torch.device("cpu"), ShardedDataset(shards, "val").manifest["tokenizer"])
         torch.testing.assert_close(ours(input_ids=engine["input_ids"]).logits, engine["logits"], rtol=1e-5, atol=1e-5)
-    res = evaluate_run(EvalConfig(checkpoint=str(run_dir), max_batches=2, output=str(tmp_path / "e.json"),
-                                  max_new_tokens=4))
+    res = evaluate_run(
+        EvalConfig(checkpoint=str(run_dir), max_batches=2, output=str(tmp_path / "e.json"), max_new_tokens=4)
+    )
     assert 0 < res["loss"] < 10 and res["tokens"] > 0

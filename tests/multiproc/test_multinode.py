@@ -31,9 +31,22 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 
 
 def _command(hosts: dict, config: Path, port: int, *sets: str) -> list[str]:
-    cmd = ["ip", "netns", "exec", hosts["ns"][0], "timeout", "600", str(Path(sys.executable).parent / "deepspeed"),
-           "--hostfile", str(hosts["hostfile"]), "--master_port", str(port), str(ROOT / "pipeline/pretrain.py"),
-           "--config", str(config)]
+    cmd = [
+        "ip",
+        "netns",
+        "exec",
+        hosts["ns"][0],
+        "timeout",
+        "600",
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--hostfile",
+        str(hosts["hostfile"]),
+        "--master_port",
+        str(port),
+        str(ROOT / "pipeline/pretrain.py"),
+        "--config",
+        str(config),
+    ]
     for s in sets:
         cmd += ["--set", s]
     return cmd
@@ -41,17 +54,30 @@ def _command(hosts: dict, config: Path, port: int, *sets: str) -> list[str]:
 
 def test_two_hosts_train_checkpoint_and_resume(two_hosts: dict, shards: Path) -> None:
     run_dir = two_hosts["work"] / "run"
-    cfg = launch.write_config(two_hosts["work"] / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero3.json",
-                              steps=4, ckpt_interval=2)
-    first = subprocess.run(_command(two_hosts, cfg, launch.free_port()), env=two_hosts["env"], capture_output=True,
-                           text=True, timeout=700, cwd=ROOT)
+    cfg = launch.write_config(
+        two_hosts["work"] / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero3.json", steps=4, ckpt_interval=2
+    )
+    first = subprocess.run(
+        _command(two_hosts, cfg, launch.free_port()),
+        env=two_hosts["env"],
+        capture_output=True,
+        text=True,
+        timeout=700,
+        cwd=ROOT,
+    )
     out = first.stdout + first.stderr
     assert first.returncode == 0, out[-5000:]
     assert "Running on the following workers: node0,node1" in out
     assert ckpt.complete_tags(run_dir) == ["step00000002", "step00000004"]
     assert ckpt.read_marker(run_dir, "step00000004")["world_size"] == 2
-    second = subprocess.run(_command(two_hosts, cfg, launch.free_port(), "train.max_steps=6"), env=two_hosts["env"],
-                            capture_output=True, text=True, timeout=700, cwd=ROOT)
+    second = subprocess.run(
+        _command(two_hosts, cfg, launch.free_port(), "train.max_steps=6"),
+        env=two_hosts["env"],
+        capture_output=True,
+        text=True,
+        timeout=700,
+        cwd=ROOT,
+    )
     out = second.stdout + second.stderr
     assert second.returncode == 0, out[-5000:]
     assert "resumed from" in out and ckpt.latest_complete(run_dir) == "step00000006"
@@ -71,15 +97,28 @@ def test_two_hosts_train_checkpoint_and_resume(two_hosts: dict, shards: Path) ->
 
 def test_a_failing_rank_fails_the_whole_launch(two_hosts: dict, shards: Path) -> None:
     run_dir = two_hosts["work"] / "failing"
-    cfg = launch.write_config(two_hosts["work"] / "f.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json",
-                              steps=100000, ckpt_interval=100000)
-    proc = subprocess.Popen(_command(two_hosts, cfg, launch.free_port(), "train.comm_timeout_minutes=1"),
-                            env=two_hosts["env"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cfg = launch.write_config(
+        two_hosts["work"] / "f.yaml",
+        run_dir=run_dir,
+        shards=shards,
+        ds_config="zero2.json",
+        steps=100000,
+        ckpt_interval=100000,
+    )
+    proc = subprocess.Popen(
+        _command(two_hosts, cfg, launch.free_port(), "train.comm_timeout_minutes=1"),
+        env=two_hosts["env"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     launch.wait_for_step(run_dir, 2, proc)
     # kill the training process on the second host, as an OOM killer would
     victims = []
-    for pid in subprocess.run(["ip", "netns", "pids", two_hosts["ns"][1]], capture_output=True, text=True).stdout.split():
+    for pid in subprocess.run(
+        ["ip", "netns", "pids", two_hosts["ns"][1]], capture_output=True, text=True
+    ).stdout.split():
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:

@@ -84,8 +84,7 @@ def test_zero3_builds_under_zero_init_and_logs_validation(zero_runs: dict[int, P
 
 def test_kill_and_resume_gives_identical_losses(zero_runs: dict[int, Path], shards: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "killed"
-    cfg = launch.write_config(tmp_path / "k.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json",
-                              steps=STEPS)
+    cfg = launch.write_config(tmp_path / "k.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json", steps=STEPS)
     # rank 0 SIGKILLs itself right after step 7; the launcher then takes the other rank down
     proc = launch.start(cfg, tmp_path / "first.log", extra_env={"PIPELINE_FAULT_KILL_AT_STEP": "7"})
     launch.wait_group(proc)
@@ -99,15 +98,17 @@ def test_kill_and_resume_gives_identical_losses(zero_runs: dict[int, Path], shar
     assert sorted(resumed) == list(range(1, STEPS + 1))
     # bit for bit: the same config and seed give the same losses, and resuming changes nothing
     assert all(before[s] == uninterrupted[s] for s in range(1, 8))
-    assert all(resumed[s] == uninterrupted[s] for s in range(1, STEPS + 1)), \
-        [(s, resumed[s], uninterrupted[s]) for s in range(1, STEPS + 1) if resumed[s] != uninterrupted[s]]
+    assert all(resumed[s] == uninterrupted[s] for s in range(1, STEPS + 1)), [
+        (s, resumed[s], uninterrupted[s]) for s in range(1, STEPS + 1) if resumed[s] != uninterrupted[s]
+    ]
 
 
 def test_compiled_layers_give_the_eager_losses(zero_runs: dict[int, Path], shards: Path, tmp_path: Path) -> None:
     """train.compile (torch.compile per decoder layer) under ZeRO-2 gives the eager run's losses (fp32, 1e-5)."""
     run_dir = tmp_path / "compiled"
-    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json",
-                              steps=STEPS, ckpt_interval=STEPS)
+    cfg = launch.write_config(
+        tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=STEPS, ckpt_interval=STEPS
+    )
     out = launch.run(cfg, sets=("train.compile=true",))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got, eager = launch.losses(run_dir), launch.losses(zero_runs[2])
@@ -118,8 +119,9 @@ def test_compiled_layers_give_the_eager_losses(zero_runs: dict[int, Path], shard
 def test_adamw8bit_trains_under_zero2(shards: Path, tmp_path: Path) -> None:
     """bitsandbytes' 8-bit AdamW as the client optimizer of ZeRO-2 (DeepSpeed calls it untested): trains, saves."""
     run_dir = tmp_path / "bnb"
-    cfg = launch.write_config(tmp_path / "b.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json",
-                              steps=8, ckpt_interval=8, extra="")
+    cfg = launch.write_config(
+        tmp_path / "b.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=8, ckpt_interval=8, extra=""
+    )
     out = launch.run(cfg, sets=("optim.name=adamw8bit",))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = launch.losses(run_dir)
@@ -131,8 +133,9 @@ def test_adamw8bit_trains_under_zero2(shards: Path, tmp_path: Path) -> None:
 
 def test_sigterm_saves_a_checkpoint_and_stops(shards: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "term"
-    cfg = launch.write_config(tmp_path / "t.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json",
-                              steps=100000, ckpt_interval=100000)
+    cfg = launch.write_config(
+        tmp_path / "t.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=100000, ckpt_interval=100000
+    )
     proc = launch.start(cfg, tmp_path / "term.log")
     launch.wait_for_step(run_dir, 3, proc)
     launch.kill_group(proc, signal.SIGTERM)  # what a scheduler does on preemption
@@ -148,8 +151,9 @@ def test_zero3_cpu_offload_trains_and_resumes_bit_for_bit(shards: Path, tmp_path
     import shutil
 
     run_dir = tmp_path / "offload"
-    cfg = launch.write_config(tmp_path / "o.yaml", run_dir=run_dir, shards=shards, ds_config="zero3_offload.json",
-                              steps=10, ckpt_interval=5)
+    cfg = launch.write_config(
+        tmp_path / "o.yaml", run_dir=run_dir, shards=shards, ds_config="zero3_offload.json", steps=10, ckpt_interval=5
+    )
     out = launch.run(cfg)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     got = launch.losses(run_dir)
@@ -161,8 +165,14 @@ def test_zero3_cpu_offload_trains_and_resumes_bit_for_bit(shards: Path, tmp_path
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(run_dir, resumed_dir)
     shutil.rmtree(resumed_dir / "step00000010")
-    cfg2 = launch.write_config(tmp_path / "o2.yaml", run_dir=resumed_dir, shards=shards,
-                               ds_config="zero3_offload.json", steps=10, ckpt_interval=5)
+    cfg2 = launch.write_config(
+        tmp_path / "o2.yaml",
+        run_dir=resumed_dir,
+        shards=shards,
+        ds_config="zero3_offload.json",
+        steps=10,
+        ckpt_interval=5,
+    )
     out = launch.run(cfg2)
     assert out.returncode == 0 and "resumed from" in out.stdout + out.stderr, out.stderr[-3000:]
     again = launch.losses(resumed_dir)
@@ -187,8 +197,9 @@ def test_zero3_nvme_offload_trains_and_resumes(shards: Path, tmp_path: Path) -> 
     ds_file = tmp_path / "nvme.json"
     ds_file.write_text(json.dumps(ds))
     run_dir = tmp_path / "run"
-    cfg = launch.write_config(tmp_path / "n.yaml", run_dir=run_dir, shards=shards, ds_config=str(ds_file), steps=6,
-                              ckpt_interval=3)
+    cfg = launch.write_config(
+        tmp_path / "n.yaml", run_dir=run_dir, shards=shards, ds_config=str(ds_file), steps=6, ckpt_interval=3
+    )
     out = launch.run(cfg)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     got = launch.losses(run_dir)
@@ -200,8 +211,9 @@ def test_zero3_nvme_offload_trains_and_resumes(shards: Path, tmp_path: Path) -> 
     resumed = tmp_path / "resumed"
     shutil.copytree(run_dir, resumed)
     shutil.rmtree(resumed / "step00000006")
-    cfg2 = launch.write_config(tmp_path / "n2.yaml", run_dir=resumed, shards=shards, ds_config=str(ds_file), steps=6,
-                               ckpt_interval=3)
+    cfg2 = launch.write_config(
+        tmp_path / "n2.yaml", run_dir=resumed, shards=shards, ds_config=str(ds_file), steps=6, ckpt_interval=3
+    )
     out = launch.run(cfg2)
     assert out.returncode != 0 and "offloads the optimizer to NVMe" in out.stdout + out.stderr, out.stderr[-3000:]
 
@@ -211,10 +223,19 @@ def test_resume_refuses_other_data(zero_runs: dict[int, Path], tmp_path: Path, t
     from pipeline.data.config import ShardConfig
 
     other = tmp_path / "other"
-    shard_stage.run(ShardConfig(sources=((str(tokenized), 1.0),), output=str(other), seq_len=64,
-                                split=(80.0, 10.0, 10.0), seed=99, progress=False))
-    cfg = launch.write_config(tmp_path / "r.yaml", run_dir=zero_runs[2], shards=other, ds_config="zero2.json",
-                              steps=STEPS + 2)
+    shard_stage.run(
+        ShardConfig(
+            sources=((str(tokenized), 1.0),),
+            output=str(other),
+            seq_len=64,
+            split=(80.0, 10.0, 10.0),
+            seed=99,
+            progress=False,
+        )
+    )
+    cfg = launch.write_config(
+        tmp_path / "r.yaml", run_dir=zero_runs[2], shards=other, ds_config="zero2.json", steps=STEPS + 2
+    )
     out = launch.run(cfg)
     assert out.returncode != 0
     assert "cannot resume" in out.stderr + out.stdout and "data fingerprint" in out.stderr + out.stdout
@@ -228,13 +249,24 @@ def test_planner_written_configs_train(shards: Path, tmp_path: Path) -> None:
     from pipeline.cli import main
 
     written = tmp_path / "planned.json"
-    r = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", str(launch.ROOT / "hostfiles/8node"),
-                                  "--write-ds-config", str(written)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--model",
+            "70b",
+            "--hostfile",
+            str(launch.ROOT / "hostfiles/8node"),
+            "--write-ds-config",
+            str(written),
+        ],
+    )
     assert r.exit_code == 0, r.output
     for name, ds_config in (("auto", "auto"), ("written", str(written))):
         run_dir = tmp_path / name
-        cfg = launch.write_config(tmp_path / f"{name}.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json",
-                                  steps=3, ckpt_interval=3)
+        cfg = launch.write_config(
+            tmp_path / f"{name}.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json", steps=3, ckpt_interval=3
+        )
         out = launch.run(cfg, sets=(f"train.deepspeed_config={ds_config}",))
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert ckpt.latest_complete(run_dir) == "step00000003"

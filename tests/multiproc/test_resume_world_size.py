@@ -34,11 +34,11 @@ def assert_close(resumed: dict[int, float], reference: dict[int, float], steps: 
 
 
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_zero1_resumes_on_another_world_size(zero_runs: dict[int, Path], shards: Path, tmp_path: Path,
-                                             before: int, after: int) -> None:
+def test_zero1_resumes_on_another_world_size(
+    zero_runs: dict[int, Path], shards: Path, tmp_path: Path, before: int, after: int
+) -> None:
     run_dir = tmp_path / "run"
-    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json",
-                              steps=STEPS)
+    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json", steps=STEPS)
     cut_and_resume(cfg, run_dir, before, after, tmp_path)
     assert_close(launch.losses(run_dir), launch.losses(zero_runs[1]), range(1, STEPS + 1))
     marker = ckpt.read_marker(run_dir, f"step{STEPS:08d}")

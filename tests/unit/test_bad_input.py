@@ -19,10 +19,16 @@ def work(tmp_path: Path, tokenized: Path, shards: Path) -> dict[str, str]:
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     (tmp_path / "mixed").write_text("node1 slots=4\nnode2 slots=2\n")
     (tmp_path / "zero").write_text("node1 slots=0\n")
-    (tmp_path / "badtype.yaml").write_text(f"data: {{path: {shards}}}\nbatch: {{micro_batch_size: two, "
-                                           "global_batch_size: 8}\ntrain: {max_steps: 3}\n")
-    return {"T": str(tmp_path), "PREFIX": str(tokenized), "MODEL": str(tokenized) + ".tokenizer.model",
-            "SHARDS": str(shards), "CORPUS": str(CORPUS)}
+    (tmp_path / "badtype.yaml").write_text(
+        f"data: {{path: {shards}}}\nbatch: {{micro_batch_size: two, global_batch_size: 8}}\ntrain: {{max_steps: 3}}\n"
+    )
+    return {
+        "T": str(tmp_path),
+        "PREFIX": str(tokenized),
+        "MODEL": str(tokenized) + ".tokenizer.model",
+        "SHARDS": str(shards),
+        "CORPUS": str(CORPUS),
+    }
 
 
 CASES = [
@@ -86,8 +92,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("args, expected", CASES, ids=[c[0].split(" --")[0].split(" {")[0] + ": " + c[1]
-                                                      for c in CASES])
+@pytest.mark.parametrize(
+    "args, expected", CASES, ids=[c[0].split(" --")[0].split(" {")[0] + ": " + c[1] for c in CASES]
+)
 def test_mistake_gives_one_clear_error(work: dict[str, str], args: str, expected: str) -> None:
     before = sorted(p.relative_to(work["T"]) for p in Path(work["T"]).rglob("*"))
     r = CliRunner().invoke(main, args.format(**work).split())

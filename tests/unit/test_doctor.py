@@ -16,8 +16,16 @@ from pipeline.doctor.cluster import write_env
 def test_local_doctor_lists_each_check_and_passes_here() -> None:
     res = CliRunner().invoke(main, ["doctor"])
     assert res.exit_code == 0, res.output
-    for name in ("ulimit -l", "/dev/shm", "host RAM", "master port", "versions", "accelerator", "deepspeed ops",
-                 "network"):
+    for name in (
+        "ulimit -l",
+        "/dev/shm",
+        "host RAM",
+        "master port",
+        "versions",
+        "accelerator",
+        "deepspeed ops",
+        "network",
+    ):
         assert any(line.split("  ")[1:2] and name in line for line in res.output.splitlines()), name
     assert "0 FAIL" in res.output
     as_json = CliRunner().invoke(main, ["doctor", "--json"])
@@ -31,8 +39,13 @@ def test_write_env_adds_findings_and_keeps_the_users_lines(tmp_path: Path) -> No
     env.write_text("HF_HOME=/data/hf\nNCCL_SOCKET_IFNAME=ens1f0\n\nPYTHONPATH=/opt/x=y\n")
     notes = write_env(env, {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"})
     lines = env.read_text().splitlines()
-    assert lines == ["HF_HOME=/data/hf", "NCCL_SOCKET_IFNAME=ens1f0", "PYTHONPATH=/opt/x=y", "GLOO_SOCKET_IFNAME=eth0",
-                     "NCCL_IB_DISABLE=1"]
+    assert lines == [
+        "HF_HOME=/data/hf",
+        "NCCL_SOCKET_IFNAME=ens1f0",
+        "PYTHONPATH=/opt/x=y",
+        "GLOO_SOCKET_IFNAME=eth0",
+        "NCCL_IB_DISABLE=1",
+    ]
     assert "kept your NCCL_SOCKET_IFNAME=ens1f0 (the checks found eth0)" in notes
     # DeepSpeed's launcher reads each line as KEY=VALUE (runner.py): no blank line or comment may be left.
     assert all(len(line.split("=", maxsplit=1)) == 2 for line in lines)
@@ -41,8 +54,10 @@ def test_write_env_adds_findings_and_keeps_the_users_lines(tmp_path: Path) -> No
 
 def test_pretrain_stops_on_a_failed_local_check_unless_skipped(shards: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
-                   "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n")
+    cfg.write_text(
+        f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+        "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n"
+    )
     with socket.socket() as busy:
         busy.bind(("", 0))
         busy.listen()
@@ -61,18 +76,24 @@ def test_config_checks_data_disk_and_ram_and_hosts_are_compared(shards: Path, tm
     from pipeline.doctor.cluster import _compare
 
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
-                   "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n")
+    cfg.write_text(
+        f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+        "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n"
+    )
     res = CliRunner().invoke(main, ["doctor", "--config", str(cfg), "--json"])
     assert res.exit_code == 0, res.output
-    (report,) = json.loads(res.output[res.output.index("["):])
+    (report,) = json.loads(res.output[res.output.index("[") :])
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["data"]["status"] == "PASS" and "two checkpoints need" in checks["disk"]["detail"]
     assert "the plan needs" in checks["host RAM"]["detail"]
     fingerprint = report["facts"]["data_fingerprint"]
     a, b = Report("a"), Report("b")
-    a.facts = {"versions": {"deepspeed": "0.19.8"}, "python": "/v/bin/python", "python_version": "3.11.7",
-               "data_fingerprint": fingerprint}
+    a.facts = {
+        "versions": {"deepspeed": "0.19.8"},
+        "python": "/v/bin/python",
+        "python_version": "3.11.7",
+        "data_fingerprint": fingerprint,
+    }
     b.facts = {**a.facts, "data_fingerprint": "0" * 16}
     _compare(["a", "b"], {"a": a, "b": b})
     same = {c.name: c for c in b.checks}

@@ -23,8 +23,12 @@ from tests.conftest import CORPUS, ROOT
 from tests.hf_families import CONFIGS, FAMILIES, write_model, write_tokenizer
 
 PUBLISHED = {  # parameters as each model card states them, to three digits
-    "llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.6e9, "mistral-7b-v0.1": 7.24e9, "qwen2.5-7b": 7.62e9,
-    "qwen2.5-72b": 72.7e9, "qwen3-8b": 8.19e9,
+    "llama-3.1-8b": 8.03e9,
+    "llama-3.1-70b": 70.6e9,
+    "mistral-7b-v0.1": 7.24e9,
+    "qwen2.5-7b": 7.62e9,
+    "qwen2.5-72b": 72.7e9,
+    "qwen3-8b": 8.19e9,
 }
 
 
@@ -50,11 +54,13 @@ def test_tiny_families_build_as_transformers_does(family: str) -> None:
     shape = shape_from_config(dict(CONFIGS[family]), family)
     ours = build_model(shape)
     raw = CONFIGS[family]
-    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{k: v for k, v in raw.items()
-                                                                               if k != "model_type"}))
+    theirs = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(family, **{k: v for k, v in raw.items() if k != "model_type"})
+    )
     assert type(ours).__mro__[1] is type(theirs)
-    assert {n: tuple(p.shape) for n, p in ours.named_parameters()} == \
-           {n: tuple(p.shape) for n, p in theirs.named_parameters()}
+    assert {n: tuple(p.shape) for n, p in ours.named_parameters()} == {
+        n: tuple(p.shape) for n, p in theirs.named_parameters()
+    }
     assert shape.num_params() == sum(p.numel() for p in ours.parameters())
     assert shape.family == family and (shape.qkv_bias, shape.qk_norm) == (family == "qwen2", family == "qwen3")
 
@@ -78,10 +84,20 @@ def hf_shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     byte-level BPE's 600 plus the <|endoftext|> transformers' Qwen2 tokenizer class adds; eos 2)."""
     base = tmp_path_factory.mktemp("hfdata")
     folder = write_model("qwen2", base / "qwen2", write_tokenizer(base / "tokenizer"))
-    tokenizing.run(TokenizeConfig(inputs=(str(CORPUS),), output_prefix=str(base / "corpus"), tokenizer=str(folder),
-                                  workers=1, progress=False))
-    shard_stage.run(ShardConfig(sources=((str(base / "corpus"), 1.0),), output=str(base / "shards"), seq_len=32,
-                                split=(80.0, 10.0, 10.0), progress=False))
+    tokenizing.run(
+        TokenizeConfig(
+            inputs=(str(CORPUS),), output_prefix=str(base / "corpus"), tokenizer=str(folder), workers=1, progress=False
+        )
+    )
+    shard_stage.run(
+        ShardConfig(
+            sources=((str(base / "corpus"), 1.0),),
+            output=str(base / "shards"),
+            seq_len=32,
+            split=(80.0, 10.0, 10.0),
+            progress=False,
+        )
+    )
     return base / "corpus", base / "shards"
 
 
@@ -93,22 +109,27 @@ def _model(tmp_path: Path, hf_shards: tuple[Path, Path], **changes: object) -> P
     return folder
 
 
-def test_pretrain_refuses_data_of_another_tokenizer_before_launch(tmp_path: Path, hf_shards: tuple[Path, Path]
-                                                                  ) -> None:
+def test_pretrain_refuses_data_of_another_tokenizer_before_launch(tmp_path: Path, hf_shards: tuple[Path, Path]) -> None:
     cfg_path = tmp_path / "c.yaml"
-    for changes, expected in (({"eos_token_id": 151643}, "end-of-sequence id is 2, the model's 151643"),
-                              ({"vocab_size": 500}, "601 tokens, the model's embedding 500")):
+    for changes, expected in (
+        ({"eos_token_id": 151643}, "end-of-sequence id is 2, the model's 151643"),
+        ({"vocab_size": 500}, "601 tokens, the model's embedding 500"),
+    ):
         folder = _model(tmp_path, hf_shards, **changes)
-        cfg_path.write_text(f"run_dir: {tmp_path / 'run'}\nmodel: {{init_from: {folder}}}\n"
-                            f"data: {{path: {hf_shards[1]}}}\nbatch: {{global_batch_size: 2}}\n"
-                            "train: {max_steps: 1}\n")
+        cfg_path.write_text(
+            f"run_dir: {tmp_path / 'run'}\nmodel: {{init_from: {folder}}}\n"
+            f"data: {{path: {hf_shards[1]}}}\nbatch: {{global_batch_size: 2}}\n"
+            "train: {max_steps: 1}\n"
+        )
         with pytest.raises(PipelineError) as e:
             prepare(load(cfg_path), world_size=1)
         msg = str(e.value)
         assert expected in msg and str(folder) in msg and "manifest.json" in msg and "--tokenizer MODEL_DIR" in msg
     ok = _model(tmp_path, hf_shards)
-    cfg_path.write_text(f"run_dir: {tmp_path / 'run'}\nmodel: {{init_from: {ok}}}\ndata: {{path: {hf_shards[1]}}}\n"
-                        "batch: {global_batch_size: 2}\ntrain: {max_steps: 1}\n")
+    cfg_path.write_text(
+        f"run_dir: {tmp_path / 'run'}\nmodel: {{init_from: {ok}}}\ndata: {{path: {hf_shards[1]}}}\n"
+        "batch: {global_batch_size: 2}\ntrain: {max_steps: 1}\n"
+    )
     prepared = prepare(load(cfg_path), world_size=1)
     assert prepared.shape.family == "qwen2" and prepared.shape.vocab_size == 640
 
@@ -125,12 +146,33 @@ def test_shard_with_model_refuses_another_tokenizer(tmp_path: Path, hf_shards: t
 
 
 def test_plan_takes_a_hugging_face_config() -> None:
-    res = CliRunner().invoke(main, ["plan", "--model", str(ROOT / "configs/hf/qwen2.5-7b.json"), "--hostfile",
-                                    str(ROOT / "hostfiles/8node"), "--seq-len", "4096", "--tokens", "1B"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--model",
+            str(ROOT / "configs/hf/qwen2.5-7b.json"),
+            "--hostfile",
+            str(ROOT / "hostfiles/8node"),
+            "--seq-len",
+            "4096",
+            "--tokens",
+            "1B",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "qwen2" in res.output and "7.62B parameters" in res.output and "28 layers" in res.output
-    as_json = CliRunner().invoke(main, ["plan", "--model", str(ROOT / "configs/hf/qwen2.5-7b.json"), "--hostfile",
-                                        str(ROOT / "hostfiles/8node"), "--json"])
+    as_json = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--model",
+            str(ROOT / "configs/hf/qwen2.5-7b.json"),
+            "--hostfile",
+            str(ROOT / "hostfiles/8node"),
+            "--json",
+        ],
+    )
     assert json.loads(as_json.output)["best"] is not None
 
 
@@ -138,12 +180,35 @@ def test_readme_recipe_plan_is_what_the_planner_prints() -> None:
     """The lines the README quotes for "continue Qwen2.5-7B" come from step 1 of its recipe, and the recipe's config
     fits the seed cluster as the README says."""
     quoted = (ROOT / "README.md").read_text().split("<!-- qwen-plan -->")[1].strip().strip("`").strip().splitlines()
-    res = CliRunner().invoke(main, ["plan", "--model", str(ROOT / "configs/hf/qwen2.5-7b.json"), "--hostfile",
-                                    str(ROOT / "hostfiles/8node"), "--seq-len", "4096", "--tokens", "1B"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--model",
+            str(ROOT / "configs/hf/qwen2.5-7b.json"),
+            "--hostfile",
+            str(ROOT / "hostfiles/8node"),
+            "--seq-len",
+            "4096",
+            "--tokens",
+            "1B",
+        ],
+    )
     assert res.exit_code == 0, res.output
     printed = res.output.splitlines()
     assert len(quoted) == 4 and all(line in printed for line in quoted), quoted
-    check = CliRunner().invoke(main, ["plan", "--config", str(ROOT / "configs/continue_qwen2.5-7b.yaml"), "--set",
-                                      f"model.init_from={ROOT / 'configs/hf/qwen2.5-7b.json'}", "--seq-len", "4096",
-                                      "--hostfile", str(ROOT / "hostfiles/8node")])
+    check = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--config",
+            str(ROOT / "configs/continue_qwen2.5-7b.yaml"),
+            "--set",
+            f"model.init_from={ROOT / 'configs/hf/qwen2.5-7b.json'}",
+            "--seq-len",
+            "4096",
+            "--hostfile",
+            str(ROOT / "hostfiles/8node"),
+        ],
+    )
     assert check.exit_code == 0 and "FITS: +2.55 GiB" in check.output, check.output

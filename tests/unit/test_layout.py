@@ -29,8 +29,10 @@ def _imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module == "pipeline":
-                found |= {f"pipeline.{a.name}" if (PKG / f"{a.name}.py").exists() or (PKG / a.name).is_dir()
-                          else "pipeline" for a in node.names}  # a submodule, or a name such as __version__
+                found |= {
+                    f"pipeline.{a.name}" if (PKG / f"{a.name}.py").exists() or (PKG / a.name).is_dir() else "pipeline"
+                    for a in node.names
+                }  # a submodule, or a name such as __version__
             elif node.module.startswith("pipeline."):
                 found.add(node.module)
         elif isinstance(node, ast.Import):

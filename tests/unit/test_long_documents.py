@@ -39,14 +39,18 @@ def hf_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tokenize(inputs: list[Path], prefix: Path, tokenizer: Path, **kw) -> dict:
-    res = tokenizing.run(TokenizeConfig(inputs=tuple(map(str, inputs)), output_prefix=str(prefix),
-                                        tokenizer=str(tokenizer), progress=False, **kw))
+    res = tokenizing.run(
+        TokenizeConfig(
+            inputs=tuple(map(str, inputs)), output_prefix=str(prefix), tokenizer=str(tokenizer), progress=False, **kw
+        )
+    )
     return res.manifest
 
 
 @pytest.mark.parametrize("which", ["sentencepiece", "hf"])
-def test_pieces_give_the_ids_of_the_whole_document(tmp_path: Path, tokenized: Path, hf_tokenizer: Path,
-                                                   which: str) -> None:
+def test_pieces_give_the_ids_of_the_whole_document(
+    tmp_path: Path, tokenized: Path, hf_tokenizer: Path, which: str
+) -> None:
     tok_path = Path(str(tokenized) + ".tokenizer.model") if which == "sentencepiece" else hf_tokenizer
     tok = Tokenizer(tok_path)
     assert safe_rules(tok.encode) == ("newline", "space")
@@ -77,8 +81,14 @@ def test_any_worker_count_gives_the_same_bytes(tmp_path: Path, tokenized: Path) 
 def test_a_json_record_over_the_limit_is_refused_with_file_line_and_size(tmp_path: Path, tokenized: Path) -> None:
     model = Path(str(tokenized) + ".tokenizer.model")
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"text": "small one"}) + "\n" + json.dumps({"text": "x" * 5000}) + "\n"
-                    + json.dumps({"text": "after it"}) + "\n")
+    path.write_text(
+        json.dumps({"text": "small one"})
+        + "\n"
+        + json.dumps({"text": "x" * 5000})
+        + "\n"
+        + json.dumps({"text": "after it"})
+        + "\n"
+    )
     m = tokenize([path], tmp_path / "o", model, max_record_bytes=1000)
     assert m["totals"]["documents"] == 2 and m["totals"]["skipped_by_reason"] == {"record_too_large": 1}
     assert m["errors"][0].startswith(f"{path}:2: record of 5,013 bytes is larger than --max-record-bytes 1,000")

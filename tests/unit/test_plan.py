@@ -25,21 +25,34 @@ SEED = Cluster(8, 1, GPUS["4090d"], 512 * 10**9)
 
 
 @settings(max_examples=60, deadline=None)
-@given(h=st.sampled_from([256, 1024, 4096, 8192]), layers=st.integers(1, 96), vocab=st.sampled_from([500, 32000, 128256]),
-       gpn=st.sampled_from([1, 2, 4, 8]), nodes=st.sampled_from([1, 2, 8, 16]))
+@given(
+    h=st.sampled_from([256, 1024, 4096, 8192]),
+    layers=st.integers(1, 96),
+    vocab=st.sampled_from([500, 32000, 128256]),
+    gpn=st.sampled_from([1, 2, 4, 8]),
+    nodes=st.sampled_from([1, 2, 8, 16]),
+)
 def test_model_states_equal_deepspeed_estimators(h: int, layers: int, vocab: int, gpn: int, nodes: int) -> None:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    shape = ModelShape(hidden_size=h, num_layers=layers, ffn_hidden_size=h * 8 // 3, num_heads=h // 128 or 1,
-                       num_kv_heads=h // 128 or 1, vocab_size=vocab)
+    shape = ModelShape(
+        hidden_size=h,
+        num_layers=layers,
+        ffn_hidden_size=h * 8 // 3,
+        num_heads=h // 128 or 1,
+        num_kv_heads=h // 128 or 1,
+        vocab_size=vocab,
+    )
     psi, largest = shape.num_params(), shape.largest_layer_params()
     for off in (False, True):
-        assert deepspeed_model_states(2, psi, largest, gpn, nodes, off, False) == \
-            estimate_zero2_model_states_mem_needs(psi, gpn, nodes, cpu_offload=off)
+        assert deepspeed_model_states(2, psi, largest, gpn, nodes, off, False) == estimate_zero2_model_states_mem_needs(
+            psi, gpn, nodes, cpu_offload=off
+        )
     for off_opt, off_par in ((False, False), (True, False), (True, True)):
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(psi, largest, gpn, nodes, cpu_offload=off_opt,
-                                                            cpu_offload_params=off_par, zero_init=True)
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            psi, largest, gpn, nodes, cpu_offload=off_opt, cpu_offload_params=off_par, zero_init=True
+        )
         assert deepspeed_model_states(3, psi, largest, gpn, nodes, off_opt, off_par) == (cpu, gpu)
 
 
@@ -68,8 +81,13 @@ def test_llama2_70b_fits_the_seed_cluster_below_the_compute_ceiling() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(preset=st.sampled_from(["125m", "1b", "7b", "13b", "70b"]), gpu=st.sampled_from(sorted(GPUS)),
-       nodes=st.sampled_from([1, 2, 8]), gpn=st.sampled_from([1, 4]), seq=st.sampled_from([1024, 4096]))
+@given(
+    preset=st.sampled_from(["125m", "1b", "7b", "13b", "70b"]),
+    gpu=st.sampled_from(sorted(GPUS)),
+    nodes=st.sampled_from([1, 2, 8]),
+    gpn=st.sampled_from([1, 4]),
+    seq=st.sampled_from([1024, 4096]),
+)
 def test_no_throughput_above_the_physical_ceiling(preset: str, gpu: str, nodes: int, gpn: int, seq: int) -> None:
     c = Cluster(nodes, gpn, GPUS[gpu], 512 * 10**9)
     p = search(PRESETS[preset], seq, c)
@@ -95,17 +113,32 @@ def test_refuses_70b_on_one_node_without_nvme_and_says_what_would_fit() -> None:
 H200_24 = Cluster(1, 1, replace(GPUS["h200"], memory_gib=24.0), 137 * 10**9, cpu_cores=16)
 OFFLOAD_TUNED = Candidate(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
 ANCHORS = [
-    ("70b 2 layers, ZeRO-3 offload, tuned buckets", replace(PRESETS["70b"], num_layers=2), 4096, H200_24,
-     OFFLOAD_TUNED, 1.455, 5.8),
+    (
+        "70b 2 layers, ZeRO-3 offload, tuned buckets",
+        replace(PRESETS["70b"], num_layers=2),
+        4096,
+        H200_24,
+        OFFLOAD_TUNED,
+        1.455,
+        5.8,
+    ),
     ("70b 4 layers, same", replace(PRESETS["70b"], num_layers=4), 4096, H200_24, OFFLOAD_TUNED, 2.316, 5.9),
-    ("1b ZeRO-2 bf16, H200 uncapped, micro 8", PRESETS["1b"], 2048, Cluster(1, 1, GPUS["h200"], 137 * 10**9),
-     Candidate(2, "none", "none", False, 8, 1), 0.355, 49.8),
+    (
+        "1b ZeRO-2 bf16, H200 uncapped, micro 8",
+        PRESETS["1b"],
+        2048,
+        Cluster(1, 1, GPUS["h200"], 137 * 10**9),
+        Candidate(2, "none", "none", False, 8, 1),
+        0.355,
+        49.8,
+    ),
 ]
 
 
 @pytest.mark.parametrize("case, shape, seq, cluster, cand, seconds, gib", ANCHORS, ids=[a[0] for a in ANCHORS])
 def test_h200_anchors_peak_allocated_within_15pct_and_step_time_within_25pct(
-        case: str, shape: ModelShape, seq: int, cluster: Cluster, cand: Candidate, seconds: float, gib: float) -> None:
+    case: str, shape: ModelShape, seq: int, cluster: Cluster, cand: Candidate, seconds: float, gib: float
+) -> None:
     e = estimate(shape, seq, cluster, cand, loss_chunk_tokens=None)
     assert e.gpu["peak_allocated"] / 2**30 == pytest.approx(gib, rel=0.15)  # like with like: max_memory_allocated
     assert e.step_time_s == pytest.approx(seconds, rel=0.25)
@@ -129,8 +162,9 @@ def test_every_preset_gets_an_answer_for_the_seed_clusters() -> None:
 
 def test_written_ds_config_is_accepted_by_pretrain(tmp_path: Path) -> None:
     out = tmp_path / "gen.json"
-    r = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", str(ROOT / "hostfiles/8node"),
-                                  "--write-ds-config", str(out)])
+    r = CliRunner().invoke(
+        main, ["plan", "--model", "70b", "--hostfile", str(ROOT / "hostfiles/8node"), "--write-ds-config", str(out)]
+    )
     assert r.exit_code == 0, r.output
     assert "chosen: ZeRO-3 + cpu offload (opt, params) + ckpt" in r.output and "physical ceiling" in r.output
     ds = json.loads(out.read_text())
@@ -157,18 +191,21 @@ def test_gpu_lookup_accepts_device_names() -> None:
         lookup("voodoo2")
 
 
-@pytest.mark.parametrize("torch_name, row, tflops", [
-    ("NVIDIA A100-SXM4-40GB", "a100-40gb", 312.0),
-    ("NVIDIA A100-SXM4-80GB", "a100-80gb", 312.0),
-    ("NVIDIA A100-PCIE-40GB", "a100-40gb-pcie", 312.0),
-    ("NVIDIA A100 80GB PCIe", "a100-80gb-pcie", 312.0),
-    ("NVIDIA L40S", "l40s", 362.0),
-    ("NVIDIA H100 80GB HBM3", "h100", 989.0),
-    ("NVIDIA H100 PCIe", "h100-pcie", 756.0),   # not the SXM peak
-    ("NVIDIA H100 NVL", "h100-nvl", 835.0),
-    ("NVIDIA H200", "h200", 989.0),
-    ("NVIDIA H200 NVL", "h200-nvl", 835.0),
-])
+@pytest.mark.parametrize(
+    "torch_name, row, tflops",
+    [
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb", 312.0),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb", 312.0),
+        ("NVIDIA A100-PCIE-40GB", "a100-40gb-pcie", 312.0),
+        ("NVIDIA A100 80GB PCIe", "a100-80gb-pcie", 312.0),
+        ("NVIDIA L40S", "l40s", 362.0),
+        ("NVIDIA H100 80GB HBM3", "h100", 989.0),
+        ("NVIDIA H100 PCIe", "h100-pcie", 756.0),  # not the SXM peak
+        ("NVIDIA H100 NVL", "h100-nvl", 835.0),
+        ("NVIDIA H200", "h200", 989.0),
+        ("NVIDIA H200 NVL", "h200-nvl", 835.0),
+    ],
+)
 def test_names_torch_reports_map_to_their_own_row(torch_name: str, row: str, tflops: float) -> None:
     assert lookup(torch_name) is GPUS[row]
     assert peak_tflops_for_device(torch_name) == tflops

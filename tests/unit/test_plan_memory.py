@@ -35,7 +35,8 @@ def saved_bytes_per_token(shape: ModelShape, seq: int = 128) -> float:
     pos = torch.arange(seq)[None]
     cos, sin = (t.to(torch.bfloat16) for t in LlamaRotaryEmbedding(cfg)(x, pos))
     skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {
-        t.untyped_storage().data_ptr() for t in (x, cos, sin)}
+        t.untyped_storage().data_ptr() for t in (x, cos, sin)
+    }
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -48,11 +49,14 @@ def saved_bytes_per_token(shape: ModelShape, seq: int = 128) -> float:
     return sum(seen.values()) / seq
 
 
-@pytest.mark.parametrize("shape", [
-    ModelShape(hidden_size=256, num_layers=1, ffn_hidden_size=688, num_heads=4, num_kv_heads=2, vocab_size=500),
-    ModelShape(hidden_size=512, num_layers=1, ffn_hidden_size=1376, num_heads=8, num_kv_heads=8, vocab_size=500),
-    ModelShape(hidden_size=384, num_layers=1, ffn_hidden_size=1536, num_heads=6, num_kv_heads=2, vocab_size=500),
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ModelShape(hidden_size=256, num_layers=1, ffn_hidden_size=688, num_heads=4, num_kv_heads=2, vocab_size=500),
+        ModelShape(hidden_size=512, num_layers=1, ffn_hidden_size=1376, num_heads=8, num_kv_heads=8, vocab_size=500),
+        ModelShape(hidden_size=384, num_layers=1, ffn_hidden_size=1536, num_heads=6, num_kv_heads=2, vocab_size=500),
+    ],
+)
 def test_activation_coefficients_are_what_a_real_llama_layer_saves(shape: ModelShape) -> None:
     measured = saved_bytes_per_token(shape)
     assert layer_activation_bytes_per_token(shape) == pytest.approx(measured, rel=0.02)
@@ -127,32 +131,66 @@ def test_time_is_a_range_around_the_point_and_printed() -> None:
 def test_near_ties_go_to_less_memory() -> None:
     p = search(PRESETS["7b"], 4096, SEED)
     fast = p.ranked[0]
-    cheaper = replace(fast, tokens_per_s=fast.tokens_per_s * 1.01, gpu={**fast.gpu, "reserved": fast.gpu["reserved"] + GiB})
+    cheaper = replace(
+        fast, tokens_per_s=fast.tokens_per_s * 1.01, gpu={**fast.gpu, "reserved": fast.gpu["reserved"] + GiB}
+    )
     assert choose([cheaper, fast])[0] is fast
     much_faster = replace(cheaper, tokens_per_s=fast.tokens_per_s * 1.05)
     assert choose([much_faster, fast])[0] is much_faster
 
 
 def test_a_rounded_global_batch_is_said() -> None:
-    r = CliRunner().invoke(main, ["plan", "--model", "7b", "--hostfile", "hostfiles/8node",
-                                  "--global-batch-tokens", "3M"])
-    assert r.exit_code == 0 and "3,000,000 tokens per step were asked for; whole micro-batches on 8 GPUs give" in r.output
+    r = CliRunner().invoke(
+        main, ["plan", "--model", "7b", "--hostfile", "hostfiles/8node", "--global-batch-tokens", "3M"]
+    )
+    assert (
+        r.exit_code == 0 and "3,000,000 tokens per step were asked for; whole micro-batches on 8 GPUs give" in r.output
+    )
 
 
 def test_plan_config_evaluates_the_run_about_to_launch(tmp_path) -> None:
-    r = CliRunner().invoke(main, ["plan", "--config", "configs/70b_8node.yaml", "--hostfile", "hostfiles/8node",
-                                  "--seq-len", "4096"])
+    r = CliRunner().invoke(
+        main, ["plan", "--config", "configs/70b_8node.yaml", "--hostfile", "hostfiles/8node", "--seq-len", "4096"]
+    )
     assert r.exit_code == 0, r.output
     assert "your config: ZeRO-3 + cpu offload (opt, params) + ckpt, micro 2 x GA 61" in r.output
     assert "FITS: +" in r.output and "the search would choose" in r.output and "seq_len 4096 from --seq-len" in r.output
     # The same run with DeepSpeed's default ZeRO-3 buckets on a 24 GiB-capped H200, 2 layers: predicted not to fit.
     ds = tmp_path / "defaults.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                                    "offload_param": {"device": "cpu"}}}))
-    r = CliRunner().invoke(main, ["plan", "--config", "configs/70b_8node.yaml", "--set",
-                                  f"train.deepspeed_config={ds}", "--set", "batch.micro_batch_size=1",
-                                  "--set", "batch.global_batch_size=1", "--layers", "2", "--gpu", "h200",
-                                  "--gpu-mem", "24GiB", "--seq-len", "4096", "--json"])
+    ds.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "cpu"},
+                    "offload_param": {"device": "cpu"},
+                }
+            }
+        )
+    )
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--config",
+            "configs/70b_8node.yaml",
+            "--set",
+            f"train.deepspeed_config={ds}",
+            "--set",
+            "batch.micro_batch_size=1",
+            "--set",
+            "batch.global_batch_size=1",
+            "--layers",
+            "2",
+            "--gpu",
+            "h200",
+            "--gpu-mem",
+            "24GiB",
+            "--seq-len",
+            "4096",
+            "--json",
+        ],
+    )
     assert r.exit_code == 3, r.output
     d = json.loads(r.output)
     assert d["fits"] is False and "above the largest measured to fit" in d["yours"]["why_not"][0]
@@ -166,8 +204,10 @@ def test_plan_config_takes_seq_len_from_the_shards(tmp_path) -> None:
     shards = tmp_path / "shards"
     shards.mkdir()
     (shards / "manifest.json").write_text("{}")
-    cfg.write_text(f"model: {{preset: tiny}}\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
-                   "global_batch_size: 4}\ntrain: {max_steps: 1, deepspeed_config: ds_configs/zero2.json}\n")
+    cfg.write_text(
+        f"model: {{preset: tiny}}\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+        "global_batch_size: 4}\ntrain: {max_steps: 1, deepspeed_config: ds_configs/zero2.json}\n"
+    )
     r = CliRunner().invoke(main, ["plan", "--config", str(cfg)])
     assert r.exit_code == 2 and "manifest.json" in r.output  # a damaged manifest is named, not a traceback
     r = CliRunner().invoke(main, ["plan", "--config", str(cfg), "--from-run", str(tmp_path)])
@@ -181,14 +221,17 @@ def test_pretrain_refuses_a_run_whose_checkpoints_do_not_fit_the_disk(tmp_path, 
     if shutil.disk_usage(tmp_path).free > 2 * 10**12:
         pytest.skip("this disk has over 2 TB free")
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"run_dir: {tmp_path}/run\nmodel: {{preset: 70b}}\ndata: {{path: {shards}}}\n"
-                   "batch: {micro_batch_size: 1, global_batch_size: 2}\n"
-                   "train: {max_steps: 1, deepspeed_config: ds_configs/zero2.json}\n")
+    cfg.write_text(
+        f"run_dir: {tmp_path}/run\nmodel: {{preset: 70b}}\ndata: {{path: {shards}}}\n"
+        "batch: {micro_batch_size: 1, global_batch_size: 2}\n"
+        "train: {max_steps: 1, deepspeed_config: ds_configs/zero2.json}\n"
+    )
     r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--num-gpus", "2", "--dry-run"])
     assert r.exit_code == 2 and "a checkpoint is" in r.output and "GB free" in r.output, r.output
     assert "checkpoint.keep_last" in r.output and not (tmp_path / "run").exists()
-    r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--num-gpus", "2", "--dry-run", "--set",
-                                  "checkpoint.enabled=false"])
+    r = CliRunner().invoke(
+        main, ["pretrain", "--config", str(cfg), "--num-gpus", "2", "--dry-run", "--set", "checkpoint.enabled=false"]
+    )
     assert r.exit_code == 0, r.output
 
 
@@ -199,7 +242,9 @@ def test_reference_hostfiles_carry_their_clusters() -> None:
     assert "a safe save keeps 1 checkpoint(s) while writing the next" in r.output  # 2 x 20 GB > the 40 GB disk
     r = CliRunner().invoke(main, ["plan", "--model", "13b", "--hostfile", "hostfiles/4node4gpu", "--json"])
     d = json.loads(r.output)["best"]
-    assert d is None or any("checkpoint disk" in w for w in d["warnings"]) or any("checkpoint" in w for w in d["why_not"])
+    assert (
+        d is None or any("checkpoint disk" in w for w in d["warnings"]) or any("checkpoint" in w for w in d["why_not"])
+    )
     r = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", "hostfiles/4node4gpu"])
     assert r.exit_code == 3 and "host RAM" in r.output and "(80% limit: 96 GB)" in r.output
     r = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", "hostfiles/4node4gpu", "--cpu-mem", "512GB"])
@@ -232,10 +277,12 @@ def test_cpu_adam_time_follows_the_nodes_cores_and_memory_bandwidth() -> None:
     """Offloaded Adam runs at the lower of cores x 0.85e9 parameters/s and memory bandwidth / 32 bytes."""
     cand = Candidate(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
     big = Cluster(8, 1, GPUS["4090d"], 512 * 10**9, cpu_mem_bw_gbs=300, cpu_cores=128)  # hostfiles/8node
-    rented = replace(big, cpu_mem_bw_gbs=50, cpu_cores=10)                               # hostfiles/4node4gpu
+    rented = replace(big, cpu_mem_bw_gbs=50, cpu_cores=10)  # hostfiles/4node4gpu
     two_cores = replace(big, cpu_cores=2)
-    t = {name: estimate(PRESETS["7b"], 4096, c, cand).time["optimizer"]
-         for name, c in (("big", big), ("rented", rented), ("two", two_cores))}
+    t = {
+        name: estimate(PRESETS["7b"], 4096, c, cand).time["optimizer"]
+        for name, c in (("big", big), ("rented", rented), ("two", two_cores))
+    }
     per_node = PRESETS["7b"].num_params() / 8
     assert t["big"] == pytest.approx(per_node * 32 / 300e9) and t["rented"] == pytest.approx(6 * t["big"])
     assert t["two"] == pytest.approx(per_node / (2 * 0.85e9))  # too few cores: they, not memory, set the pace

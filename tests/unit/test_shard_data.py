@@ -26,8 +26,11 @@ def _shard(sources, out: Path, **kw) -> shard_stage.ShardResult:
     return shard_stage.run(ShardConfig(sources=srcs, output=str(out), progress=False, **kw))
 
 
-@given(n=st.integers(0, 500), r=st.tuples(st.integers(1, 100), st.integers(0, 20), st.integers(0, 20)),
-       seed=st.integers(0, 2**31))
+@given(
+    n=st.integers(0, 500),
+    r=st.tuples(st.integers(1, 100), st.integers(0, 20), st.integers(0, 20)),
+    seed=st.integers(0, 2**31),
+)
 def test_split_is_disjoint_complete_and_seeded(n: int, r: tuple[int, int, int], seed: int) -> None:
     parts = split_documents(n, tuple(float(x) for x in r), seed, 0)  # type: ignore[arg-type]
     allv = np.concatenate(list(parts.values()))
@@ -108,8 +111,11 @@ def test_truncated_and_altered_shards_are_detected(shards: Path, tmp_path: Path)
 
 def test_mixed_tokenizers_are_refused(tokenized: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
-    tokenizing.run(TokenizeConfig(inputs=(str(CORPUS),), output_prefix=str(other), train_tokenizer=True,
-                                  vocab_size=700, progress=False))
+    tokenizing.run(
+        TokenizeConfig(
+            inputs=(str(CORPUS),), output_prefix=str(other), train_tokenizer=True, vocab_size=700, progress=False
+        )
+    )
     with pytest.raises(PipelineError, match="different tokenizers"):
         _shard([(tokenized, 1.0), (other, 1.0)], tmp_path / "mix", seq_len=32)
 
@@ -119,10 +125,21 @@ def test_blend_draws_in_proportion_and_repeats_small_sources(tokenized: Path, tm
     model = str(tokenized) + ".tokenizer.model"
     for name, part in (("big", lines[:12] * 3), ("small", lines[12:])):
         (tmp_path / f"{name}.jsonl").write_text("".join(part))
-        tokenizing.run(TokenizeConfig(inputs=(str(tmp_path / f"{name}.jsonl"),), output_prefix=str(tmp_path / name),
-                                      tokenizer=model, progress=False))
-    res = _shard([(tmp_path / "big", 0.5), (tmp_path / "small", 0.5)], tmp_path / "blend", seq_len=32,
-                 split=(100.0, 0.0, 0.0), weights_given=True)
+        tokenizing.run(
+            TokenizeConfig(
+                inputs=(str(tmp_path / f"{name}.jsonl"),),
+                output_prefix=str(tmp_path / name),
+                tokenizer=model,
+                progress=False,
+            )
+        )
+    res = _shard(
+        [(tmp_path / "big", 0.5), (tmp_path / "small", 0.5)],
+        tmp_path / "blend",
+        seq_len=32,
+        split=(100.0, 0.0, 0.0),
+        weights_given=True,
+    )
     srcs = res.manifest["splits"]["train"]["sources"]
     drawn = [s["drawn_samples"] for s in srcs]
     assert abs(drawn[0] / sum(drawn) - 0.5) < 0.01
@@ -144,10 +161,16 @@ def _global_batches(n: int, seed: int, micro: int, world: int, accum: int, count
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(16, 300), seed=st.integers(0, 1000), global_batch=st.sampled_from([8, 16, 32]),
-       micro=st.sampled_from([1, 2]), skip=st.integers(0, 12))
-def test_elastic_order_same_global_batches_for_any_world_size(n: int, seed: int, global_batch: int, micro: int,
-                                                             skip: int) -> None:
+@given(
+    n=st.integers(16, 300),
+    seed=st.integers(0, 1000),
+    global_batch=st.sampled_from([8, 16, 32]),
+    micro=st.sampled_from([1, 2]),
+    skip=st.integers(0, 12),
+)
+def test_elastic_order_same_global_batches_for_any_world_size(
+    n: int, seed: int, global_batch: int, micro: int, skip: int
+) -> None:
     ref = _global_batches(n, seed, micro, 1, global_batch // micro, 20)
     for world in (2, 4, 8):
         if global_batch % (micro * world):

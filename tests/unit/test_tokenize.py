@@ -28,8 +28,9 @@ DOCS = ["First document.\nWith two lines.", "第二个文档：中文也可以�
 
 
 def _tok(prefix: Path, inputs: list[str], tokenizer: Path, **kw) -> tokenizing.TokenizeResult:
-    return tokenizing.run(TokenizeConfig(inputs=tuple(inputs), output_prefix=str(prefix),
-                                         tokenizer=str(tokenizer), progress=False, **kw))
+    return tokenizing.run(
+        TokenizeConfig(inputs=tuple(inputs), output_prefix=str(prefix), tokenizer=str(tokenizer), progress=False, **kw)
+    )
 
 
 def _model(tokenized: Path) -> Path:
@@ -70,15 +71,22 @@ def test_save_to_disk_dataset_and_directory_and_glob(tmp_path: Path) -> None:
     assert hf.kind == "hf" and [r.text for r in read_records(hf)] == DOCS
     in_dir = resolve_inputs([str(tmp_path / "dir")])
     assert [s.path.name for s in in_dir] == ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.txt", "e.txt.gz", "f.parquet"]
-    assert [s.path.name for s in resolve_inputs([str(tmp_path / "dir" / "*.jsonl*")])] == \
-        ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst"]
+    assert [s.path.name for s in resolve_inputs([str(tmp_path / "dir" / "*.jsonl*")])] == [
+        "a.jsonl",
+        "b.jsonl.gz",
+        "c.jsonl.zst",
+    ]
 
 
 def test_trained_tokenizer_round_trips_english_and_chinese(tokenized: Path) -> None:
     tok = Tokenizer(_model(tokenized))
     assert (tok.vocab_size, tok.eos_id, tok.bos_id, tok.pad_id) == (600, 2, 1, 3)
-    for text in ["  Hello,\tworld!\n\nSecond paragraph 2026 ", "春天来了，花园里的花都开了。", "naïve — “quotes” é",
-                 "Unseen script: Ελληνικά и кириллица 🙂"]:
+    for text in [
+        "  Hello,\tworld!\n\nSecond paragraph 2026 ",
+        "春天来了，花园里的花都开了。",
+        "naïve — “quotes” é",
+        "Unseen script: Ελληνικά и кириллица 🙂",
+    ]:
         ids = tok.encode(text)
         assert 0 not in ids, "byte fallback means no <unk>"
         assert tok.decode(ids) == text
@@ -87,12 +95,20 @@ def test_trained_tokenizer_round_trips_english_and_chinese(tokenized: Path) -> N
 
 
 def test_tokenizer_training_is_deterministic(tmp_path: Path, tokenized: Path) -> None:
-    res = tokenizing.run(TokenizeConfig(inputs=(str(CORPUS),), output_prefix=str(tmp_path / "again"),
-                                        train_tokenizer=True, vocab_size=600, progress=False))
+    res = tokenizing.run(
+        TokenizeConfig(
+            inputs=(str(CORPUS),),
+            output_prefix=str(tmp_path / "again"),
+            train_tokenizer=True,
+            vocab_size=600,
+            progress=False,
+        )
+    )
     a, b = Tokenizer(tmp_path / "again.tokenizer.model")._sp, Tokenizer(_model(tokenized))._sp
     # The serialized model also records its temporary file name; the vocabulary and scores are what count.
-    assert [(a.id_to_piece(i), a.get_score(i)) for i in range(600)] == \
-        [(b.id_to_piece(i), b.get_score(i)) for i in range(600)]
+    assert [(a.id_to_piece(i), a.get_score(i)) for i in range(600)] == [
+        (b.id_to_piece(i), b.get_score(i)) for i in range(600)
+    ]
     assert (tmp_path / "again.bin").read_bytes() == Path(str(tokenized) + ".bin").read_bytes()
     assert res.manifest["totals"]["documents"] == 36
 
@@ -146,8 +162,13 @@ def test_bad_records_are_skipped_counted_and_listed(tmp_path: Path, tokenized: P
     res = _tok(tmp_path / "out", [str(f)], _model(tokenized))
     t = res.manifest["totals"]
     assert t["documents"] == 1 and t["skipped"] == 5
-    assert t["skipped_by_reason"] == {"malformed_json": 1, "missing_field": 1, "not_a_string": 1,
-                                      "invalid_utf8": 1, "empty_document": 1}
+    assert t["skipped_by_reason"] == {
+        "malformed_json": 1,
+        "missing_field": 1,
+        "not_a_string": 1,
+        "invalid_utf8": 1,
+        "empty_document": 1,
+    }
     for n, (_, msg) in enumerate(BAD, start=1):
         if msg:
             assert any(e.startswith(f"{f}:{n}: {msg}") for e in res.manifest["errors"]), msg
@@ -158,8 +179,19 @@ def test_bad_records_are_skipped_counted_and_listed(tmp_path: Path, tokenized: P
 def test_on_error_fail_stops_with_exit_2(tmp_path: Path, tokenized: Path, n: int) -> None:
     f = tmp_path / "bad.jsonl"
     f.write_bytes(BAD[0][0] + BAD[n - 1][0])
-    r = CliRunner().invoke(main, ["tokenize", str(f), "--output-prefix", str(tmp_path / "o"), "--tokenizer",
-                                  str(_model(tokenized)), "--on-error", "fail"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "tokenize",
+            str(f),
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--tokenizer",
+            str(_model(tokenized)),
+            "--on-error",
+            "fail",
+        ],
+    )
     assert r.exit_code == 2
     assert f"{f}:2: {BAD[n - 1][1]}" in r.output and "Traceback" not in r.output
     assert not list(tmp_path.glob("o.*"))
@@ -170,20 +202,35 @@ def test_clear_one_line_errors(tmp_path: Path, tokenized: Path, case: str) -> No
     model = str(_model(tokenized))
     junk = tmp_path / "junk.model"
     junk.write_bytes(b"not a model")
-    args = {"missing_input": [str(tmp_path / "nope.jsonl"), "--tokenizer", model, "--output-prefix", str(tmp_path / "o")],
-            "bad_tokenizer": [str(CORPUS), "--tokenizer", str(junk), "--output-prefix", str(tmp_path / "o")],
-            "unwritable_output": [str(CORPUS), "--tokenizer", model, "--output-prefix", str(junk / "o")],
-            "no_tokenizer_choice": [str(CORPUS), "--output-prefix", str(tmp_path / "o")]}[case]
-    expected = {"missing_input": "nope.jsonl: no such file", "bad_tokenizer": "junk.model: cannot load tokenizer",
-                "unwritable_output": "junk.model is not a folder", "no_tokenizer_choice": "exactly one of --tokenizer"}[case]
+    args = {
+        "missing_input": [str(tmp_path / "nope.jsonl"), "--tokenizer", model, "--output-prefix", str(tmp_path / "o")],
+        "bad_tokenizer": [str(CORPUS), "--tokenizer", str(junk), "--output-prefix", str(tmp_path / "o")],
+        "unwritable_output": [str(CORPUS), "--tokenizer", model, "--output-prefix", str(junk / "o")],
+        "no_tokenizer_choice": [str(CORPUS), "--output-prefix", str(tmp_path / "o")],
+    }[case]
+    expected = {
+        "missing_input": "nope.jsonl: no such file",
+        "bad_tokenizer": "junk.model: cannot load tokenizer",
+        "unwritable_output": "junk.model is not a folder",
+        "no_tokenizer_choice": "exactly one of --tokenizer",
+    }[case]
     r = CliRunner().invoke(main, ["tokenize", *args])
     assert r.exit_code == 2, r.output
     assert expected in r.output and "Traceback" not in r.output
 
 
 def test_missing_output_folder_is_created(tmp_path: Path, tokenized: Path) -> None:
-    r = CliRunner().invoke(main, ["tokenize", str(CORPUS), "--tokenizer", str(_model(tokenized)), "--output-prefix",
-                                  str(tmp_path / "out" / "deeper" / "x")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "tokenize",
+            str(CORPUS),
+            "--tokenizer",
+            str(_model(tokenized)),
+            "--output-prefix",
+            str(tmp_path / "out" / "deeper" / "x"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert len(IndexedReader(tmp_path / "out" / "deeper" / "x")) > 0
 
@@ -209,8 +256,19 @@ def test_interrupted_run_leaves_no_outputs(tmp_path: Path, tokenized: Path, monk
 def test_killed_run_leaves_no_final_outputs(tmp_path: Path, tokenized: Path) -> None:
     big = tmp_path / "big.jsonl"
     big.write_text(CORPUS.read_text() * 200)
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "tokenize", str(big), "--output-prefix",
-                             str(tmp_path / "out"), "--tokenizer", str(_model(tokenized))])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "tokenize",
+            str(big),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            str(_model(tokenized)),
+        ]
+    )
     deadline = 60.0
     import time
 
@@ -227,9 +285,11 @@ def test_killed_run_leaves_no_final_outputs(tmp_path: Path, tokenized: Path) -> 
 
 
 def _peak_rss_mb(args: list[str]) -> float:
-    code = ("import resource, sys; from pipeline.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    code = (
+        "import resource, sys; from pipeline.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1]) / 1024
 

@@ -20,30 +20,48 @@ BASE = {"batch": {"micro_batch_size": 2, "global_batch_size": 16}, "train": {"ma
 
 def test_every_problem_is_reported_at_once() -> None:
     with pytest.raises(ConfigError) as e:
-        from_dict({"batch": {"micro_batch_size": 0, "global_batch_size": 8, "global_batch_tokens": 4096},
-                   "optim": {"lr": 2.0, "nme": "x"}, "train": {"precision": "fp8"}, "bogus": {}})
+        from_dict(
+            {
+                "batch": {"micro_batch_size": 0, "global_batch_size": 8, "global_batch_tokens": 4096},
+                "optim": {"lr": 2.0, "nme": "x"},
+                "train": {"precision": "fp8"},
+                "bogus": {},
+            }
+        )
     msg = str(e.value)
     # The problems of the sections after an unknown one are reported too.
-    for fragment in ("optim.nme: unknown field", "bogus: unknown section", "micro_batch_size 0", "optim.lr 2.0",
-                     "train.precision fp8"):
+    for fragment in (
+        "optim.nme: unknown field",
+        "bogus: unknown section",
+        "micro_batch_size 0",
+        "optim.lr 2.0",
+        "train.precision fp8",
+    ):
         assert fragment in msg
     with pytest.raises(ConfigError) as e:
-        from_dict({"batch": {"micro_batch_size": 0, "global_batch_size": 8, "global_batch_tokens": 4096},
-                   "optim": {"lr": 2.0}, "train": {"precision": "fp8", "max_steps": 1}})
+        from_dict(
+            {
+                "batch": {"micro_batch_size": 0, "global_batch_size": 8, "global_batch_tokens": 4096},
+                "optim": {"lr": 2.0},
+                "train": {"precision": "fp8", "max_steps": 1},
+            }
+        )
     msg = str(e.value)
-    for fragment in ("micro_batch_size 0", "exactly one of global_batch_size", "optim.lr 2.0",
-                     "train.precision fp8"):
+    for fragment in ("micro_batch_size 0", "exactly one of global_batch_size", "optim.lr 2.0", "train.precision fp8"):
         assert fragment in msg
     assert "4 problem(s)" in msg
 
 
-@pytest.mark.parametrize("section, field, value, expected", [
-    ("train", "max_tokens", "1e9", 1_000_000_000),  # YAML 1.1 reads 1e9 as a string
-    ("optim", "lr", "3e-4", 3e-4),
-    ("log", "interval", "5", 5),
-    ("train", "gpu_memory_cap_gib", 23, 23.0),
-    ("train", "max_tokens", 2.0e6, 2_000_000),
-])
+@pytest.mark.parametrize(
+    "section, field, value, expected",
+    [
+        ("train", "max_tokens", "1e9", 1_000_000_000),  # YAML 1.1 reads 1e9 as a string
+        ("optim", "lr", "3e-4", 3e-4),
+        ("log", "interval", "5", 5),
+        ("train", "gpu_memory_cap_gib", 23, 23.0),
+        ("train", "max_tokens", 2.0e6, 2_000_000),
+    ],
+)
 def test_values_are_coerced_to_the_declared_type(section: str, field: str, value: object, expected: object) -> None:
     raw = {"batch": {"micro_batch_size": 1, "global_batch_size": 8}, "train": {"max_steps": 10}}
     raw.setdefault(section, {})[field] = value  # type: ignore[index]
@@ -55,19 +73,27 @@ def test_values_are_coerced_to_the_declared_type(section: str, field: str, value
 
 def test_type_mismatches_are_config_errors_listed_together() -> None:
     with pytest.raises(ConfigError) as e:
-        from_dict({"batch": {"micro_batch_size": "two", "global_batch_size": -8},
-                   "train": {"max_steps": 2.5, "activation_checkpointing": "yes", "precision": 16},
-                   "log": {"interval": "5x", "tensorboard": 1}, "model": {"shape": [1, 2]}, "optim": {"lr": -1}})
+        from_dict(
+            {
+                "batch": {"micro_batch_size": "two", "global_batch_size": -8},
+                "train": {"max_steps": 2.5, "activation_checkpointing": "yes", "precision": 16},
+                "log": {"interval": "5x", "tensorboard": 1},
+                "model": {"shape": [1, 2]},
+                "optim": {"lr": -1},
+            }
+        )
     msg = str(e.value)
-    for fragment in ("batch.micro_batch_size: expected an integer, got 'two'",
-                     "batch.global_batch_size -8: expected 1 or more",
-                     "train.max_steps: expected an integer or null, got 2.5",
-                     "train.activation_checkpointing: expected true or false, got 'yes'",
-                     "train.precision: expected a string, got 16",
-                     "log.interval: expected an integer, got '5x'",
-                     "log.tensorboard: expected true or false, got 1",
-                     "model.shape: expected a mapping, got [1, 2]",
-                     "optim.lr -1.0: expected 0 < lr < 1"):
+    for fragment in (
+        "batch.micro_batch_size: expected an integer, got 'two'",
+        "batch.global_batch_size -8: expected 1 or more",
+        "train.max_steps: expected an integer or null, got 2.5",
+        "train.activation_checkpointing: expected true or false, got 'yes'",
+        "train.precision: expected a string, got 16",
+        "log.interval: expected an integer, got '5x'",
+        "log.tensorboard: expected true or false, got 1",
+        "model.shape: expected a mapping, got [1, 2]",
+        "optim.lr -1.0: expected 0 < lr < 1",
+    ):
         assert fragment in msg, msg
 
 
@@ -75,8 +101,11 @@ def test_batch_arithmetic() -> None:
     cfg = from_dict(BASE)
     plan = batch_plan(cfg, 2, 64)
     assert (plan.grad_accum, plan.global_batch_size, plan.tokens_per_step) == (4, 16, 1024)
-    with pytest.raises(ConfigError, match=r"not divisible by micro_batch_size 2 x 3 data-parallel ranks = 6; no micro_batch_size divides it on 3 "
-                       r"ranks; or --set batch.global_batch_size=12 or 18"):
+    with pytest.raises(
+        ConfigError,
+        match=r"not divisible by micro_batch_size 2 x 3 data-parallel ranks = 6; no micro_batch_size divides it on 3 "
+        r"ranks; or --set batch.global_batch_size=12 or 18",
+    ):
         batch_plan(cfg, 3, 64)
     tok = from_dict({**BASE, "batch": {"micro_batch_size": 2, "global_batch_tokens": 1000}})
     with pytest.raises(ConfigError, match="not a multiple of seq_len 64; use 1024"):
@@ -96,11 +125,24 @@ def test_deepspeed_auto_fields_are_filled_and_conflicts_refused() -> None:
         resolve(cfg, raw, plan, accelerator="cpu")
 
 
-@pytest.mark.parametrize("overrides,ds_file,accel,message", [
-    ({"optim": {"name": "adamw8bit"}}, "zero3_offload.json", "cuda", "adamw8bit cannot run with ZeRO-3 and offload"),
-    ({"train": {"max_steps": 100, "compile": True}}, "zero3.json", "cuda", "train.compile with ZeRO-3: not supported yet"),
-    ({"train": {"max_steps": 100, "precision": "fp16"}}, "zero2.json", "cpu", "fp16 is not supported on the CPU"),
-])
+@pytest.mark.parametrize(
+    "overrides,ds_file,accel,message",
+    [
+        (
+            {"optim": {"name": "adamw8bit"}},
+            "zero3_offload.json",
+            "cuda",
+            "adamw8bit cannot run with ZeRO-3 and offload",
+        ),
+        (
+            {"train": {"max_steps": 100, "compile": True}},
+            "zero3.json",
+            "cuda",
+            "train.compile with ZeRO-3: not supported yet",
+        ),
+        ({"train": {"max_steps": 100, "precision": "fp16"}}, "zero2.json", "cpu", "fp16 is not supported on the CPU"),
+    ],
+)
 def test_unsupported_combinations_are_refused_with_the_matrix(overrides, ds_file, accel, message) -> None:
     cfg = from_dict({**BASE, **overrides})
     with pytest.raises(ConfigError) as e:
@@ -138,23 +180,46 @@ def test_overrides_and_example_configs_load(tmp_path: Path) -> None:
 
 def test_pretrain_script_help_runs_as_a_script() -> None:
     # Runs the file as deepspeed does: its folder first on sys.path (the script-path trap).
-    out = subprocess.run([sys.executable, str(ROOT / "pipeline/pretrain.py"), "--help"], capture_output=True,
-                         text=True, cwd=ROOT / "pipeline", timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "pipeline/pretrain.py"), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT / "pipeline",
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "--config" in out.stdout and "--dry-run" in out.stdout and "Traceback" not in out.stderr
 
 
 def test_dry_run_prints_resolved_config(shards: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
-                   "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n")
-    out = subprocess.run([sys.executable, str(ROOT / "pipeline/pretrain.py"), "--config", str(cfg), "--dry-run"],
-                         capture_output=True, text=True, timeout=120)
+    cfg.write_text(
+        f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+        "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "pipeline/pretrain.py"), "--config", str(cfg), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert '"train_batch_size": 8' in out.stdout and "grad-accum 4" in out.stdout
     assert not (tmp_path / "run").exists()
-    bad = subprocess.run([sys.executable, str(ROOT / "pipeline/pretrain.py"), "--config", str(cfg), "--set",
-                          "batch.global_batch_size=7", "--dry-run"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "pipeline/pretrain.py"),
+            "--config",
+            str(cfg),
+            "--set",
+            "batch.global_batch_size=7",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "not divisible" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -166,8 +231,10 @@ def test_pipeline_pretrain_checks_before_launching(shards: Path, tmp_path: Path)
     from pipeline.cli import main
 
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
-                   "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n")
+    cfg.write_text(
+        f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+        "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n"
+    )
     r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--num-gpus", "3"])
     assert r.exit_code == 2 and "not divisible by micro_batch_size 2 x 3" in r.output
     assert "deepspeed" not in r.output.split("error:")[0]  # nothing was launched
@@ -177,9 +244,25 @@ def test_pipeline_pretrain_checks_before_launching(shards: Path, tmp_path: Path)
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=4\nnode2 slots=4\n")
     r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--hostfile", str(hostfile), "--dry-run"])
-    assert r.exit_code == 2 and "micro_batch_size 2 x 8 data-parallel ranks = 16; batch.micro_batch_size 1 keeps it; or --set batch.global_batch_size=16" in r.output, r.output
-    r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--hostfile", str(hostfile), "--dry-run",
-                                  "--set", "batch.global_batch_size=32"])
+    assert (
+        r.exit_code == 2
+        and "micro_batch_size 2 x 8 data-parallel ranks = 16; batch.micro_batch_size 1 keeps it; or --set "
+        "batch.global_batch_size=16"
+        in r.output
+    ), r.output
+    r = CliRunner().invoke(
+        main,
+        [
+            "pretrain",
+            "--config",
+            str(cfg),
+            "--hostfile",
+            str(hostfile),
+            "--dry-run",
+            "--set",
+            "batch.global_batch_size=32",
+        ],
+    )
     assert r.exit_code == 0 and "micro 2 x data-parallel 8 x grad-accum 2" in r.output, r.output
     r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--num-gpus", "2", "--set", "optim.lr=x"])
     assert r.exit_code == 2 and "optim.lr: expected a number, got 'x'" in r.output
@@ -187,11 +270,17 @@ def test_pipeline_pretrain_checks_before_launching(shards: Path, tmp_path: Path)
 
 def test_auto_deepspeed_config_comes_from_the_planner(shards: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "auto.yaml"
-    cfg.write_text(f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
-                   "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32, deepspeed_config: auto}\n")
-    out = subprocess.run([sys.executable, str(ROOT / "pipeline/pretrain.py"), "--config", str(cfg), "--dry-run"],
-                         capture_output=True, text=True, timeout=120, env={**__import__("os").environ,
-                                                                          "DS_ACCELERATOR": "cpu"})
+    cfg.write_text(
+        f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+        "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32, deepspeed_config: auto}\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "pipeline/pretrain.py"), "--config", str(cfg), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"},
+    )
     assert out.returncode == 0, out.stderr
-    ds = json.loads(out.stdout[out.stdout.index("# deepspeed config:") + len("# deepspeed config:"):])
+    ds = json.loads(out.stdout[out.stdout.index("# deepspeed config:") + len("# deepspeed config:") :])
     assert ds["train_batch_size"] == 8 and "stage" in ds["zero_optimization"]

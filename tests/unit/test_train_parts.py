@@ -16,8 +16,15 @@ SHAPE = {"hidden_size": 64, "num_layers": 2}
 
 
 def marker(**kw: object) -> Marker:
-    m: Marker = {"step": 10, "consumed_samples": 80, "data_fingerprint": "abc", "seq_len": 64,
-                 "tokenizer_sha256": "t", "model_shape": SHAPE, "world_size": 2}
+    m: Marker = {
+        "step": 10,
+        "consumed_samples": 80,
+        "data_fingerprint": "abc",
+        "seq_len": 64,
+        "tokenizer_sha256": "t",
+        "model_shape": SHAPE,
+        "world_size": 2,
+    }
     m.update(kw)  # type: ignore[typeddict-item]
     return m
 
@@ -50,16 +57,20 @@ def test_976_sequences_on_7_nodes_are_refused_with_the_choices() -> None:
     from pipeline.train.ds_config import batch_plan
 
     cfg = from_dict({"batch": {"micro_batch_size": 2, "global_batch_size": 976}, "train": {"max_steps": 1}})
-    with pytest.raises(ConfigError, match=r"no micro_batch_size divides it on 7 ranks; or --set "
-                                          r"batch.global_batch_size=966 or 980"):
+    with pytest.raises(
+        ConfigError,
+        match=r"no micro_batch_size divides it on 7 ranks; or --set "
+        r"batch.global_batch_size=966 or 980",
+    ):
         batch_plan(cfg, 7, 4096)
     assert batch_plan(cfg, 8, 4096).grad_accum == 61
 
 
 def test_each_rank_gets_the_gpu_of_its_local_rank() -> None:
     # Ranks 1..3 of a 4-GPU node must not land on cuda:0 (DeepSpeed selects no device at init_distributed).
-    assert [device_for("cuda", local_rank_from_env({"LOCAL_RANK": str(r)})) for r in range(4)] == \
-        [torch.device("cuda", r) for r in range(4)]
+    assert [device_for("cuda", local_rank_from_env({"LOCAL_RANK": str(r)})) for r in range(4)] == [
+        torch.device("cuda", r) for r in range(4)
+    ]
     assert device_for("cpu", 3) == torch.device("cpu")
     assert local_rank_from_env({}) == 0
 
@@ -103,8 +114,9 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(chunk: int | None)
 
 
 def test_resume_of_nvme_optimizer_checkpoints_is_refused_with_the_reason() -> None:
-    problems = resume_problems(marker(), data_fingerprint="abc", model_shape=SHAPE, world_size=2, zero_stage=3,
-                               nvme_optimizer=True)
+    problems = resume_problems(
+        marker(), data_fingerprint="abc", model_shape=SHAPE, world_size=2, zero_stage=3, nvme_optimizer=True
+    )
     assert len(problems) == 1 and "freshly initialised weights" in problems[0] and "zero3_offload.json" in problems[0]
 
 
@@ -124,5 +136,7 @@ def test_missing_transformers_helpers_name_the_version_needed() -> None:
     from pipeline.model import transformers_helper
 
     assert callable(transformers_helper("transformers.initialization", "no_init_weights"))
-    with pytest.raises(ConfigError, match=r"lacks transformers.integrations.deepspeed.gone.*install transformers>=5,<6"):
+    with pytest.raises(
+        ConfigError, match=r"lacks transformers.integrations.deepspeed.gone.*install transformers>=5,<6"
+    ):
         transformers_helper("transformers.integrations.deepspeed", "gone")
