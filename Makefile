@@ -23,7 +23,7 @@ HARNESS_ARGS ?=
 HARNESS_VENV ?= .venv-lm-eval
 HARNESS_SPEC ?= lm-eval[hf]==0.4.13
 
-.PHONY: install test test-fast lint format data demo eval harness-install bench bench-cpu clean
+.PHONY: install test test-fast test-dist lint format data demo eval harness-install bench bench-cpu clean
 
 install: $(STAMP)
 
@@ -37,9 +37,13 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(BIN)/python -m pytest -q -ra tests
 
-# The inner loop: everything but the multi-process launcher runs, in well under a minute.
+# The inner loop: everything but the multi-process runs, in well under a minute.
 test-fast: install
-	$(BIN)/python -m pytest -q -ra -m "not slow" tests
+	$(BIN)/python -m pytest -q -ra -m "not slow and not dist" tests
+
+# In-process multi-rank tests over gloo (tests/dist): barriers, broadcasts, resume decisions; about 30 s.
+test-dist: install
+	$(BIN)/python -m pytest -q -ra -m dist tests
 
 # Style is mechanical: `make format` rewrites, `make lint` (in .ci/run) refuses what the formatter would change.
 lint: install

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from typing import Any
 import click
 
 from pipeline.errors import PipelineError
+from pipeline.plan.cluster import CLUSTER_DEFAULTS
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -116,7 +118,8 @@ def tokenize(
     """Tokenize INPUT... (.jsonl, .txt, .parquet, optionally .gz/.zst; folders; globs; save_to_disk datasets)
     into a Megatron indexed dataset."""
     from pipeline.data import tokenize as tokenizing
-    from pipeline.data.config import TokenizeConfig, parse_size
+    from pipeline.data.config import TokenizeConfig
+    from pipeline.units import parse_size
 
     try:
         max_record = parse_size(max_record_bytes)
@@ -202,7 +205,8 @@ def shard(
 ) -> None:
     """Pack, split, blend and shuffle tokenized PREFIX[:WEIGHT]... into fixed-length training shards."""
     from pipeline.data import shard as shard_stage
-    from pipeline.data.config import ShardConfig, parse_size
+    from pipeline.data.config import ShardConfig
+    from pipeline.units import parse_size
 
     if inspect_dir:
         click.echo(shard_stage.describe(inspect_dir))
@@ -219,8 +223,8 @@ def shard(
     parsed, given = _parse_sources(sources)
     if model_dir:
         from pipeline.data.manifest import read_tokenize_manifest
+        from pipeline.data.tokenizer import check_tokenizer
         from pipeline.model import families
-        from pipeline.train.setup import check_tokenizer
 
         model = families.shape_from_config(families.read_config(model_dir), model_dir)
         for prefix, _ in parsed:
@@ -287,118 +291,14 @@ def pretrain(
     """Check the config, data and DeepSpeed JSON here (a bad one fails in a second, with only our message), run
     the quick local checks of `pipeline doctor`, then build the `deepspeed ... pipeline/pretrain.py` command line,
     print it, and run it (again, with --max-restarts). Before a multi-node run: `pipeline doctor --hostfile H`."""
-    from pathlib import Path
+    from pipeline import launch
 
-    import pipeline
-    from pipeline.train.config import load
-    from pipeline.train.main import describe
-    from pipeline.train.setup import prepare
-
-    if hostfile and not Path(hostfile).is_file():
-        raise PipelineError(f"--hostfile {hostfile}: no such file (see hostfiles/)")
-    cfg = load(config_path, list(sets))
-    world, per_node = _launch_world_size(hostfile, num_gpus)
-    prepared = None
-    if world is not None:
-        prepared = prepare(cfg, world, per_node)  # the same checks every rank makes, before any process starts
-        _check_checkpoint_space(prepared, world, per_node or world)
-    _quick_doctor(cfg, None if hostfile else master_port or 29500, skip_doctor)
-    if dry_run and prepared is not None:
-        click.echo(describe(prepared))
-        return
-    script = Path(pipeline.__file__).parent / "pretrain.py"
-    cmd = [*_launcher(hostfile, num_gpus, master_port), str(script), "--config", config_path]
-    for s in sets:
-        cmd += ["--set", s]
-    if dry_run:
-        cmd.append("--dry-run")
-    click.echo("+ " + " ".join(cmd), err=True)
-    sys.exit(_launch_with_restarts(cmd, max_restarts))
-
-
-def _quick_doctor(cfg: Any, master_port: int | None, skip: bool) -> None:
-    """`pipeline doctor`'s checks that need no import of torch or deepspeed, on this machine; a FAIL stops the
-    launch unless --skip-doctor."""
-    from pipeline.doctor.checks import FAIL, WARN, Needs, run_checks
-
-    report = run_checks(Needs(run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port), quick=True)
-    for c in report.checks:
-        if c.status in (WARN, FAIL):
-            click.echo(f"doctor: {c.status} {c.name}: {c.detail}" + (f" ({c.fix})" if c.fix else ""), err=True)
-    failed = [c.name for c in report.checks if c.status == FAIL]
-    if failed and not skip:
-        raise PipelineError(
-            f"local checks failed ({', '.join(failed)}; see above); fix them, or launch anyway with --skip-doctor"
+    where = launch.Where(hostfile=hostfile, num_gpus=num_gpus, master_port=master_port)
+    sys.exit(
+        launch.pretrain(
+            config_path, list(sets), where, dry_run=dry_run, max_restarts=max_restarts, skip_doctor=skip_doctor
         )
-
-
-def _launch_with_restarts(cmd: list[str], max_restarts: int) -> int:
-    """Run the launcher; after a failure that a relaunch can fix, run it again (the run resumes from its latest
-    complete checkpoint), up to `max_restarts` times. Exit code 2 is ours for a mistake in the input or a run
-    stopped on purpose (non-finite loss, full disk): a relaunch would fail the same way."""
-    import os
-    import subprocess
-    import time
-
-    restarts = 0
-    while True:
-        started = time.monotonic()
-        code = subprocess.call(cmd, env=os.environ.copy())
-        if code in (0, 2, 130) or restarts >= max_restarts:
-            if code not in (0, 2, 130) and max_restarts:
-                click.echo(f"launch failed with exit code {code}; no restarts left ({max_restarts} used)", err=True)
-            return code
-        restarts += 1
-        click.echo(
-            f"launch failed with exit code {code} after {time.monotonic() - started:.0f} s; restart "
-            f"{restarts} of {max_restarts}, from the latest complete checkpoint",
-            err=True,
-        )
-
-
-def _check_checkpoint_space(prepared: Any, world: int, per_node: int) -> None:
-    """Refuse a run whose checkpoints cannot be saved safely on this node's disk (the first node's: the busiest)."""
-    from pipeline.plan.memory import checkpoint_bytes
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.ds_config import zero_stage
-
-    cfg = prepared.cfg
-    if not cfg.checkpoint.enabled:
-        return
-    size = checkpoint_bytes(
-        prepared.shape, zero_stage(prepared.ds), world, per_node, module_bytes=4 if cfg.train.precision == "fp32" else 2
     )
-    if problem := ckpt.space_problem(cfg.run_dir, size["per_node"], cfg.checkpoint.keep_last):
-        raise PipelineError(problem)
-
-
-def _launcher(hostfile: str | None, num_gpus: int | None, master_port: int | None) -> list[str]:
-    """`deepspeed [--hostfile H | --num_gpus N] [--master_port P]`, the launcher of this environment."""
-    import shutil
-    from pathlib import Path
-
-    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
-    if launcher is None:
-        raise PipelineError("the `deepspeed` launcher is not installed in this environment (pip install deepspeed)")
-    cmd = [launcher]
-    if hostfile:
-        cmd += ["--hostfile", hostfile]
-    elif num_gpus:
-        cmd += ["--num_gpus", str(num_gpus)]
-    if master_port:
-        cmd += ["--master_port", str(master_port)]
-    return cmd
-
-
-def _launch_world_size(hostfile: str | None, num_gpus: int | None) -> tuple[int | None, int | None]:
-    """(ranks, ranks per node) the launcher will start: from the hostfile's slots, or --num-gpus; None when the
-    launcher decides (all local GPUs), since only it knows what it will see."""
-    if hostfile:
-        from pipeline.plan.report import hostfile_slots
-
-        slots = hostfile_slots(hostfile)
-        return sum(slots), max(slots)
-    return num_gpus, num_gpus
 
 
 @main.command()
@@ -450,10 +350,6 @@ def evaluate(
     One process by default (bf16 on a GPU). With --num-gpus or --hostfile, the `deepspeed` launcher starts one
     rank per GPU and the model is split across them with ZeRO-3 (70B on the training cluster); the results file
     is the same."""
-    import os
-    import subprocess
-    from pathlib import Path
-
     from pipeline.evaluate import run as stage
     from pipeline.evaluate.run import EvalConfig
 
@@ -469,54 +365,19 @@ def evaluate(
         seed=seed,
         device=device,
     )
-    if launched:
+    if launched:  # this process is one rank of the launch below
         from pipeline.evaluate.distributed import evaluate_on_rank
+        from pipeline.train.dist import exit_now
 
         evaluate_on_rank(cfg)  # rank 0 writes the results file; the command that launched the ranks prints it
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # as pretrain.py: no interpreter teardown, which can hit gloo's shutdown race
+        exit_now(0)
     if not (num_gpus or hostfile):
         click.echo(stage.table(stage.run(cfg)))
         return
-    if hostfile and not Path(hostfile).is_file():
-        raise PipelineError(f"--hostfile {hostfile}: no such file (see hostfiles/)")
-    inputs = stage.open_inputs(cfg)  # bad input fails here, in a second, before any rank starts
-    target = stage.result_path(cfg, inputs.run)
-    before = target.stat().st_mtime_ns if target.exists() else None
-    args = [
-        "--checkpoint",
-        checkpoint,
-        "--split",
-        split,
-        "--batch-size",
-        str(batch_size),
-        "--max-new-tokens",
-        str(max_new_tokens),
-        "--seed",
-        str(seed),
-        "--output",
-        str(target),
-    ]
-    for flag, value in (("--data", data), ("--max-batches", max_batches), ("--prompts", prompts)):
-        if value is not None:
-            args += [flag, str(value)]
-    cmd = [
-        *_launcher(hostfile, num_gpus, master_port),
-        "--no_local_rank",
-        "--module",
-        "pipeline.cli",
-        "evaluate",
-        *args,
-        "--launched",
-    ]
-    click.echo("+ " + " ".join(cmd), err=True)
-    code = subprocess.call(cmd, env=os.environ.copy())
-    if code != 0 or not target.exists() or target.stat().st_mtime_ns == before:
-        raise PipelineError(f"the distributed evaluation failed (exit code {code}); see the ranks' output above")
-    import json
+    from pipeline import launch
 
-    click.echo(stage.table({**json.loads(target.read_text()), "output": str(target)}))
+    where = launch.Where(hostfile=hostfile, num_gpus=num_gpus, master_port=master_port)
+    click.echo(stage.table(launch.evaluate(cfg, where)))
 
 
 @main.command()
@@ -527,8 +388,8 @@ def evaluate(
 @_user_errors
 def export(checkpoint: str, output: str, dtype: str, max_shard_size: str) -> None:
     """Export a checkpoint to a Hugging Face model folder (safetensors, config, tokenizer)."""
-    from pipeline.data.config import parse_size
     from pipeline.evaluate import run as stage
+    from pipeline.units import parse_size
 
     try:
         size = parse_size(max_shard_size)
@@ -624,20 +485,18 @@ def doctor(
     """Check a cluster before a long run: per host PASS / WARN / FAIL with the reason and the fix (ssh, same venv
     and versions, DeepSpeed ops, GPUs and P2P, the network interface and a measured all-reduce, ulimit -l,
     /dev/shm, RAM, disk, data, master port). Exit code 1 when a check fails."""
-    import json as jsonlib
     from pathlib import Path
 
     from pipeline.doctor import cluster as doc
-    from pipeline.plan import report as plan_report
+    from pipeline.plan.hostfile import hostfile_hosts
 
-    hosts = [h for h, _ in plan_report.hostfile_hosts(hostfile)] if hostfile else None
-    needs = _doctor_needs(config_path, list(sets), hostfile, master_port)
-    expected = None
-    if hostfile and (net := plan_report.hostfile_facts(hostfile).get("network")):
-        expected = float(net.lower().replace("gbps", "")) * 1e9 / 8
-    reports = doc.doctor(hosts, needs, timeout=timeout, expected_bus_bytes=expected)
+    hosts = [h for h, _ in hostfile_hosts(hostfile)] if hostfile else None
+    needs, note = doc.needs_for(config_path, list(sets), hostfile, master_port)
+    if note:
+        click.echo(f"note: {note}", err=True)
+    reports = doc.doctor(hosts, needs, timeout=timeout, expected_bus_bytes=doc.expected_bus_bytes(hostfile))
     if as_json:
-        click.echo(jsonlib.dumps([r.to_dict() for r in reports], indent=2))
+        click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
     else:
         click.echo(doc.table(reports))
     if write_env:
@@ -645,31 +504,6 @@ def doctor(
         for note in doc.write_env(Path(target), doc.env_findings(reports)) or ["nothing to add"]:
             click.echo(f"{target}: {note}", err=True)
     sys.exit(1 if doc.failed(reports) else 0)
-
-
-def _doctor_needs(config_path: str | None, sets: list[str], hostfile: str | None, master_port: int) -> Any:
-    """What the config's run needs of each host (pipeline.doctor.cluster.needs_for_config), planned for the
-    hostfile's cluster."""
-    from pipeline.doctor.checks import Needs
-    from pipeline.doctor.cluster import needs_for_config
-
-    if not config_path:
-        return Needs(master_port=master_port)
-    values = {
-        "gpu": "4090d",
-        "gpu_mem": None,
-        "cpu_mem": "512GB",
-        "cpu_cores": "32",
-        "cpu_mem_bw": "80GB/s",
-        "disk": None,
-        "nvme": None,
-        "network": "100Gbps",
-    }
-    cluster, _ = _plan_cluster(hostfile, 1, 1, values, set())
-    needs, note = needs_for_config(config_path, sets, cluster, master_port)
-    if note:
-        click.echo(f"note: {note}", err=True)
-    return needs
 
 
 @main.command()
@@ -715,24 +549,24 @@ def _doctor_needs(config_path: str | None, sets: list[str], hostfile: str | None
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option(
     "--gpu",
-    default="4090d",
-    show_default=True,
+    default=None,
+    show_default=CLUSTER_DEFAULTS["gpu"],
     help="3090, 4090, 4090d, l40s, a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100, "
     "h100-pcie, h100-nvl, h200, h200-nvl, or a name as nvidia-smi prints it.",
 )
 @click.option("--gpu-mem", default=None, help="Cap the card's memory, e.g. 24GiB (emulating a smaller card).")
-@click.option("--cpu-mem", default="512GB", show_default=True, help="Host RAM per node.")
+@click.option("--cpu-mem", default=None, show_default=CLUSTER_DEFAULTS["cpu_mem"], help="Host RAM per node.")
 @click.option(
     "--cpu-cores",
     type=click.IntRange(min=1),
-    default=32,
-    show_default=True,
+    default=None,
+    show_default=CLUSTER_DEFAULTS["cpu_cores"],
     help="CPU cores per node (DeepSpeed's CPU Adam under offload).",
 )
 @click.option(
     "--cpu-mem-bw",
-    default="80GB/s",
-    show_default=True,
+    default=None,
+    show_default=CLUSTER_DEFAULTS["cpu_mem_bw"],
     help="Host memory bandwidth per node (CPU Adam and the cards' copies share it).",
 )
 @click.option(
@@ -741,7 +575,9 @@ def _doctor_needs(config_path: str | None, sets: list[str], hostfile: str | None
     help="Free disk per node at the run folder, for checkpoints (e.g. 40GB, or the folder itself).",
 )
 @click.option("--nvme", default=None, help="NVMe capacity per node for ZeRO-Infinity, e.g. 4TB (or a mounted path).")
-@click.option("--network", default="100Gbps", show_default=True, help="Inter-node bandwidth per node.")
+@click.option(
+    "--network", default=None, show_default=CLUSTER_DEFAULTS["network"], help="Inter-node bandwidth per node."
+)
 @click.option("--global-batch-tokens", default="4M", show_default=True, help="Tokens per optimizer step.")
 @click.option(
     "--micro-batch-size", type=click.IntRange(min=1), default=None, help="Fix the micro-batch instead of searching it."
@@ -769,14 +605,14 @@ def plan(
     hostfile: str | None,
     nodes: int,
     gpus_per_node: int,
-    gpu: str,
+    gpu: str | None,
     gpu_mem: str | None,
-    cpu_mem: str,
-    cpu_cores: int,
-    cpu_mem_bw: str,
+    cpu_mem: str | None,
+    cpu_cores: int | None,
+    cpu_mem_bw: str | None,
     disk: str | None,
     nvme: str | None,
-    network: str,
+    network: str | None,
     global_batch_tokens: str,
     micro_batch_size: int | None,
     mfu: float,
@@ -789,16 +625,70 @@ def plan(
     peak allocated (what torch.cuda.max_memory_allocated reports) and reserved (what the card must hold), with a
     margin; time as a point and a low-high range beside the physical ceiling. A hostfile's `# cluster:` line
     (see hostfiles/) gives the nodes' GPU, RAM, cores, memory bandwidth, disk and network; flags override it."""
-    import json as jsonlib
-    import os
-
-    from pipeline.atomic import write_json
-    from pipeline.data.config import parse_size
     from pipeline.plan import report as plan_report
     from pipeline.plan import search as planner
+    from pipeline.plan.cluster import cluster_from_flags
 
     if sum(x is not None for x in (config_path, from_run)) > 1:
         raise PipelineError("give one of --config and --from-run")
+    budget, gbt = _token_amounts(tokens, global_batch_tokens)
+    flags = {
+        "gpu": gpu,
+        "gpu_mem": gpu_mem,
+        "cpu_mem": cpu_mem,
+        "cpu_cores": None if cpu_cores is None else str(cpu_cores),
+        "cpu_mem_bw": cpu_mem_bw,
+        "disk": disk,
+        "nvme": nvme,
+        "network": network,
+    }
+    if fits_table:
+        click.echo(plan_report.reference_fits_table(flags, vocab_size, seq_len or 4096, gbt, mfu, budget))
+        return
+    cluster, source = cluster_from_flags(hostfile, nodes, gpus_per_node, flags)
+    if source and not as_json:
+        click.echo(source)
+    if from_run:
+        from pipeline.train import forecast
+
+        ctx = click.get_current_context()
+        given = {k for k in ctx.params if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
+        cluster_given = bool(given & {"hostfile", "nodes", "gpus_per_node", "gpu", "gpu_mem", "cpu_mem"})
+        click.echo(forecast.run_report(from_run, cluster if cluster_given else None, mfu=mfu, as_json=as_json))
+        return
+    if config_path:
+        from pipeline.train import forecast
+
+        text, fits = forecast.config_report(
+            config_path, list(sets), cluster, seq_len=seq_len, layers=layers, vocab_size=vocab_size, mfu=mfu,
+            budget=budget, as_json=as_json,
+        )  # fmt: skip
+        click.echo(text)
+        sys.exit(0 if fits else 3)
+    shape, note = planner.planned_shape(preset, layers, vocab_size, seq_len or 4096)
+    if note:
+        click.echo(note, err=True)
+    if shape.hf_config and not as_json:
+        click.echo(shape.describe())
+    p = planner.search(shape, seq_len or 4096, cluster, gbt, mfu, fixed_micro=micro_batch_size)
+    if write_ds_config and p.best is not None:
+        planner.write_ds_config(p.best, write_ds_config, nvme)
+    click.echo(json.dumps(p.to_dict(), indent=2) if as_json else plan_report.render(p, budget))
+    if write_ds_config and p.best is not None and not as_json:
+        b = p.best.candidate
+        click.echo(
+            f"\nwrote {write_ds_config}; in the pretrain config set batch.micro_batch_size: "
+            f"{b.micro_batch_size}, batch.global_batch_size: {b.micro_batch_size * b.grad_accum * cluster.world}"
+            f", train.activation_checkpointing: {str(b.activation_checkpointing).lower()}"
+        )
+    if p.best is None:
+        sys.exit(3)
+
+
+def _token_amounts(tokens: str, global_batch_tokens: str) -> tuple[float, int]:
+    """--tokens (1B, 500M) and --global-batch-tokens (4M, 512K) as numbers of tokens."""
+    from pipeline.units import parse_size
+
     try:
         budget = float(parse_size(tokens.upper().replace("B", "G") if tokens[-1:].upper() == "B" else tokens))
         gbt = int(parse_size(global_batch_tokens.upper().replace("M", "MB").replace("K", "KB")))
@@ -807,218 +697,7 @@ def plan(
     for flag, value in (("--global-batch-tokens", gbt), ("--tokens", budget)):
         if not value > 0:
             raise PipelineError(f"{flag} {value:g}: expected a positive amount")
-    ctx = click.get_current_context()
-    given = {k for k in ctx.params if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
-    values = {
-        "gpu": gpu,
-        "gpu_mem": gpu_mem,
-        "cpu_mem": cpu_mem,
-        "cpu_cores": str(cpu_cores),
-        "cpu_mem_bw": cpu_mem_bw,
-        "disk": disk,
-        "nvme": nvme,
-        "network": network,
-    }
-    if fits_table:
-        click.echo(_fits_table(values, vocab_size, seq_len or 4096, gbt, mfu, budget))
-        return
-    cluster, source = _plan_cluster(hostfile, nodes, gpus_per_node, values, given)
-    if source and not as_json:
-        click.echo(source)
-    if from_run:
-        from pipeline.train import forecast
-
-        cluster_given = bool(given & {"hostfile", "nodes", "gpus_per_node", "gpu", "gpu_mem", "cpu_mem"})
-        f, got, env = forecast.forecast_run(from_run, cluster if cluster_given else None, mfu=mfu)
-        click.echo(
-            jsonlib.dumps(forecast.comparison(f, got), indent=2) if as_json else forecast.render_run(f, got, env)
-        )
-        return
-    if config_path:
-        _plan_config(config_path, list(sets), cluster, seq_len, layers, vocab_size, mfu, budget, as_json)
-        return
-    seq = seq_len or 4096
-    shape = _plan_shape(preset, layers, vocab_size, seq, as_json)
-    p = planner.search(shape, seq, cluster, gbt, mfu, fixed_micro=micro_batch_size)
-    if write_ds_config and p.best is not None:
-        write_json(write_ds_config, planner.ds_config(p.best, nvme if nvme and os.path.isdir(nvme) else "/local_nvme"))
-    if as_json:
-        click.echo(jsonlib.dumps(p.to_dict(), indent=2))
-    else:
-        click.echo(plan_report.render(p, budget))
-        if write_ds_config and p.best is not None:
-            b = p.best.candidate
-            click.echo(
-                f"\nwrote {write_ds_config}; in the pretrain config set batch.micro_batch_size: "
-                f"{b.micro_batch_size}, batch.global_batch_size: {b.micro_batch_size * b.grad_accum * cluster.world}"
-                f", train.activation_checkpointing: {str(b.activation_checkpointing).lower()}"
-            )
-    if p.best is None:
-        sys.exit(3)
-
-
-def _fits_table(
-    values: dict[str, str | None], vocab_size: int, seq_len: int, gbt: int, mfu: float, budget: float
-) -> str:
-    """`plan --fits-table`: the README's table of presets 1b-70b on each reference hostfile."""
-    from pathlib import Path
-
-    import pipeline
-    from pipeline.model import resolve_shape
-    from pipeline.plan import report as plan_report
-    from pipeline.plan import search as planner
-
-    hostfiles = Path(pipeline.__file__).resolve().parents[1] / "hostfiles"
-    rows = []
-    for hf in ("8node", "4node4gpu"):
-        c, _ = _plan_cluster(str(hostfiles / hf), 1, 1, values, set())
-        for name in ("1b", "7b", "13b", "70b"):
-            rows.append(
-                (name, f"hostfiles/{hf}", planner.search(resolve_shape(name, {}, vocab_size), seq_len, c, gbt, mfu))
-            )
-    return plan_report.fits_table(rows, budget)
-
-
-def _plan_config(
-    config_path: str,
-    sets: list[str],
-    cluster: Any,
-    seq_len: int | None,
-    layers: int | None,
-    vocab_size: int,
-    mfu: float,
-    budget: float,
-    as_json: bool,
-) -> None:
-    """`plan --config`: that run's plan beside what the search would choose; exit code 3 when it does not fit."""
-    import json as jsonlib
-
-    from pipeline.plan import search as planner
-    from pipeline.train import forecast
-
-    fc = forecast.forecast_config(
-        config_path, sets, cluster, seq_len=seq_len, layers=layers, vocab_size=vocab_size, mfu=mfu
-    )
-    if as_json:
-        click.echo(
-            jsonlib.dumps(
-                {
-                    "config": config_path,
-                    "seq_len": fc.seq_len,
-                    "fits": fc.yours.fits,
-                    "yours": planner.estimate_dict(fc.yours),
-                    "search_best": planner.estimate_dict(fc.search.best) if fc.search.best else None,
-                },
-                indent=2,
-            )
-        )
-    else:
-        click.echo(forecast.render_config(fc, budget))
-    if not fc.yours.fits:
-        sys.exit(3)
-
-
-def _plan_shape(preset: str, layers: int | None, vocab_size: int, seq: int, as_json: bool) -> Any:
-    """`plan --model`: a preset, or a Hugging Face folder / config.json; raised to `seq` when that is longer."""
-    from dataclasses import replace
-
-    from pipeline.model import families, resolve_shape
-
-    if families.config_path(preset):
-        shape = families.shape_from_config(families.read_config(preset), preset)
-        shape = replace(shape, num_layers=layers) if layers else shape
-        if not as_json:
-            click.echo(shape.describe())
-    else:
-        shape = resolve_shape(preset, {"num_layers": layers} if layers else {}, vocab_size)
-    if seq > shape.max_seq_len:
-        click.echo(
-            f"note: --seq-len {seq} is above {preset}'s max_seq_len {shape.max_seq_len}; planned "
-            "as if its RoPE were extended (continued pretraining at a longer context)",
-            err=True,
-        )
-        shape = replace(shape, max_seq_len=seq)
-    return shape
-
-
-def _plan_cluster(
-    hostfile: str | None, nodes: int, gpus_per_node: int, values: dict[str, str | None], given: set[str]
-) -> tuple[Any, str]:
-    """The cluster the planner plans for: nodes and GPUs per node from a hostfile when given, each node's facts from
-    its `# cluster:` line unless a flag was given, else the flags' defaults; and a line saying which was which."""
-    import os
-    import shutil
-    from dataclasses import replace
-
-    from pipeline.data.config import parse_size
-    from pipeline.plan import report as plan_report
-    from pipeline.plan.cluster import Cluster
-    from pipeline.plan.gpus import lookup
-
-    source = ""
-    if hostfile:
-        nodes, gpus_per_node = plan_report.parse_hostfile(hostfile)
-        facts = plan_report.hostfile_facts(hostfile)
-        used = {k: v for k, v in facts.items() if k not in given}
-        values = {**values, **used}
-        defaults = sorted(
-            k
-            for k in ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network")
-            if k not in facts and k not in given
-        )
-        source = (
-            f"cluster facts from {hostfile}: "
-            + (" ".join(f"{k}={v}" for k, v in used.items()) or "none")
-            + (f"; defaults for {', '.join(defaults)}" if defaults else "")
-            + ("" if facts else " (the hostfile has no '# cluster:' line; see hostfiles/8node)")
-        )
-
-    def size(flag: str, allow_dir: bool = False) -> int:
-        text = values.get(flag)
-        if not text:
-            return 0
-        if allow_dir and os.path.isdir(text):
-            return shutil.disk_usage(text).free
-        try:
-            n = parse_size(text.replace("/s", "").replace("/S", ""))
-        except ValueError as e:
-            raise PipelineError(f"--{flag.replace('_', '-')}: {e}") from None
-        if not n > 0:
-            raise PipelineError(f"--{flag.replace('_', '-')} {text}: expected a positive size")
-        return n
-
-    try:
-        card = lookup(str(values["gpu"]))
-    except KeyError as e:
-        raise PipelineError(str(e.args[0])) from None
-    if values.get("gpu_mem"):
-        card = replace(card, memory_gib=size("gpu_mem") / 2**30)
-    network = str(values.get("network") or "")
-    try:
-        net = float(network.lower().replace("gbps", "").replace("gb/s", "")) if network else 0.0
-        cores = int(str(values["cpu_cores"]))
-    except ValueError:
-        raise PipelineError(
-            f"--network {network} / --cpu-cores {values['cpu_cores']}: expected numbers such as 100Gbps and 32"
-        ) from None
-    if not net > 0:
-        raise PipelineError(f"--network {network}: expected a positive amount such as 100Gbps")
-    if cores < 1:
-        raise PipelineError(f"cpu_cores {cores}: expected 1 or more")
-    cluster = Cluster(
-        nodes,
-        gpus_per_node,
-        card,
-        size("cpu_mem"),
-        size("nvme", allow_dir=True),
-        net,
-        cpu_mem_bw_gbs=size("cpu_mem_bw") / 1e9,
-        cpu_cores=cores,
-        disk_bytes=size("disk", allow_dir=True),
-    )
-    if not cluster.cpu_mem_bytes or not cluster.cpu_mem_bw_gbs:
-        raise PipelineError("--cpu-mem and --cpu-mem-bw must be positive sizes")
-    return cluster, source
+    return budget, gbt
 
 
 if __name__ == "__main__":

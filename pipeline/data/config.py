@@ -93,32 +93,3 @@ class ShardConfig:
             problems.append("--shard-size: expected a positive size such as 512MB")
         if problems:
             raise ConfigError(problems, "shard options")
-
-
-def parse_size(text: str) -> int:
-    """'512MB' -> bytes (decimal units, and KiB/MiB/GiB binary ones)."""
-    units = {
-        "": 1,
-        "B": 1,
-        "KB": 10**3,
-        "MB": 10**6,
-        "GB": 10**9,
-        "TB": 10**12,
-        "KIB": 2**10,
-        "MIB": 2**20,
-        "GIB": 2**30,
-        "TIB": 2**40,
-        "K": 10**3,
-        "M": 10**6,
-        "G": 10**9,
-        "T": 10**12,
-    }
-    s = text.strip().upper().replace(" ", "")
-    num = s.rstrip("KMGTIB")
-    unit = s[len(num) :]
-    try:
-        if unit not in units:
-            raise ValueError
-        return int(float(num) * units[unit])
-    except ValueError:
-        raise ValueError(f"'{text}': expected a size such as 512MB, 2GB or 64GiB") from None

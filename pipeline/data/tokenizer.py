@@ -10,10 +10,13 @@ import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from pipeline.data.manifest import TokenizerInfo
 from pipeline.errors import PipelineError
+from pipeline.model import ModelShape
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 _MAX_SENTENCE_BYTES = 16384
@@ -145,3 +148,42 @@ def train_sentencepiece(
         Path(str(tmp_prefix) + ".vocab").unlink(missing_ok=True)
     os.replace(str(tmp_prefix) + ".model", output)
     return output
+
+
+def check_tokenizer(shape: ModelShape, tok: TokenizerInfo, source: str) -> None:
+    """Refuse data tokenized with a tokenizer that is not the model's: ids past the model's vocabulary, different
+    end/begin-of-sequence ids, or (when the model folder carries a tokenizer) a different vocabulary size. `source`
+    names where the data's tokenizer was read (a shard manifest)."""
+    if shape.hf_config is None:
+        return
+    cfg = shape.hf_config
+    model = cfg.get("_name_or_path") or "the model"
+    problems = []
+    if tok["vocab_size"] > shape.vocab_size:
+        problems.append(f"its vocabulary has {tok['vocab_size']:,} tokens, the model's embedding {shape.vocab_size:,}")
+    eos = cfg.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if eos_ids and tok["eos_id"] not in eos_ids:
+        problems.append(f"its end-of-sequence id is {tok['eos_id']}, the model's {eos}")
+    bos = cfg.get("bos_token_id")
+    if isinstance(bos, int) and tok.get("bos_id", -1) >= 0 and tok["bos_id"] != bos:
+        problems.append(f"its begin-of-sequence id is {tok['bos_id']}, the model's {bos}")
+    own = _model_tokenizer_size(cfg)
+    if own is not None and own != tok["vocab_size"]:
+        problems.append(f"it has {tok['vocab_size']:,} tokens, the model folder's own tokenizer {own:,}")
+    if problems:
+        raise PipelineError(
+            f"{source}: the data was tokenized with {tok.get('path')}, which is not the tokenizer of "
+            f"{model}: " + "; ".join(problems) + ". Re-tokenize with `pipeline tokenize --tokenizer "
+            "MODEL_DIR` (the model's own tokenizer)"
+        )
+
+
+def _model_tokenizer_size(cfg: dict[str, Any]) -> int | None:
+    folder = cfg.get("_name_or_path")
+    if not folder or not Path(folder, "tokenizer_config.json").is_file():
+        return None
+    try:
+        return Tokenizer(folder).vocab_size
+    except PipelineError:
+        return None

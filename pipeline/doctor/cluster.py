@@ -256,15 +256,14 @@ def needs_for_config(config_path: str, sets: list[str], cluster: Any, master_por
     checkpoints and NVMe bytes on `cluster`; with a note when the plan cannot be made (no shards yet)."""
     from pipeline.train import forecast
     from pipeline.train.config import load
-    from pipeline.train.ds_config import load_ds_config
+    from pipeline.train.ds_config import load_ds_config, offload_devices
 
     cfg = load(config_path, sets)
     needs = Needs(run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port)
     if cfg.train.deepspeed_config != "auto":
-        zero = load_ds_config(cfg.train.deepspeed_config).get("zero_optimization", {})
-        for k in ("offload_optimizer", "offload_param"):
-            if zero.get(k, {}).get("device") == "nvme":
-                needs.uses_nvme, needs.nvme_path = True, zero[k].get("nvme_path")
+        offload = offload_devices(load_ds_config(cfg.train.deepspeed_config))
+        if offload.nvme:
+            needs.uses_nvme, needs.nvme_path = True, (offload.nvme_paths or (None,))[-1]
     try:
         est = forecast.forecast_config(
             config_path, sets, cluster, seq_len=None, layers=None, vocab_size=32000, mfu=0.4
@@ -332,3 +331,25 @@ def table(reports: list[Report]) -> str:
 
 def failed(reports: list[Report]) -> bool:
     return any(c.status == FAIL for r in reports for c in r.checks)
+
+
+def needs_for(
+    config_path: str | None, sets: list[str], hostfile: str | None, master_port: int
+) -> tuple[Needs, str | None]:
+    """What the config's run needs of each host, planned for the hostfile's cluster (its `# cluster:` facts, else
+    the planner's defaults); the master port alone without a config."""
+    from pipeline.plan.cluster import cluster_from_flags
+
+    if not config_path:
+        return Needs(master_port=master_port), None
+    cluster, _ = cluster_from_flags(hostfile, 1, 1, {})
+    return needs_for_config(config_path, sets, cluster, master_port)
+
+
+def expected_bus_bytes(hostfile: str | None) -> float | None:
+    """The bytes per second the hostfile's `network=` fact promises (None when it says nothing)."""
+    from pipeline.plan.hostfile import hostfile_facts
+    from pipeline.units import parse_gbps
+
+    net = hostfile_facts(hostfile).get("network") if hostfile else None
+    return parse_gbps(net) * 1e9 / 8 if net else None

@@ -8,15 +8,12 @@ import logging
 import time
 from typing import Any
 
-import torch
-
-from pipeline.data.manifest import model_token_ids
 from pipeline.errors import PipelineError
 from pipeline.evaluate.run import EvalConfig, Inputs, generate, open_inputs, perplexity, write_result
-from pipeline.model import build_model, pretraining_class, transformers_helper
-from pipeline.train import checkpoint as ckpt
-from pipeline.train.setup import Dist, init_distributed
-from pipeline.train.weights import fill_parameters, full_shape
+from pipeline.train.consolidate import consolidated_state, materialize
+from pipeline.train.dist import Dist, init_distributed, on_rank0
+from pipeline.train.engine import build_for
+from pipeline.train.weights import fill_parameters, parameter_shapes, weight_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -34,40 +31,22 @@ def zero3_inference_config(batch_size: int, world_size: int, bf16: bool) -> dict
     }
 
 
-def _mismatch(model: torch.nn.Module, state: dict[str, Any], where: str) -> str | None:
-    """Rank 0's check of names and shapes before any collective gather (a raise inside one would hang the rest)."""
-    params = {name: full_shape(p) for name, p in model.named_parameters()}
-    if unexpected := sorted(set(state) - set(params)):
-        return f"{where}: unexpected tensors {unexpected[:3]}; the checkpoint's model differs from its recorded shape"
-    if missing := sorted(set(params) - set(state)):
-        return f"{where}: {len(missing)} tensors missing, e.g. {missing[:3]}"
-    for name, shape in params.items():
-        if tuple(state[name].shape) != shape:
-            return f"{where}: {name} has shape {tuple(state[name].shape)}, the model expects {shape}"
-    return None
-
-
 def load_partitioned(inputs: Inputs, env: Dist, ds: dict[str, Any]) -> Any:
     """The checkpoint's weights in a ZeRO-3 engine's module: built under `zero.Init` (no rank holds the whole
     model), filled from rank 0's streamed read of the checkpoint in gathered groups."""
     import deepspeed
-    import torch.distributed as dist
 
     r = inputs.run
-    pretraining_class(r.shape)  # transformers' model code is imported before zero.Init patches tensor creation
-    with (
-        transformers_helper("transformers.integrations.deepspeed", "prevent_arange_dtype_change")(),
-        deepspeed.zero.Init(config_dict_or_path=ds),
-    ):
-        model = build_model(r.shape, skip_init=True, **model_token_ids(inputs.dataset.manifest["tokenizer"]))
-    state = ckpt.consolidated_state(r.run_dir, r.tag, r.shape.tied_names()) if env.rank == 0 else {}
-    problem = [_mismatch(model, state, f"{r.run_dir}/{r.tag}") if env.rank == 0 else None]
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise PipelineError(problem[0])
-    fill_parameters(
-        model, (lambda i, name, shape: ckpt.materialize(state[name])) if env.rank == 0 else None, stage3=True
-    )
+    model = build_for(r.shape, ds, inputs.dataset.manifest["tokenizer"])
+    state = consolidated_state(r.run_dir, r.tag, r.shape.tied_names()) if env.rank == 0 else {}
+
+    def check() -> None:  # before any gather: a raise inside one would leave the other ranks waiting
+        given = {name: tuple(value.shape) for name, value in state.items()}
+        if problem := weight_mismatch(parameter_shapes(model), given, f"{r.run_dir}/{r.tag}"):
+            raise PipelineError(problem)
+
+    on_rank0(check)
+    fill_parameters(model, (lambda i, name, shape: materialize(state[name])) if env.rank == 0 else None, stage3=True)
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds)
     return engine.module.eval()
 

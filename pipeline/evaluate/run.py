@@ -16,11 +16,12 @@ import yaml
 from pipeline.atomic import tmp_path_for, write_json
 from pipeline.data.loader import ShardedDataset, collate_samples
 from pipeline.data.manifest import TokenizerInfo, model_token_ids, read_shard_manifest
-from pipeline.data.tokenizer import Tokenizer
+from pipeline.data.tokenizer import Tokenizer, check_tokenizer
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.setup import check_tokenizer
+from pipeline.train.consolidate import consolidated_state, consolidated_tensors, materialize
+from pipeline.train.weights import parameter_shapes, weight_mismatch
 
 DEFAULT_PROMPTS = ["ROMEO:\n", "To be, or not to be", "The king is", "春天来了，"]
 
@@ -62,24 +63,19 @@ def open_run(checkpoint: str | Path) -> Run:
 
 
 def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.Module:
-    """The checkpoint's weights in a plain LlamaForCausalLM, filled tensor by tensor: bf16 on a GPU (a 7B model
-    is 13.5 GB, not 27; the loss is still summed in fp32), fp32 on the CPU."""
+    """The checkpoint's weights in the model's own class (the family's for a continued Hugging Face model), filled
+    tensor by tensor: bf16 on a GPU (half the memory of fp32; the loss is still summed in fp32), fp32 on the CPU."""
     model = build_model(run.shape, skip_init=True, **model_token_ids(tok))
     if device.type == "cuda":
         model.to(torch.bfloat16)  # before filling: host RAM holds one bf16 copy, not an fp32 one
+    state = consolidated_state(run.run_dir, run.tag, run.shape.tied_names())
+    given = {name: tuple(value.shape) for name, value in state.items()}
+    if problem := weight_mismatch(parameter_shapes(model), given, f"{run.run_dir}/{run.tag}"):
+        raise PipelineError(problem)
     params = dict(model.named_parameters())
-    seen = set()
     with torch.no_grad():
-        for name, t in ckpt.consolidated_tensors(run.run_dir, run.tag, run.shape.tied_names()):
-            if name not in params:
-                raise PipelineError(
-                    f"{run.run_dir}/{run.tag}: unexpected tensor {name}; the checkpoint's model "
-                    "differs from its recorded shape"
-                )
-            params[name].copy_(t)
-            seen.add(name)
-    if missing := sorted(set(params) - seen):
-        raise PipelineError(f"{run.run_dir}/{run.tag}: {len(missing)} tensors missing, e.g. {missing[:3]}")
+        for name, value in state.items():
+            params[name].copy_(materialize(value))
     return model.to(device).eval()  # type: ignore[arg-type]
 
 
@@ -383,7 +379,7 @@ def export(checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: i
         tok_path = dataset.tokenizer_path
         tok_ids = model_token_ids(dataset.manifest["tokenizer"])
     return write_hf_model(
-        ckpt.consolidated_tensors(r.run_dir, r.tag, r.shape.tied_names()),
+        consolidated_tensors(r.run_dir, r.tag, r.shape.tied_names()),
         r.shape,
         tok_path,
         Path(output),

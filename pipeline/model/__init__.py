@@ -142,6 +142,12 @@ def resolve_shape(preset: str | None, overrides: dict[str, Any], vocab_size: int
     return shape
 
 
+def with_seq_len(shape: ModelShape, seq_len: int) -> ModelShape:
+    """`shape` with `max_seq_len` raised to `seq_len` when that is longer: RoPE extends to any length, so a model
+    trained (or continued) at a longer context than its preset names is the same model with a larger table."""
+    return replace(shape, max_seq_len=seq_len) if seq_len > shape.max_seq_len else shape
+
+
 def llama_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id: int | None = 3) -> Any:
     from transformers import LlamaConfig
 
@@ -173,7 +179,7 @@ def llama_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id:
 
 def model_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id: int | None = 3) -> Any:
     """The transformers config of `shape`: LlamaConfig for our presets, or the Hugging Face model's own config
-    (its special ids are its own; `pipeline.train.setup.check_tokenizer` makes sure the data's tokenizer agrees)."""
+    (its special ids are its own; `pipeline.data.tokenizer.check_tokenizer` makes sure the data's tokenizer agrees)."""
     if shape.hf_config is None:
         return llama_config(shape, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
     from transformers import AutoConfig

@@ -2,7 +2,7 @@
 (the planner's geometry, with the config itself kept for building). The model is built by transformers' own class
 for the config's `model_type` (pipeline.model), so the next family is an entry in `FAMILIES` once a test shows it
 trains, exports and reloads. The check that the data's tokenizer is the model's is
-`pipeline.train.setup.check_tokenizer`."""
+`pipeline.data.tokenizer.check_tokenizer`."""
 
 from __future__ import annotations
 
@@ -111,11 +111,25 @@ def shape_from_config(cfg: dict[str, Any], source: str | Path) -> ModelShape:
 
 
 def model_shape(
-    preset: str | None, overrides: dict[str, Any], init_from: str | None, tokenizer_vocab: int | None
+    preset: str | None,
+    overrides: dict[str, Any],
+    init_from: str | None,
+    tokenizer_vocab: int | None,
+    seq_len: int | None = None,
 ) -> ModelShape:
     """The model a config asks for. `init_from` a Hugging Face folder without a preset: that model's architecture.
     Otherwise a preset (default tiny; `overrides` change some of its fields) or, without a preset, every shape
-    field explicitly; with the tokenizer's vocabulary."""
+    field explicitly; with the tokenizer's vocabulary, and `max_seq_len` raised to `seq_len` (the shards') when
+    that is longer."""
+    from pipeline.model import with_seq_len
+
+    shape = _configured_shape(preset, overrides, init_from, tokenizer_vocab)
+    return with_seq_len(shape, seq_len) if seq_len else shape
+
+
+def _configured_shape(
+    preset: str | None, overrides: dict[str, Any], init_from: str | None, tokenizer_vocab: int | None
+) -> ModelShape:
     from pipeline.model import resolve_shape
 
     if preset is None and not overrides and init_from and config_path(init_from) is None:

@@ -4,8 +4,11 @@ configuration (ZeRO stage, offload, checkpointing, batch, buckets). Plain data, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from pipeline.plan.gpus import GPU
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +32,8 @@ class Cluster:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     stage: int
-    offload_optimizer: str  # none | cpu | nvme
-    offload_param: str  # none | cpu | nvme
+    offload_optimizer: OffloadDevice
+    offload_param: OffloadDevice
     activation_checkpointing: bool
     micro_batch_size: int
     grad_accum: int
@@ -46,3 +49,129 @@ class Candidate:
             off += ", params)" if self.offload_param != "none" else ")"
         ck = " + ckpt" if self.activation_checkpointing else ""
         return f"ZeRO-{self.stage}{off}{ck}, micro {self.micro_batch_size} x GA {self.grad_accum}"
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Where a DeepSpeed JSON puts the optimizer states and the parameters."""
+
+    optimizer: OffloadDevice = "none"
+    param: OffloadDevice = "none"
+    nvme_paths: tuple[str, ...] = ()
+    """The `nvme_path` of each part offloaded to NVMe (optimizer first)."""
+
+    @property
+    def any(self) -> bool:
+        return (self.optimizer, self.param) != ("none", "none")
+
+    @property
+    def nvme(self) -> bool:
+        return "nvme" in (self.optimizer, self.param)
+
+
+def offload_devices(ds: dict[str, Any]) -> Offload:
+    """The offload devices of a DeepSpeed JSON (`zero_optimization.offload_optimizer/offload_param.device`); absent,
+    null or "none" is no offload."""
+    zero = ds.get("zero_optimization") or {}
+
+    def device(key: str) -> OffloadDevice:
+        d = (zero.get(key) or {}).get("device", "none")
+        return d if d in ("cpu", "nvme") else "none"
+
+    keys = ("offload_optimizer", "offload_param")
+    paths = tuple(str(zero[k]["nvme_path"]) for k in keys if device(k) == "nvme" and zero[k].get("nvme_path"))
+    return Offload(device("offload_optimizer"), device("offload_param"), paths)
+
+
+CLUSTER_DEFAULTS: dict[str, str | None] = {
+    "gpu": "4090d",
+    "gpu_mem": None,
+    "cpu_mem": "512GB",
+    "cpu_cores": "32",
+    "cpu_mem_bw": "80GB/s",
+    "disk": None,
+    "nvme": None,
+    "network": "100Gbps",
+}
+"""Each node's facts when neither a flag nor the hostfile's `# cluster:` line gives them (the seed cluster's node)."""
+
+
+def cluster_from_flags(
+    hostfile: str | None, nodes: int, gpus_per_node: int, flags: dict[str, str | None]
+) -> tuple[Cluster, str]:
+    """The cluster the planner plans for: nodes and GPUs per node from a hostfile when given, each node's facts from
+    the flags given (`flags`, keys of CLUSTER_DEFAULTS; None: not given), else the hostfile's `# cluster:` line, else
+    CLUSTER_DEFAULTS; and a line saying which was which."""
+    import os
+    import shutil
+    from dataclasses import replace
+
+    from pipeline.errors import PipelineError
+    from pipeline.plan.gpus import lookup
+    from pipeline.plan.hostfile import hostfile_facts, parse_hostfile
+    from pipeline.units import parse_gbps, parse_size
+
+    given = {k for k, v in flags.items() if v is not None}
+    values = {**CLUSTER_DEFAULTS, **{k: flags[k] for k in given}}
+    source = ""
+    if hostfile:
+        nodes, gpus_per_node = parse_hostfile(hostfile)
+        facts = hostfile_facts(hostfile)
+        used = {k: v for k, v in facts.items() if k not in given}
+        values = {**values, **used}
+        defaults = sorted(
+            k
+            for k in ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network")
+            if k not in facts and k not in given
+        )
+        source = (
+            f"cluster facts from {hostfile}: "
+            + (" ".join(f"{k}={v}" for k, v in used.items()) or "none")
+            + (f"; defaults for {', '.join(defaults)}" if defaults else "")
+            + ("" if facts else " (the hostfile has no '# cluster:' line; see hostfiles/8node)")
+        )
+
+    def size(flag: str, allow_dir: bool = False) -> int:
+        text = values.get(flag)
+        if not text:
+            return 0
+        if allow_dir and os.path.isdir(text):
+            return shutil.disk_usage(text).free
+        try:
+            n = parse_size(text.replace("/s", "").replace("/S", ""))
+        except ValueError as e:
+            raise PipelineError(f"--{flag.replace('_', '-')}: {e}") from None
+        if not n > 0:
+            raise PipelineError(f"--{flag.replace('_', '-')} {text}: expected a positive size")
+        return n
+
+    try:
+        card = lookup(str(values["gpu"]))
+    except KeyError as e:
+        raise PipelineError(str(e.args[0])) from None
+    if values.get("gpu_mem"):
+        card = replace(card, memory_gib=size("gpu_mem") / 2**30)
+    network = str(values.get("network") or "")
+    try:
+        net = parse_gbps(network)
+        cores = int(str(values["cpu_cores"]))
+    except ValueError:
+        raise PipelineError(
+            f"--network {network} / --cpu-cores {values['cpu_cores']}: expected numbers such as 100Gbps and 32"
+        ) from None
+    if cores < 1:
+        raise PipelineError(f"cpu_cores {cores}: expected 1 or more")
+    cluster = Cluster(
+        nodes,
+        gpus_per_node,
+        card,
+        size("cpu_mem"),
+        size("nvme", allow_dir=True),
+        net,
+        cpu_mem_bw_gbs=size("cpu_mem_bw") / 1e9,
+        cpu_cores=cores,
+        disk_bytes=size("disk", allow_dir=True),
+    )
+    if not cluster.cpu_mem_bytes or not cluster.cpu_mem_bw_gbs:
+        raise PipelineError("--cpu-mem and --cpu-mem-bw must be positive sizes")
+    return cluster, source

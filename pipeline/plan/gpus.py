@@ -7,7 +7,7 @@ fp32-accumulate at half the fp16-accumulate rate (updated Ada whitepaper [S4]), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,3 +76,9 @@ def peak_tflops_for_device(device_name: str) -> float | None:
         return lookup(device_name).bf16_tflops
     except KeyError:
         return None
+
+
+def capped(card: GPU, cap_gib: float | None) -> GPU:
+    """The card with the memory a run may use: its own, or less under a cap (`train.gpu_memory_cap_gib`, `--gpu-mem`:
+    a 24 GiB 4090D emulated on a larger GPU is planned as 24 GiB)."""
+    return replace(card, memory_gib=min(card.memory_gib, cap_gib)) if cap_gib else card

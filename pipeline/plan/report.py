@@ -1,11 +1,9 @@
-"""Rendering of a plan for people (`pipeline plan`), and hostfile parsing."""
+"""Rendering of a plan for people (`pipeline plan`), and the README's table of what fits each reference cluster."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from pipeline.errors import PipelineError
 from pipeline.plan.memory import GiB
 from pipeline.plan.search import Estimate, Plan
 
@@ -157,67 +155,6 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
     return lines
 
 
-def parse_hostfile(path: str) -> tuple[int, int]:
-    """(nodes, GPUs per node) from a DeepSpeed hostfile (`host slots=N` lines, # comments)."""
-    slots = hostfile_slots(path)
-    if len(set(slots)) > 1:
-        raise PipelineError(
-            f"--hostfile {path}: hosts with different slot counts ({', '.join(map(str, slots))}); "
-            "the planner assumes identical nodes: plan a hostfile of the smaller nodes"
-        )
-    return len(slots), slots[0]
-
-
-def hostfile_slots(path: str) -> list[int]:
-    """The slots of each host of a DeepSpeed hostfile, in order."""
-    return [n for _, n in hostfile_hosts(path)]
-
-
-def hostfile_hosts(path: str) -> list[tuple[str, int]]:
-    """(host, slots) of each host of a DeepSpeed hostfile, in order."""
-    p = Path(path)
-    if not p.is_file():
-        raise PipelineError(f"--hostfile {path}: {'is a folder' if p.is_dir() else 'no such file'} (see hostfiles/)")
-    slots = []
-    with open(path) as f:
-        for n, line in enumerate(f, start=1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            m = re.match(r"^(\S+)\s+slots=(\d+)", line)
-            if not m:
-                raise PipelineError(f"{path}:{n}: expected 'HOST slots=N', got {line!r}")
-            if int(m.group(2)) < 1:
-                raise PipelineError(f"{path}:{n}: slots={m.group(2)}; a host needs 1 slot or more")
-            slots.append((m.group(1), int(m.group(2))))
-    if not slots:
-        raise PipelineError(f"{path}: no hosts")
-    return slots
-
-
-HOSTFILE_FACTS = ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network", "nvme")
-
-
-def hostfile_facts(path: str) -> dict[str, str]:
-    """The cluster facts of a hostfile's `# cluster: key=value ...` line (see hostfiles/): what each node has, for
-    the planner and people. Empty when the hostfile has none."""
-    facts: dict[str, str] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, start=1):
-            m = re.match(r"^#\s*cluster:\s*(.*)$", line.strip())
-            if not m:
-                continue
-            for item in m.group(1).split():
-                key, sep, value = item.partition("=")
-                if not sep or not value or key not in HOSTFILE_FACTS:
-                    raise PipelineError(
-                        f"{path}:{n}: '{item}' in the cluster line; expected key=value with keys "
-                        f"{', '.join(HOSTFILE_FACTS)}"
-                    )
-                facts[key] = value
-    return facts
-
-
 def fits_table(rows: list[tuple[str, str, Plan]], token_budget: float = 1e9) -> str:
     """Markdown: for each (preset, hostfile, plan), what fits, how fast, and what it needs per node."""
     out = [
@@ -241,3 +178,26 @@ def fits_table(rows: list[tuple[str, str, Plan]], token_budget: float = 1e9) -> 
             f"{e.host['total'] / 1e9:,.0f} GB | {e.checkpoint['per_node'] / 1e9:,.0f} GB{note} |"
         )
     return "\n".join(out)
+
+
+REFERENCE_HOSTFILES = ("8node", "4node4gpu")
+"""The clusters users name, as hostfiles/ describes them: the rows of the README's "what fits where" table."""
+
+
+def reference_fits_table(
+    flags: dict[str, str | None], vocab_size: int, seq_len: int, global_batch_tokens: int, mfu: float, budget: float
+) -> str:
+    """`plan --fits-table`: the README's table of presets 1b-70b on each reference hostfile."""
+    import pipeline
+    from pipeline.model import resolve_shape
+    from pipeline.plan.cluster import cluster_from_flags
+    from pipeline.plan.search import search
+
+    hostfiles = Path(pipeline.__file__).resolve().parents[1] / "hostfiles"
+    rows = []
+    for hf in REFERENCE_HOSTFILES:
+        c, _ = cluster_from_flags(str(hostfiles / hf), 1, 1, flags)
+        for name in ("1b", "7b", "13b", "70b"):
+            shape = resolve_shape(name, {}, vocab_size)
+            rows.append((name, f"hostfiles/{hf}", search(shape, seq_len, c, global_batch_tokens, mfu)))
+    return fits_table(rows, budget)

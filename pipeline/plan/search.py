@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pipeline.model import ModelShape
-from pipeline.plan.cluster import Candidate, Cluster
+from pipeline.plan.cluster import Candidate, Cluster, OffloadDevice, offload_devices
 from pipeline.plan.memory import GiB, checkpoint_bytes, gpu_memory, host_memory
 
 HOST_RAM_LIMIT = 0.80  # refuse plans above 80% of a node's RAM (host OOM kills are silent)
@@ -221,15 +221,12 @@ def candidate_from_ds(
         v = zero.get(key, default)
         return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
 
-    def device(key: str) -> str:
-        d = (zero.get(key) or {}).get("device", "none")
-        return d if d in ("cpu", "nvme") else "none"
-
+    offload = offload_devices(ds)
     stage = zero.get("stage", 0)
     return Candidate(
         int(stage) if isinstance(stage, int) else 0,
-        device("offload_optimizer"),
-        device("offload_param"),
+        offload.optimizer,
+        offload.param,
         activation_checkpointing,
         micro_batch_size,
         grad_accum,
@@ -250,7 +247,7 @@ def candidates(
 ) -> list[Candidate]:
     out = []
     global_seqs = max(1, round(global_batch_tokens / seq_len))
-    offloads = [
+    offloads: list[tuple[int, OffloadDevice, OffloadDevice]] = [
         (0, "none", "none"),
         (1, "none", "none"),
         (2, "none", "none"),
@@ -453,3 +450,32 @@ def ds_config(e: Estimate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
             "overlap_events": True,
         }
     return ds
+
+
+def planned_shape(model: str, layers: int | None, vocab_size: int, seq_len: int) -> tuple[ModelShape, str | None]:
+    """`plan --model`: a preset, or a Hugging Face folder / config.json, with `layers` if given, raised to `seq_len`
+    when that is longer; and a note when it was raised."""
+    from pipeline.model import families, resolve_shape, with_seq_len
+
+    if families.config_path(model):
+        shape = families.shape_from_config(families.read_config(model), model)
+        shape = replace(shape, num_layers=layers) if layers else shape
+    else:
+        shape = resolve_shape(model, {"num_layers": layers} if layers else {}, vocab_size)
+    note = None
+    if seq_len > shape.max_seq_len:
+        note = (
+            f"note: --seq-len {seq_len} is above {model}'s max_seq_len {shape.max_seq_len}; planned "
+            "as if its RoPE were extended (continued pretraining at a longer context)"
+        )
+    return with_seq_len(shape, seq_len), note
+
+
+def write_ds_config(e: Estimate, path: str, nvme: str | None = None) -> None:
+    """`plan --write-ds-config`: the chosen configuration's DeepSpeed JSON, with `nvme` as the swap folder when it
+    is one (else /local_nvme, to be edited)."""
+    import os
+
+    from pipeline.atomic import write_json
+
+    write_json(path, ds_config(e, nvme if nvme and os.path.isdir(nvme) else "/local_nvme"))

@@ -1,5 +1,7 @@
 """Checkpoint layout in a run folder: DeepSpeed tags `step{N:08d}`, a completion marker per tag, our own
-`latest` file (same format as DeepSpeed's, written only after the marker), and keep-last-K pruning."""
+`latest` file (same format as DeepSpeed's, written only after the marker), keep-last-K pruning, damage checks, the
+universal form for another world size, and what a checkpoint costs on disk. Pure file work; the `Checkpointer`
+(pipeline.train.checkpointer) decides when to save and what to resume from."""
 
 from __future__ import annotations
 
@@ -7,12 +9,14 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
-from pipeline.atomic import write_json, write_text
+from pipeline.atomic import sha256_file, write_json, write_text
 from pipeline.errors import PipelineError
+
+if TYPE_CHECKING:
+    from pipeline.train.prepare import Prepared
 
 log = logging.getLogger("pipeline.pretrain")
 MARKER = "pipeline_complete.json"
@@ -83,127 +87,6 @@ def prune(run_dir: Path, keep_last: int) -> list[str]:
     return doomed
 
 
-class _GuardedWrites:
-    """Stands in for DeepSpeed's checkpoint engine during one save: every file a rank writes is recorded (size,
-    and sha256 when verifying), and a failed write (a full disk) is recorded instead of raised, so that this rank
-    still reaches DeepSpeed's barriers and no rank hangs; the failure is raised on every rank after the save."""
-
-    def __init__(self, inner: Any, root: Path, *, verify: bool, step: int, last_rank: bool):
-        self.inner, self.root, self.verify, self.step, self.last_rank = inner, root, verify, step, last_rank
-        self.files: dict[str, dict[str, Any]] = {}
-        self.error: str | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def save(self, state_dict: Any, path: str) -> Any:
-        import errno
-
-        from pipeline.train import faults
-
-        if self.error:
-            return None
-        try:
-            if self.last_rank and faults.armed("ENOSPC_IN_SAVE", self.step):
-                faults.fired()
-                raise OSError(errno.ENOSPC, "No space left on device (injected by PIPELINE_FAULT_ENOSPC_IN_SAVE)")
-            out = self.inner.save(state_dict, path)
-        except OSError as e:
-            self.error = f"{path}: {e.strerror or e}"
-            Path(path).unlink(missing_ok=True)  # no half-written file that looks whole
-            return None
-        entry: dict[str, Any] = {"size": Path(path).stat().st_size}
-        if self.verify:
-            entry["sha256"] = file_sha256(Path(path))
-        self.files[str(Path(path).relative_to(self.root))] = entry
-        if self.last_rank and faults.armed("KILL_IN_SAVE", self.step):
-            faults.kill_self()
-        return out
-
-
-def file_sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-class Checkpointer:
-    """Saves a DeepSpeed engine as `step{N:08d}` in the run folder: every rank writes its shards, then rank 0
-    writes the marker (listing every file with its size, and sha256 under `verify`) and `latest`, and prunes to
-    `keep_last`, with a barrier on either side so no rank runs ahead of a checkpoint that is not complete. A write
-    that fails (a full disk) stops every rank with one message; the previous checkpoint stays the latest."""
-
-    def __init__(
-        self,
-        engine: Any,
-        run_dir: Path,
-        *,
-        keep_last: int,
-        rank: int,
-        world_size: int,
-        config: dict[str, Any],
-        last_saved: int = -1,
-        enabled: bool = True,
-        verify: bool = False,
-        size_hint: float = 0.0,
-    ):
-        self.engine, self.run_dir, self.keep_last, self.rank, self.config = engine, run_dir, keep_last, rank, config
-        self.world_size, self.last_saved, self.enabled, self.verify = world_size, last_saved, enabled, verify
-        self.size_hint = size_hint
-
-    def save(self, marker: Marker) -> None:
-        import deepspeed.comm as dist
-        import torch.distributed as tdist
-
-        if not self.enabled:
-            self.last_saved = marker["step"]
-            return
-        tag = tag_for(marker["step"])
-        if self.rank == 0:
-            (self.run_dir / tag / MARKER).unlink(missing_ok=True)  # a re-save makes the tag incomplete until done
-            shutil.rmtree(self.run_dir / f"{tag}{UNIVERSAL}", ignore_errors=True)  # converted from the old files
-        dist.barrier()
-        guard = _GuardedWrites(
-            self.engine.checkpoint_engine,
-            self.run_dir / tag,
-            verify=self.verify,
-            step=marker["step"],
-            last_rank=self.rank == self.world_size - 1,
-        )
-        self.engine.checkpoint_engine = guard
-        try:
-            self.engine.save_checkpoint(
-                str(self.run_dir), tag=tag, client_state={**marker, "config": self.config}, save_latest=False
-            )
-        finally:
-            self.engine.checkpoint_engine = guard.inner
-        reports: list[Any] = [None] * self.world_size
-        tdist.all_gather_object(reports, (guard.error, guard.files))
-        errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(reports) if err]
-        if errors:
-            free = shutil.disk_usage(self.run_dir).free
-            latest = latest_complete(self.run_dir)
-            raise PipelineError(
-                f"checkpoint {tag} could not be saved ({errors[0]}); {free / 1e9:,.1f} GB free at {self.run_dir}"
-                + (f", a checkpoint needs about {self.size_hint / 1e9:,.1f} GB on a node" if self.size_hint else "")
-                + f". The run stops; {latest or 'no checkpoint'} stays the latest complete checkpoint and the "
-                f"incomplete {tag}/ can be deleted. Free space or move run_dir, then resume with the same command"
-            )
-        if self.rank == 0:
-            files: dict[str, dict[str, Any]] = {}
-            for _, written in reports:
-                files.update(written)
-            mark_complete(self.run_dir, tag, {**marker, "files": files})
-            prune(self.run_dir, self.keep_last)
-            log.info("saved checkpoint %s/%s", self.run_dir, tag)
-        dist.barrier()
-        self.last_saved = marker["step"]
-
-
 UNIVERSAL = ".universal"
 
 
@@ -251,7 +134,7 @@ def damage(run_dir: Path, tag: str, verify: bool) -> str | None:
         size = path.stat().st_size
         if size != want["size"]:
             return f"{path}: {size:,} bytes, the marker says {want['size']:,} (truncated or damaged)"
-        if verify and "sha256" in want and file_sha256(path) != want["sha256"]:
+        if verify and "sha256" in want and sha256_file(path) != want["sha256"]:
             return f"{path}: sha256 differs from the marker's (damaged)"
     return None
 
@@ -289,51 +172,6 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     return path, tag
 
 
-def consolidated_state(run_dir: Path, tag: str, tied: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """Full-precision weights of any ZeRO stage (0-3, offload or not) by name, each read when asked for
-    (`materialize`), so that a caller holds one tensor at a time, not the model. `tied`: names that only repeat
-    another tensor (a tied output head, `ModelShape.tied_names`), left out.
-
-    ZeRO 1-3: DeepSpeed's own zero_to_fp32 reconstruction in lazy mode over mmap'd shards. ZeRO-0: the module
-    state in mp_rank_00_model_states.pt (mmap)."""
-    import contextlib
-    import io
-
-    import torch
-
-    ckpt_dir = Path(run_dir) / tag
-    if list(ckpt_dir.glob("*_optim_states.pt")) and _zero_stage_of(ckpt_dir) > 0:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        with contextlib.redirect_stdout(io.StringIO()):
-            state = dict(get_fp32_state_dict_from_zero_checkpoint(str(run_dir), tag=tag, lazy_mode=True))
-    else:
-        files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
-        if not files:
-            raise PipelineError(f"{ckpt_dir}: no DeepSpeed model states (mp_rank_00_model_states.pt)")
-        state = dict(torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)["module"])
-    return {k: v for k, v in state.items() if k not in tied}
-
-
-def materialize(value: Any) -> Any:
-    """One entry of `consolidated_state` as an fp32 tensor in RAM."""
-    return value.contiguous().float()
-
-
-def consolidated_tensors(run_dir: Path, tag: str, tied: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
-    """`consolidated_state`, one fp32 tensor at a time."""
-    for name, value in consolidated_state(run_dir, tag, tied).items():
-        yield name, materialize(value)
-
-
-def _zero_stage_of(ckpt_dir: Path) -> int:
-    import torch
-
-    f = next(ckpt_dir.glob("*_optim_states.pt"))
-    sd = torch.load(f, map_location="cpu", mmap=True, weights_only=False)
-    return int(sd.get("optimizer_state_dict", {}).get("zero_stage", 0))
-
-
 def space_problem(run_dir: Path, per_node_bytes: float, keep_last: int) -> str | None:
     """Whether this node's disk at `run_dir` holds `keep_last` checkpoints plus the one being written (a save never
     deletes the previous checkpoint first). Checkpoints already in the run folder count toward that budget."""
@@ -355,3 +193,13 @@ def space_problem(run_dir: Path, per_node_bytes: float, keep_last: int) -> str |
         "Put run_dir on a larger disk or a shared mount, set checkpoint.keep_last lower, use more nodes (ZeRO "
         "spreads the optimizer shards), or a smaller model; checkpoint.enabled: false runs without saving"
     )
+
+
+def checkpoint_size(prepared: Prepared, world_size: int, ranks_per_node: int) -> float:
+    """Bytes one checkpoint puts on the busiest node (the first), by the planner's count."""
+    from pipeline.plan.memory import checkpoint_bytes
+    from pipeline.train.ds_config import zero_stage
+
+    module_bytes = 4 if prepared.cfg.train.precision == "fp32" else 2
+    sizes = checkpoint_bytes(prepared.shape, zero_stage(prepared.ds), world_size, ranks_per_node, module_bytes)
+    return sizes["per_node"]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError
+from pipeline.plan.cluster import offload_devices  # re-exported: the doctor reads DeepSpeed JSON through train
 from pipeline.train.config import PretrainConfig
 
 
@@ -87,77 +88,87 @@ def resolve(
     every problem at once. With `num_params`, buckets larger than the model are cut to its size."""
     ds = json.loads(json.dumps(ds_raw))
     p: list[str] = []
-    ds["train_micro_batch_size_per_gpu"] = _filled(
-        ds.get("train_micro_batch_size_per_gpu", "auto"), plan.micro_batch_size, "train_micro_batch_size_per_gpu", p
-    )
-    ds["gradient_accumulation_steps"] = _filled(
-        ds.get("gradient_accumulation_steps", "auto"), plan.grad_accum, "gradient_accumulation_steps", p
-    )
-    ds["train_batch_size"] = _filled(ds.get("train_batch_size", "auto"), plan.global_batch_size, "train_batch_size", p)
-    ds["gradient_clipping"] = _filled(ds.get("gradient_clipping", "auto"), cfg.optim.grad_clip, "gradient_clipping", p)
-    prec = cfg.train.precision
+    _fill_batch_and_precision(ds, cfg, plan, p)
+    _fill_optimizer(ds, cfg, p)
+    p += unsupported(ds, cfg, accelerator)
+    if p:
+        raise ConfigError(p + [SUPPORTED_MATRIX], source)
+    if cfg.train.precision == "bf16" and zero_stage(ds) in (1, 2):
+        # DeepSpeed's ZeRO-1/2 skip an update whose gradient norm is not finite (fp32 and fp16 always, ZeRO-3 in
+        # every precision) but apply it in bf16 unless told to check: a NaN would then reach the weights.
+        ds["bf16"].setdefault("check_grad_overflow", True)
+    ds.setdefault("steps_per_print", 10**9)
+    if num_params is not None:
+        fit_buckets(ds, num_params)
+    return ds
+
+
+def _fill_batch_and_precision(ds: dict[str, Any], cfg: PretrainConfig, plan: BatchPlan, p: list[str]) -> None:
+    for key, ours in (
+        ("train_micro_batch_size_per_gpu", plan.micro_batch_size),
+        ("gradient_accumulation_steps", plan.grad_accum),
+        ("train_batch_size", plan.global_batch_size),
+        ("gradient_clipping", cfg.optim.grad_clip),
+    ):
+        ds[key] = _filled(ds.get(key, "auto"), ours, key, p)
     for key in ("bf16", "fp16"):
         sec = dict(ds.get(key, {}))
-        sec["enabled"] = _filled(sec.get("enabled", "auto"), prec == key, f"{key}.enabled", p)
+        sec["enabled"] = _filled(sec.get("enabled", "auto"), cfg.train.precision == key, f"{key}.enabled", p)
         ds[key] = sec
-    zero = ds.setdefault("zero_optimization", {"stage": 0})
-    stage = int(zero.get("stage", 0))
-    offload = any(
-        zero.get(k, {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param")
-    )
+    ds.setdefault("zero_optimization", {"stage": 0})
+
+
+def _fill_optimizer(ds: dict[str, Any], cfg: PretrainConfig, p: list[str]) -> None:
     o = cfg.optim
     if o.name == "adamw":
-        opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
-        params = opt.setdefault("params", {})
+        params = ds.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})
         params["lr"] = o.lr if params.get("lr", "auto") == "auto" else params["lr"]
         params["betas"] = _filled(params.get("betas", "auto"), [o.beta1, o.beta2], "optimizer.params.betas", p)
         params["eps"] = _filled(params.get("eps", "auto"), o.eps, "optimizer.params.eps", p)
         params["weight_decay"] = _filled(
             params.get("weight_decay", "auto"), o.weight_decay, "optimizer.params.weight_decay", p
         )
-        if str(opt.get("type", "")).lower() not in ("adamw", "adam"):
-            p.append(f"optimizer.type {opt.get('type')}: only AdamW is supported here")
-    else:
-        ds.pop("optimizer", None)
-        if offload or stage >= 3:
-            p.append(
-                f"optim.name adamw8bit cannot run with ZeRO-{stage}{' and offload' if offload else ''}: "
-                "bitsandbytes optimizers need their states on the GPU and unsharded parameters"
-            )
-        # DeepSpeed's ZeRO-1/2 wrap only optimizers on its own list unless told otherwise; bitsandbytes' AdamW8bit
-        # steps element-wise on the flat fp32 partition ZeRO hands it, which is all ZeRO-1/2 need of it.
-        if stage in (1, 2):
-            ds["zero_allow_untested_optimizer"] = True
-    if cfg.train.compile and stage == 3:
+        return
+    ds.pop("optimizer", None)
+    # DeepSpeed's ZeRO-1/2 wrap only optimizers on its own list unless told otherwise; bitsandbytes' AdamW8bit
+    # steps element-wise on the flat fp32 partition ZeRO hands it, which is all ZeRO-1/2 need of it.
+    if zero_stage(ds) in (1, 2):
+        ds["zero_allow_untested_optimizer"] = True
+
+
+def unsupported(ds: dict[str, Any], cfg: PretrainConfig, accelerator: str) -> list[str]:
+    """Why this DeepSpeed config cannot run with our config on this accelerator (empty: it can)."""
+    p = []
+    stage, offload, train = zero_stage(ds), offload_devices(ds).any, cfg.train
+    opt_type = str((ds.get("optimizer") or {}).get("type", ""))
+    if cfg.optim.name == "adamw" and opt_type.lower() not in ("adamw", "adam"):
+        p.append(f"optimizer.type {opt_type}: only AdamW is supported here")
+    if cfg.optim.name == "adamw8bit" and (offload or stage >= 3):
+        p.append(
+            f"optim.name adamw8bit cannot run with ZeRO-{stage}{' and offload' if offload else ''}: "
+            "bitsandbytes optimizers need their states on the GPU and unsharded parameters"
+        )
+    if train.compile and stage == 3:
         p.append(
             "train.compile with ZeRO-3: not supported yet (ZeRO-3's parameter hooks break the compiled "
             "graphs); use ZeRO-1/2 or compile: false"
         )
-    if prec == "bf16" and stage in (1, 2):
-        # DeepSpeed's ZeRO-1/2 skip an update whose gradient norm is not finite (fp32 and fp16 always, ZeRO-3 in
-        # every precision) but apply it in bf16 unless told to check: a NaN would then reach the weights.
-        ds["bf16"].setdefault("check_grad_overflow", True)
-    if cfg.train.on_nonfinite == "skip" and stage == 0:
+    if train.on_nonfinite == "skip" and stage == 0:
         p.append(
             "train.on_nonfinite skip needs ZeRO 1-3 (DeepSpeed drops a non-finite update there); with ZeRO-0 use stop"
         )
-    if cfg.train.on_nonfinite == "skip" and cfg.optim.grad_clip == 0:
+    if train.on_nonfinite == "skip" and cfg.optim.grad_clip == 0:
         p.append(
             "train.on_nonfinite skip needs optim.grad_clip > 0: DeepSpeed finds a non-finite gradient through "
             "the norm it computes for clipping"
         )
-    if prec == "fp16" and accelerator == "cpu":
+    if train.precision == "fp16" and accelerator == "cpu":
         p.append("train.precision fp16 is not supported on the CPU accelerator; use bf16 or fp32")
     if "pipeline" in ds or ds.get("pipeline_parallel_size", 1) not in (1, None):
         p.append("pipeline parallelism is not supported by this pipeline")
     if "scheduler" in ds:
         p.append("scheduler: remove it; the learning rate comes from optim.* (warmup + cosine)")
-    if p:
-        raise ConfigError(p + [SUPPORTED_MATRIX], source)
-    ds.setdefault("steps_per_print", 10**9)
-    if num_params is not None:
-        fit_buckets(ds, num_params)
-    return ds
+    return p
 
 
 # Sizes in elements that DeepSpeed allocates whole, whatever the model's size.

@@ -4,7 +4,6 @@ optimizer, the engine."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from typing import Any
 
@@ -13,11 +12,28 @@ import torch
 from pipeline.data.manifest import TokenizerInfo, model_token_ids
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model, pretraining_class, transformers_helper
+from pipeline.plan.cluster import offload_devices
 from pipeline.train.config import PretrainConfig
 from pipeline.train.ds_config import zero_stage
 from pipeline.train.weights import init_weights, load_initial_weights
 
-log = logging.getLogger("pipeline.pretrain")
+
+def build_for(shape: ModelShape, ds: dict[str, Any], tok: TokenizerInfo) -> Any:
+    """The model, weights not yet filled: under ZeRO-3 built inside `deepspeed.zero.Init`, so that each parameter
+    is partitioned as it is created and no rank ever holds the whole model (training and distributed evaluation
+    both build it here)."""
+    pretraining_class(shape)  # imports transformers' model code now, not under zero.Init (see its docstring)
+    transformers_helper("transformers.initialization", "no_init_weights")
+    with contextlib.ExitStack() as stack:
+        if zero_stage(ds) == 3:
+            import deepspeed
+
+            # As transformers' own zero.Init path does: keep RoPE's arange in fp32, then partition.
+            stack.enter_context(
+                transformers_helper("transformers.integrations.deepspeed", "prevent_arange_dtype_change")()
+            )
+            stack.enter_context(deepspeed.zero.Init(config_dict_or_path=ds))
+        return build_model(shape, skip_init=True, **model_token_ids(tok))  # the caller fills every weight
 
 
 def build_training_model(
@@ -25,21 +41,8 @@ def build_training_model(
 ) -> torch.nn.Module:
     """The model with its initial weights (our deterministic init, or `model.init_from`), checkpointing set."""
     stage3 = zero_stage(ds) == 3
-    ids = model_token_ids(tok)
     torch.manual_seed(cfg.train.seed)
-    pretraining_class(shape)  # imports transformers' model code now, not under zero.Init (see its docstring)
-    transformers_helper("transformers.initialization", "no_init_weights")
-    with contextlib.ExitStack() as stack:
-        if stage3:
-            import deepspeed
-
-            # As transformers' own zero.Init path does: keep RoPE's arange in fp32, then partition each parameter
-            # as it is created, so that no rank ever holds the whole model.
-            stack.enter_context(
-                transformers_helper("transformers.integrations.deepspeed", "prevent_arange_dtype_change")()
-            )
-            stack.enter_context(deepspeed.zero.Init(config_dict_or_path=ds))
-        model = build_model(shape, skip_init=True, **ids)  # every weight is filled below
+    model = build_for(shape, ds, tok)
     model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
     if cfg.model.init_from:
         load_initial_weights(model, cfg.model.init_from, rank, stage3)
@@ -92,7 +95,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 def check_aio(ds: dict[str, Any]) -> None:
     """NVMe offload needs DeepSpeed's async_io op and a writable swap folder on this node."""
     zero = ds.get("zero_optimization", {})
-    if any(zero.get(k, {}).get("device") == "nvme" for k in ("offload_optimizer", "offload_param")):
+    if offload_devices(ds).nvme:
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
         if not AsyncIOBuilder().is_compatible():

@@ -15,6 +15,7 @@ from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, loss_chunk_tokens
 from pipeline.model.families import model_shape
 from pipeline.plan.cluster import Cluster
+from pipeline.plan.gpus import capped
 from pipeline.plan.search import Estimate, Plan, candidate_from_ds, estimate, search
 from pipeline.train.config import PretrainConfig, load
 from pipeline.train.ds_config import BatchPlan, batch_plan, load_ds_config
@@ -48,11 +49,9 @@ def shape_and_seq(
         seq, source, vocab = seq_len, "--seq-len", vocab_size
     else:
         raise PipelineError(f"data.path {cfg.data.path}: no shards there yet; give --seq-len N")
-    shape = model_shape(cfg.model.preset, dict(cfg.model.shape), cfg.model.init_from, vocab)
+    shape = model_shape(cfg.model.preset, dict(cfg.model.shape), cfg.model.init_from, vocab, seq)
     if layers:
         shape = replace(shape, num_layers=layers)
-    if seq > shape.max_seq_len:
-        shape = replace(shape, max_seq_len=seq)
     return shape, seq, source, vocab
 
 
@@ -68,10 +67,7 @@ def forecast_config(
 ) -> Forecast:
     cfg = load(config_path, sets)
     shape, seq, source, _ = shape_and_seq(cfg, seq_len, layers, vocab_size)
-    if cfg.train.gpu_memory_cap_gib:
-        cluster = replace(
-            cluster, gpu=replace(cluster.gpu, memory_gib=min(cluster.gpu.memory_gib, cfg.train.gpu_memory_cap_gib))
-        )
+    cluster = replace(cluster, gpu=capped(cluster.gpu, cfg.train.gpu_memory_cap_gib))
     bp = batch_plan(cfg, cluster.world, seq)
     chunk = cfg.train.loss_chunk_tokens or loss_chunk_tokens(shape.vocab_size)
     found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk)
@@ -118,7 +114,7 @@ def forecast_run(run_dir: str, cluster: Cluster | None, *, mfu: float) -> tuple[
     """The plan for exactly what a run ran (its resolved config and DeepSpeed JSON, on the cluster it recorded)
     beside what it measured."""
     from pipeline.plan.gpus import lookup
-    from pipeline.train.setup import cpu_card
+    from pipeline.train.prepare import cpu_card
 
     rd = Path(run_dir)
     for name in ("config.yaml", "ds_config.json"):
@@ -155,10 +151,7 @@ def forecast_run(run_dir: str, cluster: Cluster | None, *, mfu: float) -> tuple[
     if cluster.world != world:
         raise PipelineError(f"{rd}: the run had {world} ranks, the cluster given has {cluster.world}")
     shape, seq, source, _ = shape_and_seq(cfg, None, None, 32000)
-    if cfg.train.gpu_memory_cap_gib:
-        cluster = replace(
-            cluster, gpu=replace(cluster.gpu, memory_gib=min(cluster.gpu.memory_gib, cfg.train.gpu_memory_cap_gib))
-        )
+    cluster = replace(cluster, gpu=capped(cluster.gpu, cfg.train.gpu_memory_cap_gib))
     bp = BatchPlan(
         int(ds["train_micro_batch_size_per_gpu"]),
         world,
@@ -248,3 +241,38 @@ def render_run(f: Forecast, got: RunMeasured, env: dict[str, Any]) -> str:
             "the cluster can be trusted; far from 1, plan with --mfu set to the measured MFU."
         )
     return "\n".join(lines)
+
+
+def config_report(
+    config_path: str,
+    sets: list[str],
+    cluster: Cluster,
+    *,
+    seq_len: int | None,
+    layers: int | None,
+    vocab_size: int,
+    mfu: float,
+    budget: float,
+    as_json: bool,
+) -> tuple[str, bool]:
+    """`plan --config`: that run's plan beside what the search would choose, for people or as JSON; and whether
+    it fits."""
+    from pipeline.plan.search import estimate_dict
+
+    fc = forecast_config(config_path, sets, cluster, seq_len=seq_len, layers=layers, vocab_size=vocab_size, mfu=mfu)
+    if not as_json:
+        return render_config(fc, budget), fc.yours.fits
+    doc = {
+        "config": config_path,
+        "seq_len": fc.seq_len,
+        "fits": fc.yours.fits,
+        "yours": estimate_dict(fc.yours),
+        "search_best": estimate_dict(fc.search.best) if fc.search.best else None,
+    }
+    return json.dumps(doc, indent=2), fc.yours.fits
+
+
+def run_report(run_dir: str, cluster: Cluster | None, *, mfu: float, as_json: bool) -> str:
+    """`plan --from-run`: the plan for exactly that run beside what it measured, for people or as JSON."""
+    f, got, env = forecast_run(run_dir, cluster, mfu=mfu)
+    return json.dumps(comparison(f, got), indent=2) if as_json else render_run(f, got, env)

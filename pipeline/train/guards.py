@@ -1,24 +1,29 @@
 """What stops a run that went wrong instead of letting it hang or train on garbage: a watchdog for a peer that
-stopped answering, the non-finite loss policy, and the checkpoint size the disk checks use."""
+stopped answering, and the non-finite loss policy."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.data.loader import GlobalOrder
 from pipeline.errors import PipelineError
-from pipeline.model import ModelShape
+from pipeline.train.checkpoint import latest_complete
 from pipeline.train.config import PretrainConfig
+from pipeline.train.ds_config import BatchPlan
 
-log = logging.getLogger("pipeline.pretrain")
+if TYPE_CHECKING:
+    from pipeline.train.checkpointer import TrainState
+
+log = logging.getLogger(__name__)
 
 
 class Watchdog:
@@ -33,6 +38,9 @@ class Watchdog:
         self._paused = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="pipeline-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self.beat()
         self._thread.start()
 
     def beat(self) -> None:
@@ -69,15 +77,14 @@ class NonFinite:
     counts it in `skipped_steps`, the same on every rank), so the weights stay good; this decides what the run
     does about it, from values every rank has (the all-reduced loss and the skip count), so all ranks agree."""
 
-    def __init__(self, cfg: PretrainConfig, state: Any, plan: Any, engine: Any, rank: int):
-        self.cfg, self.state, self.plan, self.engine, self.rank = cfg, state, plan, engine, rank
+    def __init__(self, cfg: PretrainConfig, plan: BatchPlan, engine: Any, rank: int, train_samples: int):
+        self.cfg, self.plan, self.engine, self.rank, self.train_samples = cfg, plan, engine, rank, train_samples
         self.skipped_before = int(getattr(engine, "skipped_steps", 0))
         self.in_a_row = 0
         self.total = 0
 
-    def check(self, loss: float, run_dir: Path) -> None:
-        import math
-
+    def check(self, loss: float, state: TrainState, run_dir: Path) -> None:
+        """After each step, with the loss every rank agrees on: stop (raise) or count and log a dropped update."""
         skipped = int(getattr(self.engine, "skipped_steps", 0))
         dropped = skipped > self.skipped_before
         self.skipped_before = skipped
@@ -86,14 +93,12 @@ class NonFinite:
             return
         self.in_a_row += 1
         self.total += 1
-        step = self.state.step
+        step = state.step
         what = f"loss {loss}" if not math.isfinite(loss) else "a non-finite gradient norm"
-        ids = self.sample_ids()
+        ids = self.sample_ids(state.consumed_samples)
         shown = ", ".join(map(str, ids[:16])) + (f", ... ({len(ids)} samples)" if len(ids) > 16 else "")
         applied = "DeepSpeed did not apply that update" if dropped else "that update may have been applied"
         if self.cfg.train.on_nonfinite == "stop" or self.in_a_row > self.cfg.train.max_nonfinite_in_a_row:
-            from pipeline.train.checkpoint import latest_complete
-
             latest = latest_complete(run_dir)
             why = (
                 "train.on_nonfinite is stop"
@@ -116,23 +121,8 @@ class NonFinite:
                 shown,
             )
 
-    def sample_ids(self) -> list[int]:
+    def sample_ids(self, consumed_samples: int) -> list[int]:
         """The train-split sample ids of the step just taken (the loader's order is the same for any world size)."""
-        order = GlobalOrder(len(self.state.train_data), self.cfg.train.seed)
-        start = self.state.consumed_samples - self.plan.global_batch_size
+        order = GlobalOrder(self.train_samples, self.cfg.train.seed)
+        start = consumed_samples - self.plan.global_batch_size
         return [order[start + i] for i in range(self.plan.global_batch_size)]
-
-
-def checkpoint_size(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, env: Any) -> float:
-    """Bytes one checkpoint puts on the busiest node, by the planner's count."""
-    from pipeline.plan.memory import checkpoint_bytes
-    from pipeline.train.ds_config import zero_stage
-    from pipeline.train.setup import ranks_per_node
-
-    return checkpoint_bytes(
-        shape,
-        zero_stage(ds),
-        env.world_size,
-        ranks_per_node(env.world_size),
-        module_bytes=4 if cfg.train.precision == "fp32" else 2,
-    )["per_node"]

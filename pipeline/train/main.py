@@ -10,7 +10,7 @@ import sys
 
 from pipeline.errors import PipelineError
 from pipeline.train.config import dump, load
-from pipeline.train.setup import Prepared, prepare
+from pipeline.train.prepare import Prepared, prepare
 
 DESCRIPTION = """Stage 3: pretraining through DeepSpeed. Launch as `deepspeed [--hostfile H | --num_gpus N]
 pipeline/pretrain.py --config CONFIG.yaml [--set key=value ...] [--dry-run]`; `pipeline pretrain` builds that
@@ -41,19 +41,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load(args.config, args.set)
-        cfg, ds, plan, shape, manifest = prepare(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        prepared = prepare(load(args.config, args.set), int(os.environ.get("WORLD_SIZE", "1")))
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(describe(Prepared(cfg, ds, plan, shape, manifest)))
+            print(describe(prepared))
         return 0
     from pipeline.train.loop import train
 
     try:
-        return train(cfg, ds, plan, shape, manifest)
+        return train(prepared)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def describe(prepared: Prepared) -> str:
     """What `--dry-run` prints: the resolved config, the batch arithmetic, the model and the DeepSpeed JSON."""
-    cfg, ds, plan, shape, _ = prepared
+    cfg, ds, plan, shape = prepared.cfg, prepared.ds, prepared.plan, prepared.shape
     return "\n".join(
         [
             dump(cfg),
@@ -77,7 +76,9 @@ def describe(prepared: Prepared) -> str:
 
 
 def run_as_script() -> None:
-    """Exit codes as a launcher expects them, and no interpreter teardown (see below)."""
+    """Exit codes as a launcher expects them, and no interpreter teardown (`exit_now` says why)."""
+    from pipeline.train.dist import exit_now
+
     try:
         code = main()
     except SystemExit as exit_request:  # --help, argparse errors
@@ -87,8 +88,4 @@ def run_as_script() -> None:
 
         traceback.print_exc()
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: it would join DataLoader workers (which outlive SIGTERM so a preempted rank can
-    # save) and can hit an upstream gloo shutdown race that aborts ~1 in 10 clean runs at exit.
-    os._exit(code)
+    exit_now(code)

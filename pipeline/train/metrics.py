@@ -1,4 +1,5 @@
-"""Where a run's numbers go: one log line per interval on rank 0, `metrics.jsonl` and TensorBoard."""
+"""Where a run's numbers go: one log line per interval on rank 0 (`StepLogger`), `metrics.jsonl` and TensorBoard
+(`MetricsSink`). MFU is counted the PaLM way (6N + 12*L*h*s FLOPs per token, as TinyLlama and torchtitan count it)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ import math
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeline.atomic import write_text
+from pipeline.plan.gpus import peak_tflops_for_device
 
-log = logging.getLogger("pipeline.pretrain")
+if TYPE_CHECKING:
+    from pipeline.train.checkpointer import TrainState
+    from pipeline.train.prepare import Run
+
+log = logging.getLogger(__name__)
 
 
 class MetricsSink:
@@ -102,3 +108,61 @@ def truncate_metrics(path: Path, step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
     write_text(path, "".join(line + "\n" for line in keep))
+
+
+class StepLogger:
+    """Every `log.interval` steps (and at the last): one line on rank 0 and a record in the sink, with loss, lr,
+    gradient norm, tokens/s since the last line, TFLOP/s and MFU (PaLM count) per device, peak memory and the ETA."""
+
+    def __init__(self, run: Run, engine: Any, sink: MetricsSink, start_step: int, max_steps: int):
+        self.run, self.engine, self.sink, self.max_steps = run, engine, sink, max_steps
+        self.throughput = Throughput(start_step)
+        self.peak = peak_for(run.dist.device, run.cfg.train.peak_tflops, run.dist.rank)
+
+    def maybe_log(self, state: TrainState, *, loss: float, lr: float) -> None:
+        self.throughput.add(self.run.plan.tokens_per_step)
+        if state.step % self.run.cfg.log.interval and state.step != self.max_steps:
+            return
+        tps, eta = self.throughput.take(state.step, self.max_steps)
+        rec = self.record(state, loss=loss, lr=lr, tokens_per_s=tps)
+        if self.run.dist.rank == 0:
+            log.info(format_line(rec, self.max_steps, eta))
+        self.sink.emit(rec)
+
+    def record(self, state: TrainState, *, loss: float, lr: float, tokens_per_s: float) -> dict[str, Any]:
+        """One metrics line: loss, lr, gradient norm, throughput, TFLOP/s and MFU (PaLM count), memory."""
+        run, engine = self.run, self.engine
+        tflops = tokens_per_s * run.shape.flops_per_token(run.plan.seq_len) / run.dist.world_size / 1e12
+        gnorm = engine.get_global_grad_norm()
+        rec = {
+            "step": state.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": float(gnorm) if gnorm is not None else None,
+            "tokens": state.consumed_samples * run.plan.seq_len,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+            "mem_gib": mem_gib(run.dist.device),
+        }
+        if run.ds.get("fp16", {}).get("enabled"):
+            optimizer = engine.optimizer
+            rec["loss_scale"] = float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 0)))
+            rec["skipped_steps"] = int(engine.skipped_steps)
+        return rec
+
+
+def peak_for(device: torch.device, override: float | None, rank: int) -> float | None:
+    """The card's dense bf16 peak for MFU (PaLM count): `train.peak_tflops`, else the GPU table; None on the CPU
+    and for a card the table does not know (MFU is then logged as n/a, with one warning)."""
+    if override or device.type != "cuda":
+        return override
+    name = torch.cuda.get_device_name(device)
+    peak = peak_tflops_for_device(name)
+    if peak is None and rank == 0:
+        log.warning(
+            "GPU '%s' is not in the planner's table: MFU is logged as n/a; set train.peak_tflops to the "
+            "card's dense bf16 TFLOP/s to see it",
+            name,
+        )
+    return peak

@@ -77,6 +77,31 @@ def init_weights(model: torch.nn.Module, seed: int, rank: int, stage3: bool) -> 
     fill_parameters(model, value if rank == 0 or not stage3 else None, stage3=stage3)
 
 
+def weight_mismatch(
+    expected: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]], where: str, *, extra_ok: bool = False
+) -> str | None:
+    """Why tensors named and shaped `given` cannot fill a model whose parameters are `expected` (None: they can).
+    Checked before any collective gather: a raise inside one would leave the other ranks waiting. `extra_ok`: more
+    tensors than parameters is fine (a Hugging Face folder may carry buffers we do not keep)."""
+    if not extra_ok and (unexpected := sorted(set(given) - set(expected))):
+        return (
+            f"{where}: {len(unexpected)} unexpected tensors, e.g. {unexpected[:3]}; the model differs from its "
+            "recorded shape"
+        )
+    if missing := sorted(set(expected) - set(given)):
+        return (
+            f"{where}: missing {len(missing)} tensors, e.g. {missing[:3]}; the checkpoint's shape differs from model.*"
+        )
+    for name, shape in expected.items():
+        if tuple(given[name]) != shape:
+            return f"{where}: {name} has shape {tuple(given[name])}, the model expects {shape}"
+    return None
+
+
+def parameter_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: full_shape(p) for name, p in model.named_parameters()}
+
+
 def load_initial_weights(model: torch.nn.Module, path: str, rank: int, stage3: bool) -> None:
     """Copy weights from a safetensors file or HF model folder, tensor by tensor (no full copy in RAM). Names and
     shapes are checked on every rank from the files' headers before any gather."""
@@ -93,18 +118,8 @@ def load_initial_weights(model: torch.nn.Module, path: str, rank: int, stage3: b
             for k in sf.keys():
                 where[k] = f
                 shapes[k] = tuple(sf.get_slice(k).get_shape())
-    params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(where))
-    if missing:
-        raise PipelineError(
-            f"model.init_from {path}: missing {len(missing)} tensors, e.g. {missing[:3]}; "
-            "the checkpoint's shape differs from model.*"
-        )
-    for name, p in params.items():
-        if shapes[name] != full_shape(p):
-            raise PipelineError(
-                f"model.init_from {path}: {name} has shape {shapes[name]}, the model expects {full_shape(p)}"
-            )
+    if problem := weight_mismatch(parameter_shapes(model), shapes, f"model.init_from {path}", extra_ok=True):
+        raise PipelineError(problem)
 
     def value(i: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         with safe_open(str(where[name]), "pt") as sf:

@@ -14,11 +14,13 @@ def main() -> int:
 
     from pipeline.data.loader import ShardedDataset
     from pipeline.train.config import load
+    from pipeline.train.dist import init_distributed
     from pipeline.train.engine import build_engine
-    from pipeline.train.setup import init_distributed, prepare
+    from pipeline.train.prepare import prepare
 
     cfg = load(config)
-    cfg, ds, _, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
+    p = prepare(cfg, int(os.environ["WORLD_SIZE"]))
+    cfg, ds, shape, manifest = p.cfg, p.ds, p.shape, p.manifest
     env = init_distributed()
     engine = build_engine(cfg, ds, shape, manifest["tokenizer"], env.rank)
     engine.load_checkpoint(cfg.run_dir, tag=tag, load_optimizer_states=False)

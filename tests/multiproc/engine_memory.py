@@ -20,12 +20,14 @@ def main() -> int:
 
     from pipeline.data.loader import ShardedDataset, collate_samples
     from pipeline.train.config import load
+    from pipeline.train.dist import init_distributed
     from pipeline.train.engine import build_engine
-    from pipeline.train.setup import init_distributed, prepare
+    from pipeline.train.prepare import prepare
     from pipeline.train.step import lm_loss
 
     cfg = load(config, sets)
-    cfg, ds, plan, shape, manifest = prepare(cfg, int(os.environ["WORLD_SIZE"]))
+    p = prepare(cfg, int(os.environ["WORLD_SIZE"]))
+    cfg, ds, shape, manifest = p.cfg, p.ds, p.shape, p.manifest
     rank = init_distributed().rank
     engine = build_engine(cfg, ds, shape, manifest["tokenizer"], rank)
     stage = ds["zero_optimization"]["stage"]

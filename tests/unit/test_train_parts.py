@@ -7,8 +7,8 @@ import torch
 
 from pipeline.errors import PipelineError
 from pipeline.train.checkpoint import Marker
+from pipeline.train.dist import device_for, local_rank_from_env
 from pipeline.train.resume import choose_resume, resume_problems
-from pipeline.train.setup import device_for, local_rank_from_env
 from pipeline.train.step import lm_loss
 
 TAGS = ["step00000005", "step00000010"]
@@ -121,7 +121,7 @@ def test_resume_of_nvme_optimizer_checkpoints_is_refused_with_the_reason() -> No
 
 
 def test_auto_plan_uses_the_memory_cap() -> None:
-    from pipeline.train.setup import planning_card
+    from pipeline.train.prepare import planning_card
 
     h200 = 143 * 10**9
     assert planning_card("NVIDIA H200", h200, None).memory_gib == pytest.approx(h200 / 2**30)

@@ -1,0 +1,260 @@
+"""The checkpointer of a run: when to save (every `checkpoint.interval` steps, on a stop, at the end), how (every
+rank writes its shards, rank 0 the marker and `latest`, with barriers around), and resume from end to end (which
+tag, whether it may be resumed, the universal form for another world size, loading, the CPU-Adam repair). The
+loop only calls `resume`, `maybe_save` and `finish`; the pure rules are in pipeline.train.resume, the files in
+pipeline.train.checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from pipeline.atomic import sha256_file
+from pipeline.errors import PipelineError
+from pipeline.plan.cluster import offload_devices
+from pipeline.train import checkpoint as ckpt
+from pipeline.train import faults
+from pipeline.train.dist import on_rank0, ranks_per_node
+from pipeline.train.ds_config import zero_stage
+from pipeline.train.ds_workarounds import replay_adam_beta_powers
+from pipeline.train.prepare import Run
+from pipeline.train.resume import choose_resume, resume_problems
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """Where a run is: optimizer steps taken and training samples consumed (the data position), and whether this
+    launch continued a checkpoint."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    resumed: bool = False
+
+
+class Pausable(Protocol):
+    def paused(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class Checkpointer:
+    """Saves the run's engine as `step{N:08d}` and resumes it. A checkpoint counts once every rank has written its
+    files and rank 0 has written the marker (listing every file with its size, and sha256 under
+    `checkpoint.verify`) and `latest`; a write that fails (a full disk) stops every rank with one message, and the
+    previous checkpoint stays the latest. `watchdog` is paused during saves: they are long and legitimate."""
+
+    def __init__(self, run: Run, *, data_fingerprint: str, watchdog: Pausable | None = None):
+        self.run, self.cfg, self.watchdog = run, run.cfg.checkpoint, watchdog
+        self.data_fingerprint = data_fingerprint
+        self.size_hint = ckpt.checkpoint_size(run, run.dist.world_size, ranks_per_node(run.dist.world_size))
+        self.last_saved = -1
+        self.engine: Any = None
+
+    # ---- resume -------------------------------------------------------------------------------------------------
+
+    def resume(self, build_engine: Callable[[dict[str, Any]], Any]) -> tuple[Any, TrainState]:
+        """Decide what this launch continues (before anything heavy is built), build the engine with
+        `build_engine(ds_config)`, load the checkpoint into it. Returns the engine and where the run stands."""
+        run, run_dir = self.run, self.run.run_dir
+        found = on_rank0(self._choose)  # rank 0 reads the run folder; every rank takes its answer
+        ds = run.ds
+        if found is None:
+            self.engine = build_engine(ds)
+            return self.engine, TrainState()
+        tag, marker = found
+        problems = resume_problems(
+            marker,
+            data_fingerprint=self.data_fingerprint,
+            model_shape=run.shape.as_dict(),
+            world_size=run.dist.world_size,
+            zero_stage=zero_stage(ds),
+            nvme_optimizer=offload_devices(ds).optimizer == "nvme",
+        )
+        if problems:
+            raise PipelineError(
+                f"cannot resume {run_dir}/{tag}: " + "; ".join(problems) + " (use a new run_dir to start fresh)"
+            )
+        load_tag = tag
+        if marker["world_size"] != run.dist.world_size and zero_stage(ds) > 0:
+            # Another world size: DeepSpeed's universal checkpoint re-partitions the optimizer states. Rank 0
+            # converts once (kept beside the checkpoint for the next launch); the engine loads it with load_universal.
+            load_tag = on_rank0(lambda: self._universal(tag))
+            ds = {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
+        self.engine = build_engine(ds)
+        self.engine.load_checkpoint(
+            str(run_dir), tag=load_tag, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        replay_adam_beta_powers(self.engine.optimizer, run.dist.device)
+        state = TrainState(marker["step"], marker["consumed_samples"], resumed=True)
+        self.last_saved = state.step
+        if run.dist.rank == 0:
+            through = (
+                f" (saved by {marker['world_size']} ranks, now {run.dist.world_size}: through the universal "
+                f"checkpoint {load_tag})"
+                if load_tag != tag
+                else ""
+            )
+            log.info(
+                "resumed from %s/%s: step %d, %d samples consumed%s",
+                run_dir,
+                tag,
+                state.step,
+                state.consumed_samples,
+                through,
+            )
+        return self.engine, state
+
+    def _choose(self) -> tuple[str, ckpt.Marker] | None:
+        """Rank 0: the checkpoint to continue (skipping complete ones whose files are damaged, with a warning each)
+        and its marker. Warns when the disk cannot hold `keep_last` checkpoints plus the next (`pipeline pretrain`
+        refuses such a run before launch)."""
+        run_dir = self.run.run_dir
+        tags = ckpt.complete_tags(run_dir)
+        tag = choose_resume(self.cfg.resume, tags, str(run_dir))
+        if tag is not None and self.cfg.resume == "auto":
+            tag, warnings = ckpt.newest_intact(run_dir, tags, self.cfg.verify)
+            for w in warnings:
+                log.warning("%s", w)
+        elif tag is not None and (problem := ckpt.damage(run_dir, tag, self.cfg.verify)):
+            raise PipelineError(f"checkpoint.resume {tag}: {problem}")
+        if self.cfg.enabled and (problem := ckpt.space_problem(run_dir, self.size_hint, self.cfg.keep_last)):
+            log.warning("warning: %s", problem)
+        return (tag, ckpt.read_marker(run_dir, tag)) if tag else None
+
+    def _universal(self, tag: str) -> str:
+        """Rank 0: the universal form of `tag`, converted now unless it is there from an earlier launch."""
+        run_dir = self.run.run_dir
+        try:
+            name, converted = ckpt.universal(run_dir, tag)
+        except Exception as e:  # noqa: BLE001 - said on every rank by on_rank0
+            raise PipelineError(
+                f"converting {run_dir}/{tag} to a universal checkpoint failed: {type(e).__name__}: {e}"
+            ) from e
+        if converted:
+            log.info(
+                "converted %s/%s to DeepSpeed's universal checkpoint %s (once; kept for later launches)",
+                run_dir,
+                tag,
+                name,
+            )
+        return name
+
+    # ---- saving ---------------------------------------------------------------------------------------------------
+
+    def maybe_save(self, state: TrainState, *, stopping: bool = False) -> None:
+        """Save when the step is due (`checkpoint.interval`), or when the run is stopping and this step is not saved."""
+        if state.step % self.cfg.interval == 0 or (stopping and self.last_saved != state.step):
+            self.save(state)
+
+    def finish(self, state: TrainState) -> None:
+        """The end of the run: its last step is saved (once)."""
+        if self.last_saved != state.step:
+            self.save(state)
+
+    def save(self, state: TrainState) -> None:
+        with self.watchdog.paused() if self.watchdog else contextlib.nullcontext():
+            self._save(state)
+
+    def marker(self, state: TrainState) -> ckpt.Marker:
+        run = self.run
+        return {
+            "step": state.step,
+            "consumed_samples": state.consumed_samples,
+            "data_fingerprint": self.data_fingerprint,
+            "seq_len": run.plan.seq_len,
+            "tokenizer_sha256": run.manifest["tokenizer"]["sha256"],
+            "model_shape": run.shape.as_dict(),
+            "world_size": run.dist.world_size,
+        }
+
+    def _save(self, state: TrainState) -> None:
+        import deepspeed.comm as dist
+        import torch.distributed as tdist
+
+        if not self.cfg.enabled:
+            self.last_saved = state.step
+            return
+        run_dir, rank, world = self.run.run_dir, self.run.dist.rank, self.run.dist.world_size
+        marker = self.marker(state)
+        tag = ckpt.tag_for(state.step)
+        if rank == 0:
+            (run_dir / tag / ckpt.MARKER).unlink(missing_ok=True)  # a re-save makes the tag incomplete until done
+            shutil.rmtree(run_dir / f"{tag}{ckpt.UNIVERSAL}", ignore_errors=True)  # converted from the old files
+        dist.barrier()
+        with _guarded_writes(
+            self.engine, run_dir / tag, verify=self.cfg.verify, step=state.step, last_rank=rank == world - 1
+        ) as guard:
+            self.engine.save_checkpoint(
+                str(run_dir), tag=tag, client_state={**marker, "config": self.run.cfg.to_dict()}, save_latest=False
+            )
+        reports: list[Any] = [None] * world
+        tdist.all_gather_object(reports, (guard.error, guard.files))
+        errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(reports) if err]
+        if errors:
+            free = shutil.disk_usage(run_dir).free
+            latest = ckpt.latest_complete(run_dir)
+            raise PipelineError(
+                f"checkpoint {tag} could not be saved ({errors[0]}); {free / 1e9:,.1f} GB free at {run_dir}"
+                + (f", a checkpoint needs about {self.size_hint / 1e9:,.1f} GB on a node" if self.size_hint else "")
+                + f". The run stops; {latest or 'no checkpoint'} stays the latest complete checkpoint and the "
+                f"incomplete {tag}/ can be deleted. Free space or move run_dir, then resume with the same command"
+            )
+        if rank == 0:
+            files: dict[str, dict[str, Any]] = {}
+            for _, written in reports:
+                files.update(written)
+            ckpt.mark_complete(run_dir, tag, {**marker, "files": files})
+            ckpt.prune(run_dir, self.cfg.keep_last)
+            log.info("saved checkpoint %s/%s", run_dir, tag)
+        dist.barrier()
+        self.last_saved = state.step
+
+
+class _GuardedWrites:
+    """Stands in for DeepSpeed's checkpoint engine during one save: every file a rank writes is recorded (size,
+    and sha256 when verifying), and a failed write (a full disk) is recorded instead of raised, so that this rank
+    still reaches DeepSpeed's barriers and no rank hangs; the failure is raised on every rank after the save."""
+
+    def __init__(self, inner: Any, root: Path, *, verify: bool, step: int, last_rank: bool):
+        self.inner, self.root, self.verify, self.step, self.last_rank = inner, root, verify, step, last_rank
+        self.files: dict[str, dict[str, Any]] = {}
+        self.error: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def save(self, state_dict: Any, path: str) -> Any:
+        if self.error:
+            return None
+        try:
+            if self.last_rank and faults.armed("ENOSPC_IN_SAVE", self.step):
+                faults.fired()
+                raise OSError(errno.ENOSPC, "No space left on device (injected by PIPELINE_FAULT_ENOSPC_IN_SAVE)")
+            out = self.inner.save(state_dict, path)
+        except OSError as e:
+            self.error = f"{path}: {e.strerror or e}"
+            Path(path).unlink(missing_ok=True)  # no half-written file that looks whole
+            return None
+        entry: dict[str, Any] = {"size": Path(path).stat().st_size}
+        if self.verify:
+            entry["sha256"] = sha256_file(Path(path))
+        self.files[str(Path(path).relative_to(self.root))] = entry
+        if self.last_rank and faults.armed("KILL_IN_SAVE", self.step):
+            faults.kill_self()
+        return out
+
+
+@contextlib.contextmanager
+def _guarded_writes(engine: Any, root: Path, **kw: Any) -> Iterator[_GuardedWrites]:
+    guard = _GuardedWrites(engine.checkpoint_engine, root, **kw)
+    engine.checkpoint_engine = guard
+    try:
+        yield guard
+    finally:
+        engine.checkpoint_engine = guard.inner

@@ -1,0 +1,152 @@
+"""Each rank's side of a distributed run: which device it drives, the process group, what the node looks like, and
+the one way rank 0 decides something for everyone (`on_rank0`). Rank and world size are read once, here, and
+passed on in a `Dist`; nothing else reads them from the environment."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+
+from pipeline.errors import PipelineError
+
+T = TypeVar("T")
+
+
+def accelerator_name() -> str:
+    """DeepSpeed's accelerator: DS_ACCELERATOR when set, else cuda when torch sees a GPU, else cpu."""
+    name = os.environ.get("DS_ACCELERATOR")
+    if name:
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_for(accelerator: str, local_rank: int) -> torch.device:
+    """The device of the rank that is `local_rank` on its node: GPU number `local_rank`, or the CPU."""
+    if accelerator == "cpu":
+        return torch.device("cpu")
+    return torch.device(accelerator, local_rank)
+
+
+def local_rank_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
+    return int(environ.get("LOCAL_RANK", "0"))
+
+
+def ranks_per_node(world_size: int) -> int:
+    """Ranks on this node, as the launcher says (LOCAL_SIZE), else the whole world."""
+    return int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+
+
+def host_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    """This rank in the run: its global rank, the world size and the device it drives."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> Dist:
+    """Select this rank's GPU (from LOCAL_RANK; DeepSpeed would select it only later, inside `initialize`), start
+    the process group, and release DeepSpeed's CPU shared-memory names once every rank has mapped them."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from pipeline.train.ds_workarounds import release_shm_names
+
+    device = device_for(accelerator_name(), local_rank_from_env())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()  # every rank has mapped every shared-memory buffer by now
+    release_shm_names(rank)
+    return Dist(rank, world, device)
+
+
+def on_rank0(fn: Callable[[], T]) -> T:
+    """`fn()` run on rank 0 alone, its value returned on every rank. A PipelineError it raises is raised on every
+    rank with the same message; any other exception is re-raised on rank 0 and reported on the others, so that no
+    rank is left waiting for an answer. Without a process group (one process) it is `fn()`."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        return fn()
+    box: list[Any] = [None, None, None]  # value, user error, internal error
+    caught: BaseException | None = None
+    if tdist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except PipelineError as e:
+            box[1] = str(e)
+        except BaseException as e:  # noqa: BLE001 - every rank must hear of it, then rank 0 re-raises it
+            caught = e
+            box[2] = "".join(traceback.format_exception_only(type(e), e)).strip()
+    tdist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise PipelineError(box[1])
+    if caught is not None:
+        raise caught
+    if box[2] is not None:
+        raise RuntimeError(f"rank 0 failed while deciding for every rank: {box[2]}")
+    return box[0]  # type: ignore[no-any-return]
+
+
+def apply_memory_cap(device: torch.device, cap_gib: float | None) -> None:
+    """`train.gpu_memory_cap_gib`: emulate a smaller card (a 24 GiB 4090D on an 80 GiB GPU)."""
+    if device.type == "cuda" and cap_gib:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), device)
+
+
+def make_deterministic_on_cpu(device: torch.device) -> None:
+    """Deterministic kernels make CPU runs repeat bit for bit (the resume tests rely on it). Not the NaN fill of
+    every fresh allocation that comes with deterministic mode: it only shows reads of uninitialised memory, and it
+    doubled the cost of DeepSpeed's per-micro-step bucket allocations."""
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+
+
+def environment(world_size: int, device: torch.device) -> dict[str, Any]:
+    """What a run ran on (RUN_DIR/environment.json), so `pipeline plan --from-run` can plan the same cluster."""
+    import importlib.metadata as md
+
+    local = ranks_per_node(world_size)
+    info: dict[str, Any] = {
+        "world_size": world_size,
+        "ranks_per_node": local,
+        "nodes": max(1, world_size // local),
+        "device": "cpu",
+        "device_memory_bytes": None,
+        "host_ram_bytes": host_ram_bytes(),
+        "cpu_cores": os.cpu_count(),
+    }
+    if device.type == "cuda":
+        info["device"] = torch.cuda.get_device_name(device)
+        info["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    for pkg in ("torch", "deepspeed", "transformers"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = None
+    return info
+
+
+def exit_now(code: int) -> None:
+    """Leave a rank's process with `code`, output flushed, without interpreter teardown: teardown would join
+    DataLoader workers (which outlive SIGTERM so a preempted rank can save) and can hit an upstream gloo shutdown
+    race that aborts about 1 in 10 clean runs at exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

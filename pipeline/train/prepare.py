@@ -1,0 +1,118 @@
+"""Before the loop: everything checked before a process group starts (`prepare`), in the process that runs
+`pipeline pretrain` and again on every rank, so a bad input fails in a second with one message. What it returns,
+`Prepared`, is what the whole run is about; with this rank's `Dist` it becomes the `Run` the loop takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.data.manifest import ShardManifest, read_shard_manifest
+from pipeline.data.tokenizer import check_tokenizer
+from pipeline.errors import PipelineError
+from pipeline.model import ModelShape
+from pipeline.model.families import model_shape
+from pipeline.plan.gpus import GPU, capped, lookup
+from pipeline.train.config import PretrainConfig
+from pipeline.train.dist import Dist, accelerator_name, host_ram_bytes, ranks_per_node
+from pipeline.train.ds_config import BatchPlan, batch_plan, load_ds_config, resolve
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prepared:
+    """A checked run: its config (with the planner's choices filled in), the resolved DeepSpeed JSON, the batch
+    arithmetic for this world size, the model's shape and the shards' manifest."""
+
+    cfg: PretrainConfig
+    ds: dict[str, Any]
+    plan: BatchPlan
+    shape: ModelShape
+    manifest: ShardManifest
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run_dir)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Run(Prepared):
+    """A prepared run as one rank sees it: what the loop and its parts are given."""
+
+    dist: Dist
+
+    @classmethod
+    def on(cls, prepared: Prepared, dist: Dist) -> Run:
+        return cls(**{f.name: getattr(prepared, f.name) for f in fields(Prepared)}, dist=dist)
+
+
+def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None) -> Prepared:
+    """Everything checked before a process group starts: data manifest, batch arithmetic, DeepSpeed JSON, model.
+    With `train.deepspeed_config: auto` the planner picks the DeepSpeed config (and activation checkpointing)."""
+    manifest = read_shard_manifest(cfg.data.path)
+    seq_len = int(manifest["seq_len"])
+    plan = batch_plan(cfg, world_size, seq_len)
+    shape = model_shape(
+        cfg.model.preset, dict(cfg.model.shape), cfg.model.init_from, manifest["tokenizer"]["vocab_size"], seq_len
+    )
+    check_tokenizer(shape, manifest["tokenizer"], f"{cfg.data.path}/manifest.json")
+    if cfg.train.deepspeed_config == "auto":
+        raw, checkpointing = auto_ds_config(shape, plan, world_size, cfg.train.gpu_memory_cap_gib, local_size)
+        cfg = replace(cfg, train=replace(cfg.train, activation_checkpointing=checkpointing))
+        source = "deepspeed config chosen by the planner"
+    else:
+        raw, source = load_ds_config(cfg.train.deepspeed_config), cfg.train.deepspeed_config
+    ds = resolve(cfg, raw, plan, accelerator=accelerator_name(), source=source, num_params=shape.num_params())
+    return Prepared(cfg=cfg, ds=ds, plan=plan, shape=shape, manifest=manifest)
+
+
+def planning_card(device_name: str, total_bytes: int, gpu_memory_cap_gib: float | None) -> GPU:
+    """The planner's row for this GPU with the memory the run may use: the card's own, or less under
+    `train.gpu_memory_cap_gib` (a 24 GiB 4090D emulated on an 80 GiB card is planned as 24 GiB)."""
+    try:
+        card = lookup(device_name)
+    except KeyError:
+        raise PipelineError(
+            f"train.deepspeed_config auto: no planner data for GPU '{device_name}'; run "
+            "`pipeline plan` with a known --gpu and --write-ds-config"
+        ) from None
+    return capped(replace(card, memory_gib=total_bytes / 2**30), gpu_memory_cap_gib)
+
+
+def cpu_card(ram_bytes: float, ranks: int) -> GPU:
+    """A CPU rank as the planner's "card": its share of host RAM, a nominal 0.5 TF. Only for the arithmetic of
+    CPU test runs; the planner's GPU physics (MFU, PCIe) says nothing true about them."""
+    return GPU("CPU rank", ram_bytes / max(1, ranks) / 2**30 * 0.8, 0.5, 20.0, 0, 10.0, True)
+
+
+def auto_ds_config(
+    shape: ModelShape,
+    plan: BatchPlan,
+    world_size: int,
+    gpu_memory_cap_gib: float | None = None,
+    local_size: int | None = None,
+) -> tuple[dict[str, Any], bool]:
+    """Plan for this machine and world: nodes from the launcher's LOCAL_SIZE, the card from torch (capped at
+    `gpu_memory_cap_gib`; a CPU run counts host RAM shared by its ranks), host RAM from the OS; the config's
+    micro-batch is kept. `local_size` (ranks per node) defaults to the launcher's LOCAL_SIZE."""
+    from pipeline.plan import search as planner
+
+    local = local_size or ranks_per_node(world_size)
+    ram = host_ram_bytes()
+    card: GPU
+    if accelerator_name() == "cuda":
+        card = planning_card(
+            torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory, gpu_memory_cap_gib
+        )
+    else:
+        card = cpu_card(ram, local)
+    cluster = planner.Cluster(max(1, world_size // local), local, card, ram)
+    result = planner.search(shape, plan.seq_len, cluster, plan.tokens_per_step, fixed_micro=plan.micro_batch_size)
+    if result.best is None:
+        raise PipelineError(
+            "train.deepspeed_config auto: nothing fits this machine; see `pipeline plan` for what would: "
+            + "; ".join(result.advice)
+        )
+    return planner.ds_config(result.best), result.best.candidate.activation_checkpointing
