@@ -41,7 +41,7 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not slow and not dist" tests
 
-# In-process multi-rank tests over gloo (tests/dist): barriers, broadcasts, resume decisions; about 30 s.
+# In-process multi-rank tests over gloo (tests/distributed): barriers, broadcasts, resume decisions; about 30 s.
 test-dist: install
 	$(BIN)/python -m pytest -q -ra -m dist tests
 

@@ -1,10 +1,14 @@
-"""Atomic file writes: write to a temporary name in the same folder, fsync, rename."""
+"""Atomic writes: a file or a whole folder is written under a temporary name beside its target and renamed into
+place when complete, so a reader (or a rerun after a crash) sees the old one or the new one, never half of one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +52,29 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def replacing_dir(target: Path) -> Iterator[Path]:
+    """A temporary folder `.NAME.tmp` beside `target` for the caller to fill; when the block ends without an error
+    it replaces `target` whole, else it is removed. One left by a killed process is cleared at the next start."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = target.parent / f".{target.name}.tmp"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        yield work
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(work, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """A file that stands where `path` or one of its folders would have to be (the nearest that exists), or None."""
+    for folder in (Path(path), *Path(path).parents):
+        if folder.exists():
+            return None if folder.is_dir() else folder
+    return None

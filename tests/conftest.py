@@ -1,4 +1,5 @@
-"""Shared fixtures: a real sentencepiece tokenizer trained on the fixture corpus, and real shards built from it."""
+"""Shared fixtures: a real sentencepiece tokenizer trained on the fixture corpus, and real shards built from it.
+The launcher runs that several multi-process tests share are in tests/multiproc/conftest.py."""
 
 from __future__ import annotations
 
@@ -44,24 +45,3 @@ def shards(tokenized: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
     )
     return out
-
-
-STEPS = 20
-
-
-@pytest.fixture(scope="session")
-def zero_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """One 20-step 2-rank run per ZeRO stage (fp32) through the deepspeed launcher, shared by several tests."""
-    from tests.multiproc import launch
-
-    runs = {}
-    base = tmp_path_factory.mktemp("zero")
-    for stage in (1, 2, 3):
-        run_dir = base / f"zero{stage}"
-        cfg = launch.write_config(
-            base / f"zero{stage}.yaml", run_dir=run_dir, shards=shards, ds_config=f"zero{stage}.json", steps=STEPS
-        )
-        out = launch.run(cfg)
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-        runs[stage] = run_dir
-    return runs

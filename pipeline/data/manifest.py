@@ -125,3 +125,12 @@ def model_token_ids(tok: TokenizerInfo | None) -> dict[str, Any]:
 def padding_id(tok: TokenizerInfo) -> int:
     """The id that fills padded sample tails: the tokenizer's pad, else its eos (masked out of the loss anyway)."""
     return tok["pad_id"] if tok.get("pad_id", -1) >= 0 else tok["eos_id"]
+
+
+def manifest_header(tool: str) -> dict[str, str]:
+    """The fields every manifest of ours starts with: which command wrote it, in which version, when (UTC)."""
+    import time
+
+    from pipeline import __version__
+
+    return {"tool": tool, "version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

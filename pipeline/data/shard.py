@@ -24,11 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import __version__
-from pipeline.atomic import sha256_file, write_json
+from pipeline.atomic import file_in_the_way, sha256_file, write_json
 from pipeline.data.config import ShardConfig
 from pipeline.data.indexed import IndexedReader
-from pipeline.data.manifest import TokenizeManifest, padding_id, read_shard_manifest, read_tokenize_manifest
+from pipeline.data.manifest import (
+    TokenizeManifest,
+    manifest_header,
+    padding_id,
+    read_shard_manifest,
+    read_tokenize_manifest,
+)
 from pipeline.errors import PipelineError
 from pipeline.progress import Progress
 
@@ -141,11 +146,8 @@ def _shard_ranges(n: int, row_bytes: int, cfg: ShardConfig) -> list[tuple[int, i
 def run(cfg: ShardConfig) -> ShardResult:
     t0 = time.perf_counter()
     out = Path(cfg.output)
-    for folder in (out, *out.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                raise PipelineError(f"--output {out}: {folder} is a file; give a folder for the shards")
-            break
+    if blocker := file_in_the_way(out):
+        raise PipelineError(f"--output {out}: {blocker} is a file; give a folder for the shards")
     manifests = [read_tokenize_manifest(p) for p, _ in cfg.sources]
     shas = {m["tokenizer"]["sha256"] for m in manifests}
     if len(shas) > 1:
@@ -362,9 +364,7 @@ def _build(
     wall = time.perf_counter() - t0
     total_tokens = sum(int(m["totals"]["tokens"]) for m in manifests)
     manifest = {
-        "tool": "pipeline shard",
-        "version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **manifest_header("pipeline shard"),
         "fingerprint": fingerprint,
         "args": args,
         "seq_len": cfg.seq_len,

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import __version__
-from pipeline.atomic import sha256_file, tmp_path_for, write_json
+from pipeline.atomic import file_in_the_way, sha256_file, tmp_path_for, write_json
 from pipeline.data.config import TokenizeConfig
 from pipeline.data.indexed import IndexedWriter, token_dtype
+from pipeline.data.manifest import manifest_header
 from pipeline.data.pieces import Cutter, safe_rules
 from pipeline.data.readers import Source, read_records, resolve_inputs
 from pipeline.data.tokenizer import Tokenizer, tokenizer_sha256, train_sentencepiece
@@ -183,12 +183,12 @@ def _sample_documents(sources: list[Source], cfg: TokenizeConfig) -> list[str]:
 
 def _check_writable(prefix: Path) -> None:
     parent = prefix.parent if str(prefix.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)  # as `shard --output` does
-    except (FileExistsError, NotADirectoryError):
+    if file_in_the_way(parent):
         raise PipelineError(
             f"--output-prefix {prefix}: {parent} is not a folder (a file is in the way); choose another prefix"
-        ) from None
+        )
+    try:
+        parent.mkdir(parents=True, exist_ok=True)  # as `shard --output` does
     except OSError as e:
         raise PipelineError(f"--output-prefix {prefix}: cannot create folder {parent} ({e.strerror})") from None
     if not os.access(parent, os.W_OK):
@@ -240,9 +240,7 @@ def _manifest(
     """PREFIX.manifest.json of a finished run: tokenizer, inputs with their checksums, totals, errors, speed."""
     total_bytes = sum(_input_size(s) for s in sources)
     manifest = {
-        "tool": "pipeline tokenize",
-        "version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **manifest_header("pipeline tokenize"),
         "tokenizer": {
             "path": str(Path(tok_path).resolve()),
             "sha256": tok.sha256(),

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.atomic import file_in_the_way, replacing_dir
 from pipeline.data.manifest import model_token_ids
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, causal_lm_class, model_config
@@ -60,11 +60,8 @@ def check_export_target(output: Path) -> None:
             f"--output {output}: a folder that holds other files and no config.json; it would be "
             "replaced whole: give a new or empty folder"
         )
-    for parent in output.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise PipelineError(f"--output {output}: {parent} is a file, not a folder")
-            break
+    if blocker := file_in_the_way(output.parent):
+        raise PipelineError(f"--output {output}: {blocker} is a file, not a folder")
 
 
 def write_hf_model(
@@ -78,41 +75,13 @@ def write_hf_model(
     max_shard_bytes: int = 2 * 10**9,
 ) -> Path:
     """Stream `tensors` into safetensors shards in a temporary folder beside `output`, then rename it into place."""
-    from safetensors.torch import save_file
-
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
-    ids = tok_ids or model_token_ids(None)
     output = Path(output)
     check_export_target(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
-        shard: dict[str, torch.Tensor] = {}
-        size = 0
-        files: list[str] = []
-        weight_map: dict[str, str] = {}
-        for name, t in tensors:
-            t = t.to(DTYPES[dtype]).contiguous()
-            if shard and size + t.numel() * t.element_size() > max_shard_bytes:
-                files.append(_flush(shard, work, len(files), save_file, weight_map))
-                shard, size = {}, 0
-            shard[name] = t
-            size += t.numel() * t.element_size()
-        files.append(_flush(shard, work, len(files), save_file, weight_map))
-        total = len(files)
-        final_names = {}
-        for i, f in enumerate(files):
-            new = "model.safetensors" if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-            os.replace(work / f, work / new)
-            final_names[f] = new
-        if total > 1:
-            index = {
-                "metadata": {"total_size": sum((work / n).stat().st_size for n in final_names.values())},
-                "weight_map": {k: final_names[v] for k, v in weight_map.items()},
-            }
-            (work / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        _write_config(shape, ids, dtype, work)
+    with replacing_dir(output) as work:
+        _write_weights(tensors, work, DTYPES[dtype], max_shard_bytes)
+        _write_config(shape, tok_ids or model_token_ids(None), dtype, work)
         if tokenizer is not None and tokenizer.is_dir():  # a Hugging Face tokenizer: its own files, as they are
             for name in TOKENIZER_FILES:
                 if (tokenizer / name).is_file():
@@ -120,12 +89,38 @@ def write_hf_model(
         elif tokenizer is not None:
             hf_tokenizer(tokenizer).save_pretrained(work)
             shutil.copyfile(tokenizer, work / "tokenizer.model")
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(work, output)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return output
+
+
+def _write_weights(tensors: Iterator[tuple[str, torch.Tensor]], work: Path, dtype: torch.dtype, max_bytes: int) -> None:
+    """The tensors as safetensors shards of at most `max_bytes` (one tensor at a time in RAM), named as
+    transformers names them, with the index when there is more than one."""
+    from safetensors.torch import save_file
+
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
+    for name, t in tensors:
+        t = t.to(dtype).contiguous()
+        if shard and size + t.numel() * t.element_size() > max_bytes:
+            files.append(_flush(shard, work, len(files), save_file, weight_map))
+            shard, size = {}, 0
+        shard[name] = t
+        size += t.numel() * t.element_size()
+    files.append(_flush(shard, work, len(files), save_file, weight_map))
+    total = len(files)
+    final_names = {}
+    for i, f in enumerate(files):
+        new = "model.safetensors" if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        os.replace(work / f, work / new)
+        final_names[f] = new
+    if total > 1:
+        index = {
+            "metadata": {"total_size": sum((work / n).stat().st_size for n in final_names.values())},
+            "weight_map": {k: final_names[v] for k, v in weight_map.items()},
+        }
+        (work / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _write_config(shape: ModelShape, ids: dict[str, Any], dtype: str, work: Path) -> None:

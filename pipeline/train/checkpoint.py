@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
-from pipeline.atomic import sha256_file, write_json, write_text
+from pipeline.atomic import replacing_dir, sha256_file, write_json, write_text
 from pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
@@ -103,23 +103,20 @@ def universal(run_dir: Path, tag: str) -> tuple[str, bool]:
         return out.name, False
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    tmp = Path(run_dir) / f".{tag}{UNIVERSAL}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    args = SimpleNamespace(
-        input_folder=str(Path(run_dir) / tag),
-        output_folder=str(tmp),
-        num_extract_workers=2,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=True,
-    )
-    with contextlib.redirect_stdout(io.StringIO()):
-        ds_to_universal(args)
-    (Path(run_dir) / "latest_universal").unlink(missing_ok=True)  # it names the temporary folder; not ours to keep
-    write_json(tmp / MARKER, read_marker(run_dir, tag))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with replacing_dir(out) as tmp:
+        args = SimpleNamespace(
+            input_folder=str(Path(run_dir) / tag),
+            output_folder=str(tmp),
+            num_extract_workers=2,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,
+        )
+        with contextlib.redirect_stdout(io.StringIO()):
+            ds_to_universal(args)
+        (Path(run_dir) / "latest_universal").unlink(missing_ok=True)  # it names the temporary folder; not ours
+        write_json(tmp / MARKER, read_marker(run_dir, tag))
     return out.name, True
 
 

@@ -3,11 +3,13 @@ group starts. `--set section.key=value` overrides any field."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -48,7 +50,7 @@ class BatchSection:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimSection:
-    name: str = "adamw"
+    name: Literal["adamw", "adamw8bit"] = "adamw"
     """adamw (DeepSpeed's: FusedAdam on GPU, CPUAdam when offloading) | adamw8bit (bitsandbytes, ZeRO 0-2, no
     offload)."""
     lr: float = 3e-4
@@ -70,7 +72,7 @@ class TrainSection:
     max_tokens: int | None = None
     """Alternative to max_steps: stop after this many training tokens."""
     seed: int = 1234
-    precision: str = "bf16"
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     """bf16 | fp16 (dynamic loss scaling) | fp32."""
     activation_checkpointing: bool = False
     deepspeed_config: str = "ds_configs/zero1.json"
@@ -87,7 +89,7 @@ class TrainSection:
     comm_timeout_minutes: float = 30.0
     """How long a rank waits for the others (a collective, or a step that makes no progress because a peer hung)
     before the run fails; the launch then exits instead of hanging."""
-    on_nonfinite: str = "stop"
+    on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm. stop: halt at that step, name its samples, save nothing (the last good
     checkpoint stays the latest). skip: DeepSpeed drops that update; counted and logged."""
     max_nonfinite_in_a_row: int = 3
@@ -137,20 +139,12 @@ class PretrainConfig:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(PretrainConfig)}
+_SECTION_CLASSES: dict[str, Any] = {k: v for k, v in typing.get_type_hints(PretrainConfig).items() if k != "run_dir"}
+_SECTIONS = ["run_dir", *_SECTION_CLASSES]
 
 
 def _section_class(name: str) -> Any:
-    return {
-        "model": ModelSection,
-        "data": DataSection,
-        "batch": BatchSection,
-        "optim": OptimSection,
-        "train": TrainSection,
-        "eval": EvalSection,
-        "checkpoint": CheckpointSection,
-        "log": LogSection,
-    }[name]
+    return _SECTION_CLASSES[name]
 
 
 def apply_overrides(raw: dict[str, Any], sets: list[str]) -> dict[str, Any]:
@@ -216,6 +210,11 @@ def coerce(value: Any, annotation: str) -> Any:
     YAML 1.1 reads `1e9` and `3e-4` as strings and `'5'` is a string too: numbers written so are numbers. A float
     with no fraction is an integer (max_tokens: 1e9); true/false are not numbers."""
     kinds = [k.strip() for k in annotation.split("|")]
+    choices = _choices(annotation)
+    if choices:  # a closed set of strings; which ones, `check` says, naming them
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"expected a string, got {value!r}")
     if value is None:
         if "None" in kinds:
             return None
@@ -238,8 +237,19 @@ def coerce(value: Any, annotation: str) -> Any:
             return value
     elif "bool" not in kinds:
         return value
-    wanted = " or ".join(_TYPE_WORDS.get(k, "a mapping" if k.startswith("dict") else k) for k in kinds)
+    wanted = " or ".join(
+        f"one of {', '.join(map(str, choices))}"
+        if k.startswith("Literal[")
+        else _TYPE_WORDS.get(k, "a mapping" if k.startswith("dict") else k)
+        for k in kinds
+    )
     raise ValueError(f"expected {wanted}, got {value!r}")
+
+
+def _choices(annotation: str) -> list[Any]:
+    """The values of a `Literal[...]` annotation (empty for any other)."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    return [c for k in kinds if k.startswith("Literal[") for c in ast.literal_eval(k[len("Literal") :])]
 
 
 def _number(value: Any) -> int | float | None:
@@ -256,6 +266,12 @@ def _number(value: Any) -> int | float | None:
 def check(cfg: PretrainConfig) -> list[str]:
     """Field-level checks that need no files; batch arithmetic against the world size is in `batch_plan`."""
     p = []
+    for section, cls in _SECTION_CLASSES.items():  # closed sets: every Literal field
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(cfg, section), f.name)
+            if (choices := _choices(str(f.type))) and value not in choices:
+                names = [str(c) for c in choices]
+                p.append(f"{section}.{f.name} {value}: expected {', '.join(names[:-1])} or {names[-1]}")
     b, o, t = cfg.batch, cfg.optim, cfg.train
     if b.micro_batch_size < 1:
         p.append(f"batch.micro_batch_size {b.micro_batch_size}: expected 1 or more")
@@ -270,14 +286,10 @@ def check(cfg: PretrainConfig) -> list[str]:
         p.append(f"optim.min_lr {o.min_lr}: expected 0 <= min_lr <= lr ({o.lr})")
     if o.warmup_steps < 0:
         p.append("optim.warmup_steps: expected 0 or more")
-    if o.name not in ("adamw", "adamw8bit"):
-        p.append(f"optim.name {o.name}: expected adamw or adamw8bit")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append("optim.beta1/beta2: expected values in [0, 1)")
     if o.grad_clip < 0:
         p.append("optim.grad_clip: expected 0 (off) or a positive norm")
-    if t.precision not in ("bf16", "fp16", "fp32"):
-        p.append(f"train.precision {t.precision}: expected bf16, fp16 or fp32")
     for name in ("max_steps", "max_tokens"):
         if (value := getattr(t, name)) is not None and value < 1:
             p.append(f"train.{name} {value}: expected 1 or more")
@@ -289,8 +301,6 @@ def check(cfg: PretrainConfig) -> list[str]:
         p.append(f"train.peak_tflops {t.peak_tflops}: expected the card's dense bf16 TFLOP/s, e.g. 147.1")
     if t.comm_timeout_minutes <= 0:
         p.append("train.comm_timeout_minutes: expected a positive number of minutes")
-    if t.on_nonfinite not in ("stop", "skip"):
-        p.append(f"train.on_nonfinite {t.on_nonfinite}: expected stop or skip")
     if t.max_nonfinite_in_a_row < 1:
         p.append("train.max_nonfinite_in_a_row: expected 1 or more")
     if cfg.eval.interval < 1 or cfg.eval.batches < 0:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.train import checkpoint as ckpt
-from tests.conftest import STEPS
 from tests.multiproc import launch
+from tests.multiproc.conftest import STEPS
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

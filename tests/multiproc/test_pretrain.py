@@ -15,8 +15,8 @@ from pipeline.model import llama_config, resolve_shape
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import load
 from pipeline.train.schedule import lr_at
-from tests.conftest import STEPS
 from tests.multiproc import launch
+from tests.multiproc.conftest import STEPS
 
 pytestmark = pytest.mark.slow
 

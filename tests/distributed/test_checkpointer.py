@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.dist.runner import run_distributed
+from tests.distributed.runner import run_distributed
 from tests.multiproc import launch
 
 pytestmark = pytest.mark.dist

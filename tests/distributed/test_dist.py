@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.dist.runner import run_distributed
+from tests.distributed.runner import run_distributed
 
 pytestmark = pytest.mark.dist
 

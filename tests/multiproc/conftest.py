@@ -1,0 +1,27 @@
+"""Fixtures of the multi-process tests: runs through the real `deepspeed` launcher that several tests share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc import launch
+
+STEPS = 20
+
+
+@pytest.fixture(scope="session")
+def zero_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """One 20-step 2-rank run per ZeRO stage (fp32) through the deepspeed launcher, shared by several tests."""
+    runs = {}
+    base = tmp_path_factory.mktemp("zero")
+    for stage in (1, 2, 3):
+        run_dir = base / f"zero{stage}"
+        cfg = launch.write_config(
+            base / f"zero{stage}.yaml", run_dir=run_dir, shards=shards, ds_config=f"zero{stage}.json", steps=STEPS
+        )
+        out = launch.run(cfg)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        runs[stage] = run_dir
+    return runs

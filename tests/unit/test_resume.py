@@ -1,0 +1,55 @@
+"""pipeline.train.resume: which checkpoint a launch continues from, and why it may not."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.errors import PipelineError
+from pipeline.train.checkpoint import Marker
+from pipeline.train.resume import choose_resume, resume_problems
+
+TAGS = ["step00000005", "step00000010"]
+SHAPE = {"hidden_size": 64, "num_layers": 2}
+
+
+def marker(**kw: object) -> Marker:
+    m: Marker = {
+        "step": 10,
+        "consumed_samples": 80,
+        "data_fingerprint": "abc",
+        "seq_len": 64,
+        "tokenizer_sha256": "t",
+        "model_shape": SHAPE,
+        "world_size": 2,
+    }
+    m.update(kw)  # type: ignore[typeddict-item]
+    return m
+
+
+def test_resume_policy_auto_never_and_tag() -> None:
+    assert choose_resume("auto", TAGS, "runs/x") == "step00000010"
+    assert choose_resume("auto", [], "runs/x") is None
+    assert choose_resume("never", [], "runs/x") is None
+    with pytest.raises(PipelineError, match="holds checkpoints but checkpoint.resume is never"):
+        choose_resume("never", TAGS, "runs/x")
+    assert choose_resume("step00000005", TAGS, "runs/x") == "step00000005"
+    with pytest.raises(PipelineError, match="checkpoint.resume step00000007: no complete checkpoint"):
+        choose_resume("step00000007", TAGS, "runs/x")
+
+
+def test_resume_refuses_other_data_shape_or_zero_world() -> None:
+    same = dict(data_fingerprint="abc", model_shape=SHAPE, world_size=2, zero_stage=1)
+    assert resume_problems(marker(), **same) == []  # type: ignore[arg-type]
+    assert "data fingerprint xyz differs" in resume_problems(marker(), **{**same, "data_fingerprint": "xyz"})[0]  # type: ignore[arg-type]
+    assert "model shape" in resume_problems(marker(), **{**same, "model_shape": {"hidden_size": 32}})[0]  # type: ignore[arg-type]
+    # Another world size resumes (through a universal checkpoint; tests/multiproc/test_resume_world_size.py), except
+    # with the optimizer on NVMe, whose swap files the universal checkpoint does not cover.
+    assert resume_problems(marker(), **{**same, "world_size": 4}) == []  # type: ignore[arg-type]
+    assert "optimizer is on NVMe" in resume_problems(marker(), **{**same, "world_size": 4, "nvme_optimizer": True})[-1]  # type: ignore[arg-type]
+
+
+def test_resume_of_nvme_optimizer_checkpoints_is_refused_with_the_reason() -> None:
+    problems = resume_problems(
+        marker(), data_fingerprint="abc", model_shape=SHAPE, world_size=2, zero_stage=3, nvme_optimizer=True
+    )
+    assert len(problems) == 1 and "freshly initialised weights" in problems[0] and "zero3_offload.json" in problems[0]
