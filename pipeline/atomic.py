@@ -4,6 +4,7 @@ place when complete, so a reader (or a rerun after a crash) sees the old one or 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -45,7 +46,6 @@ def write_text(path: str | Path, text: str) -> None:
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    import hashlib
 
     h = hashlib.sha256()
     with open(path, "rb") as f:

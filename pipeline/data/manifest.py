@@ -7,9 +7,11 @@ disk; mypy checks every access."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, TypedDict
 
+from pipeline import __version__
 from pipeline.errors import PipelineError
 
 
@@ -129,8 +131,5 @@ def padding_id(tok: TokenizerInfo) -> int:
 
 def manifest_header(tool: str) -> dict[str, str]:
     """The fields every manifest of ours starts with: which command wrote it, in which version, when (UTC)."""
-    import time
-
-    from pipeline import __version__
 
     return {"tool": tool, "version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

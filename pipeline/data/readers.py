@@ -6,6 +6,7 @@ counted and reported by the caller with their file and line, never silently drop
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import io
@@ -154,7 +155,6 @@ def _txt(path: Path) -> Iterator[Record]:
     """One document per file, read in blocks (`last` False until its end), so that memory does not grow with the
     file. A first pass checks the UTF-8 and that there is text at all, so a bad file is one error record and no
     document is ever half written."""
-    import codecs
 
     with _open_binary(path) as f:
         decoder = codecs.getincrementaldecoder("utf-8")()

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +24,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.iface:
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = args.iface
-    from datetime import timedelta
 
     import torch
     import torch.distributed as dist

@@ -6,6 +6,7 @@ Standard library only at import time: a host whose torch or deepspeed is broken 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import json
 import os
 import resource
@@ -60,7 +61,6 @@ class Report:
 
 
 def python_and_versions(r: Report) -> None:
-    import importlib.metadata as md
 
     versions: dict[str, str | None] = {}
     for pkg in ("torch", "deepspeed", "transformers"):

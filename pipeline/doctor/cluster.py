@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,9 @@ from typing import Any
 
 from pipeline.doctor.checks import FAIL, PASS, WARN, Check, Needs, Report, run_checks
 from pipeline.errors import PipelineError
+from pipeline.plan.cluster import cluster_from_flags
+from pipeline.plan.hostfile import hostfile_facts
+from pipeline.units import parse_gbps
 
 EXPORT_PREFIXES = ("PYTHON", "MV2", "UCX", "MLFLOW", "NCCL", "GLOO", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")
 """Variables forwarded to every host: DeepSpeed's own list (runner.EXPORT_ENVS and the accelerator's) plus those
@@ -178,7 +182,6 @@ def _compare(hosts: list[str], reports: dict[str, Report]) -> None:
 def _bandwidth(
     hosts: list[str], reports: dict[str, Report], master: str, timeout: float, expected: float | None, mbytes: float
 ) -> None:
-    import socket
 
     with socket.socket() as s:  # a port for the rendezvous; free here, and very likely on the first host
         s.bind(("", 0))
@@ -338,7 +341,6 @@ def needs_for(
 ) -> tuple[Needs, str | None]:
     """What the config's run needs of each host, planned for the hostfile's cluster (its `# cluster:` facts, else
     the planner's defaults); the master port alone without a config."""
-    from pipeline.plan.cluster import cluster_from_flags
 
     if not config_path:
         return Needs(master_port=master_port), None
@@ -348,8 +350,6 @@ def needs_for(
 
 def expected_bus_bytes(hostfile: str | None) -> float | None:
     """The bytes per second the hostfile's `network=` fact promises (None when it says nothing)."""
-    from pipeline.plan.hostfile import hostfile_facts
-    from pipeline.units import parse_gbps
 
     net = hostfile_facts(hostfile).get("network") if hostfile else None
     return parse_gbps(net) * 1e9 / 8 if net else None

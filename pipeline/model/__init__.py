@@ -4,6 +4,7 @@ chunked training loss. No distributed code."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -290,7 +291,6 @@ TRANSFORMERS_NEEDED = "transformers>=5,<6"
 
 def transformers_helper(module: str, name: str) -> Any:
     """A transformers internal that model building relies on, or one clear error naming the version needed."""
-    import importlib
 
     try:
         return getattr(importlib.import_module(module), name)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.model import ModelShape
+from pipeline.model import ModelShape, resolve_shape, with_seq_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +121,6 @@ def model_shape(
     Otherwise a preset (default tiny; `overrides` change some of its fields) or, without a preset, every shape
     field explicitly; with the tokenizer's vocabulary, and `max_seq_len` raised to `seq_len` (the shards') when
     that is longer."""
-    from pipeline.model import with_seq_len
 
     shape = _configured_shape(preset, overrides, init_from, tokenizer_vocab)
     return with_seq_len(shape, seq_len) if seq_len else shape
@@ -130,7 +129,6 @@ def model_shape(
 def _configured_shape(
     preset: str | None, overrides: dict[str, Any], init_from: str | None, tokenizer_vocab: int | None
 ) -> ModelShape:
-    from pipeline.model import resolve_shape
 
     if preset is None and not overrides and init_from and config_path(init_from) is None:
         raise ConfigError(

@@ -3,10 +3,15 @@ configuration (ZeRO stage, offload, checkpointing, batch, buckets). Plain data, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import shutil
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from pipeline.plan.gpus import GPU
+from pipeline.errors import PipelineError
+from pipeline.plan.gpus import GPU, lookup
+from pipeline.plan.hostfile import hostfile_facts, parse_hostfile
+from pipeline.units import parse_gbps, parse_size
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -102,14 +107,6 @@ def cluster_from_flags(
     """The cluster the planner plans for: nodes and GPUs per node from a hostfile when given, each node's facts from
     the flags given (`flags`, keys of CLUSTER_DEFAULTS; None: not given), else the hostfile's `# cluster:` line, else
     CLUSTER_DEFAULTS; and a line saying which was which."""
-    import os
-    import shutil
-    from dataclasses import replace
-
-    from pipeline.errors import PipelineError
-    from pipeline.plan.gpus import lookup
-    from pipeline.plan.hostfile import hostfile_facts, parse_hostfile
-    from pipeline.units import parse_gbps, parse_size
 
     given = {k for k, v in flags.items() if v is not None}
     values = {**CLUSTER_DEFAULTS, **{k: flags[k] for k in given}}

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pipeline
+from pipeline.model import resolve_shape
+from pipeline.plan.cluster import cluster_from_flags
 from pipeline.plan.memory import GiB
-from pipeline.plan.search import Estimate, Plan
+from pipeline.plan.search import Estimate, Plan, search
 
 
 def _days(tokens: float, tps: float) -> str:
@@ -188,10 +191,6 @@ def reference_fits_table(
     flags: dict[str, str | None], vocab_size: int, seq_len: int, global_batch_tokens: int, mfu: float, budget: float
 ) -> str:
     """`plan --fits-table`: the README's table of presets 1b-70b on each reference hostfile."""
-    import pipeline
-    from pipeline.model import resolve_shape
-    from pipeline.plan.cluster import cluster_from_flags
-    from pipeline.plan.search import search
 
     hostfiles = Path(pipeline.__file__).resolve().parents[1] / "hostfiles"
     rows = []

@@ -14,10 +14,12 @@ not all). Anchors (H200, tests/unit/test_plan.py): see ANCHORS there.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pipeline.model import ModelShape
+from pipeline.atomic import write_json
+from pipeline.model import PRESETS, ModelShape, families, loss_chunk_tokens, resolve_shape, with_seq_len
 from pipeline.plan.cluster import Candidate, Cluster, OffloadDevice, offload_devices
 from pipeline.plan.memory import GiB, checkpoint_bytes, gpu_memory, host_memory
 
@@ -327,7 +329,6 @@ def estimate_dict(e: Estimate) -> dict[str, Any]:
 
 def trainer_loss_chunk(shape: ModelShape) -> int:
     """The chunk our trainer computes its loss in by default (pipeline.model), so the plan counts its logits."""
-    from pipeline.model import loss_chunk_tokens
 
     return loss_chunk_tokens(shape.vocab_size)
 
@@ -392,7 +393,6 @@ def _advice(shape: ModelShape, seq_len: int, c: Cluster, gbt: int, mfu: float) -
                 f"NVMe offload (ZeRO-Infinity) would fit: about {18 * psi / c.nodes / 1e12:.1f} TB of NVMe "
                 "per node (--nvme SIZE)"
             )
-    from pipeline.model import PRESETS
 
     for name, s in sorted(PRESETS.items(), key=lambda kv: -kv[1].num_params()):
         s = replace(s, vocab_size=shape.vocab_size)
@@ -455,7 +455,6 @@ def ds_config(e: Estimate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
 def planned_shape(model: str, layers: int | None, vocab_size: int, seq_len: int) -> tuple[ModelShape, str | None]:
     """`plan --model`: a preset, or a Hugging Face folder / config.json, with `layers` if given, raised to `seq_len`
     when that is longer; and a note when it was raised."""
-    from pipeline.model import families, resolve_shape, with_seq_len
 
     if families.config_path(model):
         shape = families.shape_from_config(families.read_config(model), model)
@@ -474,8 +473,5 @@ def planned_shape(model: str, layers: int | None, vocab_size: int, seq_len: int)
 def write_ds_config(e: Estimate, path: str, nvme: str | None = None) -> None:
     """`plan --write-ds-config`: the chosen configuration's DeepSpeed JSON, with `nvme` as the swap folder when it
     is one (else /local_nvme, to be edited)."""
-    import os
-
-    from pipeline.atomic import write_json
 
     write_json(path, ds_config(e, nvme if nvme and os.path.isdir(nvme) else "/local_nvme"))

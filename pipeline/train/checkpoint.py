@@ -5,15 +5,20 @@ universal form for another world size, and what a checkpoint costs on disk. Pure
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from pipeline.atomic import replacing_dir, sha256_file, write_json, write_text
 from pipeline.errors import PipelineError
+from pipeline.plan.memory import checkpoint_bytes
+from pipeline.train.ds_config import zero_stage
 
 if TYPE_CHECKING:
     from pipeline.train.prepare import Prepared
@@ -94,9 +99,6 @@ def universal(run_dir: Path, tag: str) -> tuple[str, bool]:
     """`TAG.universal`, DeepSpeed's universal form of checkpoint `tag` (optimizer states per parameter, loadable
     by any world size), converted with its own ds_to_universal once, into a temporary folder renamed when done.
     Returns (tag to load, whether it was converted now)."""
-    import contextlib
-    import io
-    from types import SimpleNamespace
 
     out = Path(run_dir) / f"{tag}{UNIVERSAL}"
     if (out / MARKER).exists():
@@ -194,8 +196,6 @@ def space_problem(run_dir: Path, per_node_bytes: float, keep_last: int) -> str |
 
 def checkpoint_size(prepared: Prepared, world_size: int, ranks_per_node: int) -> float:
     """Bytes one checkpoint puts on the busiest node (the first), by the planner's count."""
-    from pipeline.plan.memory import checkpoint_bytes
-    from pipeline.train.ds_config import zero_stage
 
     module_bytes = 4 if prepared.cfg.train.precision == "fp32" else 2
     sizes = checkpoint_bytes(prepared.shape, zero_stage(prepared.ds), world_size, ranks_per_node, module_bytes)

@@ -4,6 +4,7 @@ passed on in a `Dist`; nothing else reads them from the environment."""
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import os
 import sys
 import traceback
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from pipeline.errors import PipelineError
+from pipeline.train.ds_workarounds import release_shm_names
 
 T = TypeVar("T")
 
@@ -61,8 +63,6 @@ def init_distributed(timeout_minutes: float = 30.0) -> Dist:
     the process group, and release DeepSpeed's CPU shared-memory names once every rank has mapped them."""
     import deepspeed
     import deepspeed.comm as dist
-
-    from pipeline.train.ds_workarounds import release_shm_names
 
     device = device_for(accelerator_name(), local_rank_from_env())
     if device.type == "cuda":
@@ -120,7 +120,6 @@ def make_deterministic_on_cpu(device: torch.device) -> None:
 
 def environment(world_size: int, device: torch.device) -> dict[str, Any]:
     """What a run ran on (RUN_DIR/environment.json), so `pipeline plan --from-run` can plan the same cluster."""
-    import importlib.metadata as md
 
     local = ranks_per_node(world_size)
     info: dict[str, Any] = {

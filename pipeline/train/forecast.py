@@ -15,8 +15,9 @@ from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, loss_chunk_tokens
 from pipeline.model.families import model_shape
 from pipeline.plan.cluster import Cluster
-from pipeline.plan.gpus import capped
-from pipeline.plan.search import Estimate, Plan, candidate_from_ds, estimate, search
+from pipeline.plan.gpus import capped, lookup
+from pipeline.plan.report import describe_estimate, header
+from pipeline.plan.search import Estimate, Plan, candidate_from_ds, estimate, estimate_dict, search
 from pipeline.train.config import PretrainConfig, load
 from pipeline.train.ds_config import BatchPlan, batch_plan, load_ds_config
 
@@ -113,7 +114,6 @@ def measured(run_dir: Path, tokens_per_step: int) -> RunMeasured:
 def forecast_run(run_dir: str, cluster: Cluster | None, *, mfu: float) -> tuple[Forecast, RunMeasured, dict[str, Any]]:
     """The plan for exactly what a run ran (its resolved config and DeepSpeed JSON, on the cluster it recorded)
     beside what it measured."""
-    from pipeline.plan.gpus import lookup
     from pipeline.train.prepare import cpu_card
 
     rd = Path(run_dir)
@@ -172,7 +172,6 @@ def forecast_run(run_dir: str, cluster: Cluster | None, *, mfu: float) -> tuple[
 
 def render_config(f: Forecast, token_budget: float | None = None) -> str:
     """`pipeline plan --config`: does this run fit, with what margin, how fast, and what the search would choose."""
-    from pipeline.plan.report import describe_estimate, header
 
     e, best = f.yours, f.search.best
     lines = header(f.search) + [f"config {f.config}; seq_len {f.seq_len} from {f.seq_len_from}"]
@@ -257,7 +256,6 @@ def config_report(
 ) -> tuple[str, bool]:
     """`plan --config`: that run's plan beside what the search would choose, for people or as JSON; and whether
     it fits."""
-    from pipeline.plan.search import estimate_dict
 
     fc = forecast_config(config_path, sets, cluster, seq_len=seq_len, layers=layers, vocab_size=vocab_size, mfu=mfu)
     if not as_json:

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 from pipeline.errors import PipelineError
 from pipeline.train.config import dump, load
@@ -84,8 +85,6 @@ def run_as_script() -> None:
     except SystemExit as exit_request:  # --help, argparse errors
         code = exit_request.code if isinstance(exit_request.code, int) else 2
     except BaseException:  # noqa: B036 - report, then leave without interpreter teardown (below)
-        import traceback
-
         traceback.print_exc()
         code = 1
     exit_now(code)
