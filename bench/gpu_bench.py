@@ -233,7 +233,7 @@ def child_env(smoke: bool) -> dict[str, str]:
     if smoke:
         env["DS_ACCELERATOR"] = "cpu"
         env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions_pipeline"))
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     return env
 
 

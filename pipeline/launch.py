@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from pipeline.errors import PipelineError
+from pipeline.train.ops import use_project_cache
 
 PACKAGE = Path(__file__).resolve().parent
 
@@ -83,6 +84,7 @@ def pretrain(
         cmd += ["--set", s]
     if dry_run:
         cmd.append("--dry-run")
+    use_project_cache()  # the ranks of this machine inherit it
     click.echo("+ " + " ".join(cmd), err=True)
     return run_with_restarts(cmd, max_restarts)
 
@@ -149,6 +151,7 @@ def evaluate(cfg: Any, where: Where) -> dict[str, Any]:
         if value is not None:
             args += [flag, str(value)]
     cmd = [*where.launcher(), "--no_local_rank", "--module", "pipeline.cli", "evaluate", *args, "--launched"]
+    use_project_cache()
     click.echo("+ " + " ".join(cmd), err=True)
     code = subprocess.call(cmd, env=os.environ.copy())
     if code != 0 or not target.exists() or target.stat().st_mtime_ns == before:

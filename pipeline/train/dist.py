@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import torch
 
 from pipeline.errors import PipelineError
-from pipeline.train.ds_workarounds import release_shm_names
+from pipeline.train.ds_workarounds import memoize_cpu_info, release_shm_names
+from pipeline.train.ops import use_project_cache
 
 T = TypeVar("T")
 
@@ -64,6 +65,8 @@ def init_distributed(timeout_minutes: float = 30.0) -> Dist:
     import deepspeed
     import deepspeed.comm as dist
 
+    memoize_cpu_info()  # before DeepSpeed loads its first op
+    use_project_cache()
     device = device_for(accelerator_name(), local_rank_from_env())
     if device.type == "cuda":
         torch.cuda.set_device(device)

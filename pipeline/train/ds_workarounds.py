@@ -1,5 +1,5 @@
-"""Workarounds for two DeepSpeed behaviours on the CPU path; each says what it repairs and why. Both reach into
-DeepSpeed internals, so the resume and shared-memory tests exist to catch an upgrade that breaks them."""
+"""Workarounds for DeepSpeed behaviours; each says what it repairs and why. They reach into DeepSpeed internals, so
+the resume, shared-memory and op-loading tests exist to catch an upgrade that breaks them."""
 
 from __future__ import annotations
 
@@ -57,3 +57,16 @@ def release_shm_names(rank: int) -> None:
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if addr and port:
         Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}").unlink(missing_ok=True)
+
+
+def memoize_cpu_info() -> None:
+    """DeepSpeed's op builder asks py-cpuinfo for the CPU's architecture and SIMD width each time it loads an op
+    (the shared-memory comm op, CPU Adam, fused Adam on the CPU), and py-cpuinfo answers by starting a Python
+    subprocess: 1.1 s each, measured three times per rank at every launch (about 2.3 s before the first step on
+    this 2-core machine, and on GPU nodes for CPU Adam under offload). The CPU does not change within a process."""
+    import functools
+
+    import cpuinfo
+
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.lru_cache(maxsize=1)(cpuinfo.get_cpu_info)

@@ -51,9 +51,7 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2, tim
     base = {
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
-        "TORCH_EXTENSIONS_DIR": os.environ.get(
-            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions_pipeline")
-        ),
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")),
         # the venv's ninja first: two ninja versions rebuild each other's JIT ops otherwise
         "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
         **(env or {}),

@@ -26,7 +26,7 @@ def env() -> dict[str, str]:
     e["DS_ACCELERATOR"] = "cpu"
     # The venv's ninja first: two ninja versions rebuild each other's JIT ops otherwise.
     e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")
-    e.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions_pipeline"))
+    e.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))  # the project's op cache
     e["PYTHONUNBUFFERED"] = "1"
     e.setdefault("OMP_NUM_THREADS", "1")
     return e

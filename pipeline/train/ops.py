@@ -1,0 +1,102 @@
+"""DeepSpeed's compiled ops (fused Adam, CPU Adam, async I/O for NVMe, the CPU shared-memory all-reduce): which a
+run needs, whether they are built, and building them ahead of a launch, in parallel, with their times.
+
+DeepSpeed JIT-compiles an op the first time a process loads it (about a minute each, async_io nearly four here) and
+caches it under TORCH_EXTENSIONS_DIR. Unset, torch keeps one cache per user that every checkout and venv shares,
+and a second venv's compiler flags make it rebuild what the first built. This project keeps its own cache inside
+the venv (`sys.prefix/torch_extensions`), whatever the entry point: `pipeline`, `deepspeed pipeline/pretrain.py`
+on every node, or the tests. `python -m pipeline.train.ops` (what `make ops` runs) builds them ahead."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from pipeline.plan.cluster import offload_devices
+
+BUILDERS = {
+    "fused_adam": "FusedAdamBuilder",
+    "cpu_adam": "CPUAdamBuilder",
+    "async_io": "AsyncIOBuilder",
+    "deepspeed_shm_comm": "ShareMemCommBuilder",
+}
+"""Op name (its folder in the cache) -> DeepSpeed builder class, as the accelerator creates it."""
+
+
+def extensions_dir() -> Path:
+    """Where the ops are built and loaded from: TORCH_EXTENSIONS_DIR when set, else this venv's own folder."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions")
+
+
+def use_project_cache(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """Point TORCH_EXTENSIONS_DIR at the project's cache unless the user set it; returns the folder."""
+    environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    return environ["TORCH_EXTENSIONS_DIR"]
+
+
+def is_built(name: str) -> bool:
+    return (extensions_dir() / name / f"{name}.so").is_file()
+
+
+def needed(ds: dict[str, Any], accelerator: str, world_size: int = 1) -> list[str]:
+    """The ops a run of this DeepSpeed config loads on `accelerator`."""
+    offload = offload_devices(ds)
+    ops = ["cpu_adam"] if offload.optimizer != "none" else ["fused_adam"]
+    if offload.nvme:
+        ops.append("async_io")
+    if accelerator == "cpu" and world_size > 1:
+        ops.append("deepspeed_shm_comm")  # DeepSpeed's CPU all-reduce between the ranks of one machine
+    return ops
+
+
+def _build_one(name: str) -> tuple[str, float, str | None]:
+    """Build `name` in its own process (so several build at once); (name, seconds, error or None)."""
+    code = (
+        "from deepspeed.accelerator import get_accelerator\n"
+        f"b = get_accelerator().create_op_builder({BUILDERS[name]!r})\n"
+        "import sys\n"
+        "if b is None or not b.is_compatible(verbose=False): sys.exit(3)\n"
+        "b.load(verbose=False)\n"
+    )
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
+    started = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    seconds = time.monotonic() - started
+    if res.returncode == 3:
+        return name, seconds, "not buildable here (see `ds_report`)"
+    if res.returncode != 0:
+        return name, seconds, (res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1]
+    return name, seconds, None
+
+
+def build(names: list[str], jobs: int = 2) -> list[tuple[str, float, str | None]]:
+    """Build the ops of `names` that are not built yet, `jobs` at a time (each op compiles on one core)."""
+    use_project_cache()
+    todo = [n for n in names if not is_built(n)]
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        return list(pool.map(_build_one, todo))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ops", nargs="*", default=list(BUILDERS), help=f"ops to build (default: {', '.join(BUILDERS)})")
+    ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    ap.add_argument("--optional", nargs="*", default=["async_io"], help="ops whose failure is reported, not fatal")
+    args = ap.parse_args(argv)
+    folder = use_project_cache()
+    print(f"DeepSpeed ops in {folder}: building {', '.join(n for n in args.ops if not is_built(n)) or 'none'}")
+    failed = False
+    for name, seconds, error in build(args.ops, args.jobs):
+        print(f"  {name}: " + (f"built in {seconds:.0f} s" if error is None else f"not built ({error})"))
+        failed |= error is not None and name not in args.optional
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
