@@ -16,6 +16,15 @@ from pipeline.units import parse_gbps, parse_size
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
+def fp32_grad_accumulation(stage: int, grad_accum: int, explicit: str | None = None) -> bool:
+    """Whether a 16-bit run accumulates gradients in fp32: what `data_types.grad_accum_dtype` says, else whenever
+    there is more than one micro-step to accumulate (summing 61-122 bf16 micro-step gradients in an 8-bit mantissa
+    drops the small ones) and ZeRO is on (DeepSpeed refuses the mix without ZeRO)."""
+    if explicit is not None:
+        return explicit == "fp32"
+    return stage >= 1 and grad_accum > 1
+
+
 @dataclass(frozen=True, slots=True)
 class Cluster:
     nodes: int
@@ -47,6 +56,11 @@ class Candidate:
     max_live: float = 1e9
     sub_group: float = 1e9
     max_reuse: float | None = None  # stage3_max_reuse_distance; None: equal to max_live (what ds_config writes)
+    grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype; None: fp32_grad_accumulation's rule
+
+    @property
+    def fp32_grad_accum(self) -> bool:
+        return fp32_grad_accumulation(self.stage, self.grad_accum, self.grad_accum_dtype)
 
     def label(self) -> str:
         off = "" if self.offload_optimizer == "none" else f" + {self.offload_optimizer} offload (opt"

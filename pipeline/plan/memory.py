@@ -85,23 +85,29 @@ def deepspeed_model_states(
     return int(psi * 4 * gpus_per_node * buffer_factor), int(20 * psi)  # ZeRO-0: everything on every GPU
 
 
-def state_split(stage: int, psi: int, g: int, off_opt: bool, off_param: bool) -> dict[str, float]:
+def state_split(
+    stage: int, psi: int, g: int, off_opt: bool, off_param: bool, fp32_accum: bool = False
+) -> dict[str, float]:
     """GPU model-state bytes per GPU as a real engine holds them (checked against one in
-    tests/multiproc/test_plan_measured.py): parameters, gradients (bf16 and fp32 partitions), optimizer states."""
+    tests/multiproc/test_plan_measured.py): parameters, gradients (16-bit and fp32 partitions), optimizer states.
+    `fp32_accum` (data_types.grad_accum_dtype fp32): ZeRO-2/3 accumulate into an fp32 partition (+2 B a
+    partitioned parameter), ZeRO-1 becomes DeepSpeed's BF16_Optimizer with a whole fp32 gradient (4 B a parameter)."""
+    accum = 4 if fp32_accum else 2  # bytes of the gradient partition micro-steps accumulate into
     if stage == 3:
         return {
             "params": 0 if off_param else 2 * psi / g,
-            "grads": 0 if off_opt else 6 * psi / g,
+            "grads": 0 if off_opt else (accum + 4) * psi / g,
             "optimizer": 0 if off_opt else 12 * psi / g,
         }
     if stage == 2:
-        return {"params": 2 * psi, "grads": 0 if off_opt else 6 * psi / g, "optimizer": 0 if off_opt else 12 * psi / g}
-    if stage == 1:
         return {
             "params": 2 * psi,
-            "grads": 2 * psi + (0 if off_opt else 4 * psi / g),
+            "grads": 0 if off_opt else (accum + 4) * psi / g,
             "optimizer": 0 if off_opt else 12 * psi / g,
         }
+    if stage == 1:
+        fp32_grads = 4 * psi if fp32_accum and not off_opt else (0 if off_opt else 4 * psi / g)
+        return {"params": 2 * psi, "grads": 2 * psi + fp32_grads, "optimizer": 0 if off_opt else 12 * psi / g}
     return {"params": 2 * psi, "grads": 6 * psi, "optimizer": 12 * psi}
 
 
@@ -117,7 +123,7 @@ def gpu_memory(
     Model states and ZeRO-3's gathered layer and buffers are alive at both."""
     psi, g = shape.num_params(), c.world
     off_opt, off_par = cand.offload_optimizer != "none", cand.offload_param != "none"
-    split = state_split(cand.stage, psi, g, off_opt, off_par)
+    split = state_split(cand.stage, psi, g, off_opt, off_par, cand.fp32_grad_accum)
     act = activation_bytes(shape, seq_len, cand.micro_batch_size, cand.activation_checkpointing, loss_chunk_tokens)
     largest = shape.largest_layer_params()
     if cand.stage == 3:
@@ -171,7 +177,7 @@ def host_memory(shape: ModelShape, c: Cluster, cand: Candidate) -> dict[str, flo
     subgroups = max(1, math.ceil(part / cand.sub_group))
     if cand.offload_optimizer == "cpu":
         if cand.stage == 3:
-            pin += pinned(2 * part)  # bf16 gradient accumulation
+            pin += pinned((4 if cand.fp32_grad_accum else 2) * part)  # gradient accumulation buffer
             pin += pinned(4 * part, subgroups)  # fp32 gradients per sub-group
             pageable += 12 * part  # fp32 master, Adam m and v
         else:

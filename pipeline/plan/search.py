@@ -237,6 +237,7 @@ def candidate_from_ds(
         num("stage3_max_live_parameters", 1e9),
         num("sub_group_size", 1e9),
         num("stage3_max_reuse_distance", 1e9),
+        (ds.get("data_types") or {}).get("grad_accum_dtype"),
     )
 
 

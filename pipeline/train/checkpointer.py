@@ -75,6 +75,7 @@ class Checkpointer:
             world_size=run.dist.world_size,
             zero_stage=zero_stage(ds),
             nvme_optimizer=offload_devices(ds).optimizer == "nvme",
+            optimizer=run.cfg.optim.name,
         )
         if problems:
             raise PipelineError(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError
+from pipeline.plan.cluster import fp32_grad_accumulation
 from pipeline.plan.cluster import offload_devices  # re-exported: the doctor reads DeepSpeed JSON through train
 from pipeline.train.config import PretrainConfig
 
@@ -93,6 +94,9 @@ def resolve(
     p += unsupported(ds, cfg, accelerator)
     if p:
         raise ConfigError(p + [SUPPORTED_MATRIX], source)
+    explicit = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    if cfg.train.precision != "fp32" and fp32_grad_accumulation(zero_stage(ds), plan.grad_accum, explicit):
+        ds.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     if cfg.train.precision == "bf16" and zero_stage(ds) in (1, 2):
         # DeepSpeed's ZeRO-1/2 skip an update whose gradient norm is not finite (fp32 and fp16 always, ZeRO-3 in
         # every precision) but apply it in bf16 unless told to check: a NaN would then reach the weights.

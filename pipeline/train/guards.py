@@ -75,19 +75,28 @@ class Watchdog:
 class NonFinite:
     """`train.on_nonfinite`. DeepSpeed does not apply an update whose gradient norm is not finite (ZeRO 1-3; it
     counts it in `skipped_steps`, the same on every rank), so the weights stay good; this decides what the run
-    does about it, from values every rank has (the all-reduced loss and the skip count), so all ranks agree."""
+    does about it, from values every rank has (the all-reduced loss and the skip count), so all ranks agree.
 
-    def __init__(self, cfg: PretrainConfig, plan: BatchPlan, engine: Any, rank: int, train_samples: int):
-        self.cfg, self.plan, self.engine, self.rank, self.train_samples = cfg, plan, engine, rank, train_samples
-        self.skipped_before = int(getattr(engine, "skipped_steps", 0))
+    fp16 is the exception: dynamic loss scaling overflows by design (it doubles the scale after a run of clean
+    steps until one overflows, then skips that step and halves it), so there a skipped update with a finite loss is
+    the loss scaler at work and counts for nothing; a non-finite loss still does."""
+
+    def __init__(self, cfg: PretrainConfig, plan: BatchPlan, rank: int, train_samples: int, skipped_steps: int = 0):
+        self.cfg, self.plan, self.rank, self.train_samples = cfg, plan, rank, train_samples
+        self.skipped_before = skipped_steps
         self.in_a_row = 0
         self.total = 0
+        self.overflows = 0
+        """fp16 loss-scale overflows seen in this launch (normal; logged in metrics as skipped_steps)."""
 
-    def check(self, loss: float, state: TrainState, run_dir: Path) -> None:
-        """After each step, with the loss every rank agrees on: stop (raise) or count and log a dropped update."""
-        skipped = int(getattr(self.engine, "skipped_steps", 0))
-        dropped = skipped > self.skipped_before
-        self.skipped_before = skipped
+    def check(self, loss: float, skipped_steps: int, state: TrainState, run_dir: Path) -> None:
+        """After each step, with the loss every rank agrees on and DeepSpeed's count of skipped updates: stop
+        (raise) or count and log a dropped update."""
+        dropped = skipped_steps > self.skipped_before
+        self.skipped_before = skipped_steps
+        if dropped and math.isfinite(loss) and self.cfg.train.precision == "fp16":
+            self.overflows += 1  # the loss scaler found an overflow and lowered the scale: by design
+            dropped = False
         if math.isfinite(loss) and not dropped:
             self.in_a_row = 0
             return

@@ -83,7 +83,10 @@ class Trainer:
         if rank == 0:
             write_text(run.run_dir / "config.yaml", dump(cfg))
             write_json(run.run_dir / "ds_config.json", run.ds)
-            write_json(run.run_dir / "environment.json", environment(run.dist.world_size, run.dist.device))
+            env = environment(run.dist.world_size, run.dist.device)
+            env["optimizer"] = type(self.engine.optimizer).__name__  # which of DeepSpeed's it chose
+            env["grad_accum_dtype"] = (run.ds.get("data_types") or {}).get("grad_accum_dtype") or "model dtype"
+            write_json(run.run_dir / "environment.json", env)
         self.max_steps = max_steps_for(cfg, run.plan)
         self.sink = MetricsSink(
             run.run_dir,
@@ -112,7 +115,7 @@ class Trainer:
         stop = StopFlag()
         logger = StepLogger(run, engine, self.sink, state.step, self.max_steps)
         validator = Validator(run, self.val_data, self.sink, self.max_steps)
-        nonfinite = NonFinite(run.cfg, plan, engine, rank, len(self.train_data))
+        nonfinite = NonFinite(run.cfg, plan, rank, len(self.train_data), int(engine.skipped_steps))
         self.watchdog.start()
         engine.train()
         trained, loss = False, float("nan")
@@ -124,7 +127,7 @@ class Trainer:
             state.consumed_samples += plan.global_batch_size
             loss, stopping = self._agree(step_loss, stop.requested)
             self.watchdog.beat()
-            nonfinite.check(loss, state, run.run_dir)
+            nonfinite.check(loss, int(engine.skipped_steps), state, run.run_dir)
             trained = True
             logger.maybe_log(state, loss=loss, lr=lr)
             validator.maybe_run(engine, state)

@@ -32,6 +32,7 @@ def resume_problems(
     world_size: int,
     zero_stage: int,
     nvme_optimizer: bool = False,
+    optimizer: str = "adamw",
 ) -> list[str]:
     """Why this launch cannot continue the checkpoint described by `marker` (empty: it can)."""
     problems = []
@@ -56,5 +57,14 @@ def resume_problems(
         problems.append(
             f"world size {world_size} differs from the checkpoint's {marker['world_size']} and the "
             "optimizer is on NVMe; DeepSpeed's universal checkpoint does not cover NVMe swap files"
+        )
+    if marker["world_size"] != world_size and optimizer == "adamw8bit" and zero_stage > 0:
+        # DeepSpeed's ds_to_universal reads exp_avg/exp_avg_sq by name; bitsandbytes keeps state1/state2 and
+        # blockwise absmax over the flat ZeRO partition, which cannot be re-split per parameter anyway.
+        problems.append(
+            f"world size {world_size} differs from the checkpoint's {marker['world_size']} and optim.name is "
+            "adamw8bit: DeepSpeed's universal checkpoint cannot re-partition bitsandbytes' 8-bit states. Resume "
+            f"on {marker['world_size']} ranks, or export the weights (pipeline export) and start a new run_dir "
+            "from them with model.init_from (the optimizer states start afresh)"
         )
     return problems

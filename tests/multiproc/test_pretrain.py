@@ -271,3 +271,41 @@ def test_planner_written_configs_train(shards: Path, tmp_path: Path) -> None:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert ckpt.latest_complete(run_dir) == "step00000003"
         assert json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] == 8
+
+
+@pytest.mark.parametrize("stage, optimizer", [(1, "BF16_Optimizer"), (3, "DeepSpeedZeroOptimizer_Stage3")])
+def test_bf16_runs_accumulate_gradients_in_fp32_train_resume_and_evaluate(
+    shards: Path, tmp_path: Path, stage: int, optimizer: str
+) -> None:
+    """With gradient accumulation (micro 2 x 2 ranks x GA 2) a bf16 run sums its micro-step gradients in fp32
+    (data_types.grad_accum_dtype), which under ZeRO-1 is DeepSpeed's BF16_Optimizer: it trains, resumes from its
+    checkpoint with the uninterrupted losses, and evaluates."""
+    import shutil
+
+    from pipeline.evaluate.run import EvalConfig
+    from pipeline.evaluate.run import run as evaluate_run
+
+    run_dir = tmp_path / "run"
+    cfg = launch.write_config(tmp_path / "b.yaml", run_dir=run_dir, shards=shards, ds_config=f"zero{stage}.json",
+                              steps=6, ckpt_interval=3)  # fmt: skip
+    sets = ("train.precision=bf16",)
+    out = launch.run(cfg, sets=sets)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    env = json.loads((run_dir / "environment.json").read_text())
+    assert ds["gradient_accumulation_steps"] == 2 and ds["data_types"]["grad_accum_dtype"] == "fp32"
+    assert env["optimizer"] == optimizer and env["grad_accum_dtype"] == "fp32", env
+    got = launch.losses(run_dir)
+    assert got[6] < got[1] - 0.2, got
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "step00000006")
+    cfg2 = launch.write_config(tmp_path / "b2.yaml", run_dir=resumed, shards=shards, ds_config=f"zero{stage}.json",
+                               steps=6, ckpt_interval=3)  # fmt: skip
+    out = launch.run(cfg2, sets=sets)
+    assert out.returncode == 0 and "resumed from" in out.stdout + out.stderr, out.stderr[-3000:]
+    again = launch.losses(resumed)
+    assert [again[s] for s in (4, 5, 6)] == [got[s] for s in (4, 5, 6)]
+    res = evaluate_run(EvalConfig(checkpoint=str(run_dir), max_batches=2, max_new_tokens=4,
+                                  output=str(tmp_path / "e.json")))  # fmt: skip
+    assert res["tokens"] > 0 and res["loss"] < got[1]

@@ -77,7 +77,9 @@ def test_llama2_70b_fits_the_seed_cluster_below_the_compute_ceiling() -> None:
     assert p.best.ceiling_tokens_per_s == pytest.approx(2647, rel=0.01)  # 8 x 147.1 TF / 4.45e11 FLOP/token
     assert p.best.tokens_per_s < 2647 and p.best.mfu < 0.40
     assert p.best.gpu["reserved"] + p.best.gpu["margin"] <= 23.6 * 2**30 and p.best.host["total"] <= 0.8 * 512e9
-    assert p.best.host["total"] / 1e9 == pytest.approx(225, rel=0.05)  # DeepSpeed's estimator says 233 (+6 process)
+    # 225 GB with a bf16 accumulation buffer (DeepSpeed's estimator says 233 + 6 for the process); the fp32 buffer
+    # of GA 61 doubles it: 8.6B partitioned parameters, 17.2 -> 34.4 GB, pinned and rounded from 32 to 64 GiB.
+    assert p.best.host["total"] / 1e9 == pytest.approx(225 + 34.4, rel=0.05)
 
 
 @settings(max_examples=40, deadline=None)

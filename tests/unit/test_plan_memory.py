@@ -14,7 +14,7 @@ from pipeline.cli import main
 from pipeline.model import PRESETS, ModelShape
 from pipeline.plan.cluster import Candidate, Cluster
 from pipeline.plan.gpus import GPUS
-from pipeline.plan.memory import activation_bytes, layer_activation_bytes_per_token, pinned
+from pipeline.plan.memory import activation_bytes, layer_activation_bytes_per_token, pinned, state_split
 from pipeline.plan.search import choose, estimate, search
 
 GiB = 2**30
@@ -76,7 +76,7 @@ def test_pinned_buffers_round_up_to_powers_of_two() -> None:
 def test_host_ram_70b_refused_on_4x4_and_accepted_on_8x1() -> None:
     """ZeRO-3 offload of 70B: 465 GB per 512 GB node on 4 nodes x 4 cards (DeepSpeed's estimator: 466 + the
     processes), above the 80% limit; 225 GB per node on 8 x 1."""
-    offload = Candidate(3, "cpu", "cpu", True, 1, 61, 1e8, 1e8, 3e8, 1e8)
+    offload = Candidate(3, "cpu", "cpu", True, 1, 61, 1e8, 1e8, 3e8, 1e8, grad_accum_dtype="bf16")
     e = estimate(PRESETS["70b"], 4096, FOUR_BY_FOUR, offload)
     assert e.host["total"] / 1e9 == pytest.approx(465, rel=0.03) and not e.fits
     assert any("host RAM 465 GB per node > 80% of 512 GB" in w for w in e.why_not)
@@ -85,6 +85,21 @@ def test_host_ram_70b_refused_on_4x4_and_accepted_on_8x1() -> None:
     assert best is None or (best.candidate.offload_param == "none" and best.host["total"] <= 0.8 * 512e9)
     eight = estimate(PRESETS["70b"], 4096, SEED, replace(offload, grad_accum=122))
     assert eight.host["total"] / 1e9 == pytest.approx(225, rel=0.03) and eight.fits
+
+
+def test_fp32_gradient_accumulation_is_counted_where_deepspeed_allocates_it() -> None:
+    """ZeRO-3 offload: the pinned accumulation buffer doubles (70B on 8 x 1: 8.6B parameters a rank, 17.2 -> 34.4 GB,
+    rounded by torch's pinned allocator to 32 -> 64 GiB). ZeRO-2/3 on the GPU: +2 B a partitioned parameter.
+    ZeRO-1: DeepSpeed's BF16_Optimizer keeps a whole fp32 gradient (+4 B a parameter, less the partition)."""
+    offload = Candidate(3, "cpu", "cpu", True, 1, 122, 1e8, 1e8, 3e8, 1e8)
+    assert offload.fp32_grad_accum and not replace(offload, grad_accum=1).fp32_grad_accum
+    fp32 = estimate(PRESETS["70b"], 4096, SEED, offload).host["pinned"]
+    bf16 = estimate(PRESETS["70b"], 4096, SEED, replace(offload, grad_accum_dtype="bf16")).host["pinned"]
+    assert (fp32 - bf16) / 2**30 == pytest.approx(32.0)  # per node, one rank per node
+    psi, g = PRESETS["1b"].num_params(), 8
+    for stage, extra in ((3, 2 * psi / g), (2, 2 * psi / g), (1, 4 * psi - 4 * psi / g)):
+        accum = state_split(stage, psi, g, False, False, fp32_accum=True)["grads"]
+        assert accum - state_split(stage, psi, g, False, False)["grads"] == pytest.approx(extra)
 
 
 def test_every_accepted_plan_keeps_the_stated_margin() -> None:

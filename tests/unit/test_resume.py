@@ -53,3 +53,11 @@ def test_resume_of_nvme_optimizer_checkpoints_is_refused_with_the_reason() -> No
         marker(), data_fingerprint="abc", model_shape=SHAPE, world_size=2, zero_stage=3, nvme_optimizer=True
     )
     assert len(problems) == 1 and "freshly initialised weights" in problems[0] and "zero3_offload.json" in problems[0]
+
+
+def test_adamw8bit_is_refused_on_another_world_size_before_any_conversion() -> None:
+    same = dict(data_fingerprint="abc", model_shape=SHAPE, zero_stage=2, optimizer="adamw8bit")
+    assert resume_problems(marker(), world_size=2, **same) == []  # type: ignore[arg-type]
+    problems = resume_problems(marker(), world_size=4, **same)  # type: ignore[arg-type]
+    assert len(problems) == 1 and "adamw8bit" in problems[0] and "Resume on 2 ranks" in problems[0]
+    assert "model.init_from" in problems[0]
