@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError
-from pipeline.plan.cluster import fp32_grad_accumulation
-from pipeline.plan.cluster import offload_devices  # re-exported: the doctor reads DeepSpeed JSON through train
+from pipeline.plan.cluster import fp32_grad_accumulation, offload_devices  # offload_devices: the doctor's too
 from pipeline.train.config import PretrainConfig
 
 
