@@ -11,12 +11,14 @@ import json
 import logging
 import re
 import shutil
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from pipeline.atomic import replacing_dir, sha256_file, write_json, write_text
 from pipeline.errors import PipelineError
+from pipeline.train import faults
 from pipeline.plan.memory import checkpoint_bytes
 from pipeline.train.ds_config import zero_stage
 
@@ -105,6 +107,8 @@ def universal(run_dir: Path, tag: str) -> tuple[str, bool]:
         return out.name, False
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+    if slow := faults.seconds("SLOW_CONVERSION"):
+        time.sleep(slow)
     with replacing_dir(out) as tmp:
         args = SimpleNamespace(
             input_folder=str(Path(run_dir) / tag),

@@ -85,7 +85,8 @@ class Checkpointer:
         if marker["world_size"] != run.dist.world_size and zero_stage(ds) > 0:
             # Another world size: DeepSpeed's universal checkpoint re-partitions the optimizer states. Rank 0
             # converts once (kept beside the checkpoint for the next launch); the engine loads it with load_universal.
-            load_tag = on_rank0(lambda: self._universal(tag))
+            timeout_s = run.cfg.train.comm_timeout_minutes * 60
+            load_tag = on_rank0(lambda: self._universal(tag), heartbeat_s=min(60.0, timeout_s / 4))
             ds = {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
         self.engine = build_engine(ds)
         self.engine.load_checkpoint(

@@ -87,8 +87,9 @@ class TrainSection:
     peak_tflops: float | None = None
     """The card's dense bf16 peak for MFU, for a GPU the table does not know (null: from the table by name)."""
     comm_timeout_minutes: float = 30.0
-    """How long a rank waits for the others (a collective, or a step that makes no progress because a peer hung)
-    before the run fails; the launch then exits instead of hanging."""
+    """How long a rank may go without progress before the run fails instead of hanging: a progress is a
+    micro-step, a validation batch, a checkpoint write, or (while rank 0 converts a checkpoint for another world
+    size) its heartbeat. A step may take hours; a peer that hangs ends the launch within this time."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm. stop: halt at that step, name its samples, save nothing (the last good
     checkpoint stays the latest). skip: DeepSpeed drops that update; counted and logged."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,29 +78,51 @@ def init_distributed(timeout_minutes: float = 30.0) -> Dist:
     return Dist(rank, world, device)
 
 
-def on_rank0(fn: Callable[[], T]) -> T:
+def on_rank0(fn: Callable[[], T], *, heartbeat_s: float | None = None) -> T:
     """`fn()` run on rank 0 alone, its value returned on every rank. A PipelineError it raises is raised on every
     rank with the same message; any other exception is re-raised on rank 0 and reported on the others, so that no
-    rank is left waiting for an answer. Without a process group (one process) it is `fn()`."""
+    rank is left waiting for an answer. Without a process group (one process) it is `fn()`.
+
+    `heartbeat_s`: `fn` may take longer than a collective may wait (the process group's timeout: a universal
+    conversion of a 70B checkpoint reads and writes terabytes). Rank 0 then runs it in a thread and every rank
+    meets in a small broadcast every `heartbeat_s` until it is done, so the others wait without timing out while
+    rank 0 works, and still fail within the timeout if rank 0 itself stops answering."""
     import torch.distributed as tdist
 
     if not tdist.is_initialized():
         return fn()
     box: list[Any] = [None, None, None]  # value, user error, internal error
-    caught: BaseException | None = None
-    if tdist.get_rank() == 0:
+    caught: list[BaseException] = []
+
+    def run() -> None:
         try:
             box[0] = fn()
         except PipelineError as e:
             box[1] = str(e)
         except BaseException as e:  # noqa: BLE001 - every rank must hear of it, then rank 0 re-raises it
-            caught = e
+            caught.append(e)
             box[2] = "".join(traceback.format_exception_only(type(e), e)).strip()
+
+    rank0 = tdist.get_rank() == 0
+    if heartbeat_s is None:
+        if rank0:
+            run()
+    else:
+        worker = threading.Thread(target=run, name="pipeline-on-rank0", daemon=True)
+        if rank0:
+            worker.start()
+        while True:
+            if rank0:
+                worker.join(heartbeat_s)
+            done = [not worker.is_alive()] if rank0 else [False]
+            tdist.broadcast_object_list(done, src=0)
+            if done[0]:
+                break
     tdist.broadcast_object_list(box, src=0)
     if box[1] is not None:
         raise PipelineError(box[1])
-    if caught is not None:
-        raise caught
+    if caught:
+        raise caught[0]
     if box[2] is not None:
         raise RuntimeError(f"rank 0 failed while deciding for every rank: {box[2]}")
     return box[0]  # type: ignore[no-any-return]

@@ -5,6 +5,8 @@ so the recovery paths run for real (a SIGKILL is a SIGKILL; a full disk is an OS
   PIPELINE_FAULT_KILL_IN_SAVE=N       the last rank SIGKILLs itself in the save of step N, after its first file
   PIPELINE_FAULT_ENOSPC_IN_SAVE=N     the last rank's writes in the save of step N fail with ENOSPC
   PIPELINE_FAULT_NONFINITE_AT_STEP=N  rank 0's loss at step N is NaN
+  PIPELINE_FAULT_SLOW_MICRO_STEP=S    every rank sleeps S seconds in each training micro-step (a long step)
+  PIPELINE_FAULT_SLOW_CONVERSION=S    rank 0 sleeps S seconds inside the universal-checkpoint conversion
   PIPELINE_FAULT_ONCE=PATH            each fault fires once: PATH is created when one fires, none fires while it exists
 """
 
@@ -33,3 +35,8 @@ def fired() -> None:
 def kill_self() -> None:
     fired()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def seconds(name: str) -> float:
+    """The duration a slowness switch asks for (0 when unset)."""
+    return float(os.environ.get(f"PIPELINE_FAULT_{name}") or 0)

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class Watchdog:
-    """Exits this rank when no step finishes within `timeout_s` (train.comm_timeout_minutes): a peer that hangs
+    """Exits this rank when it makes no progress (a micro-step, a validation batch) within `timeout_s`
+    (train.comm_timeout_minutes): a peer that hangs
     (SIGSTOP, a stuck driver) leaves the others waiting in a collective that may never time out (DeepSpeed's CPU
     shared-memory all-reduce spins), so the launch would hang forever. Exiting makes the launcher stop every rank
     and the launch fail. Saves are long and legitimate: the watchdog is paused around them."""
@@ -63,7 +64,7 @@ class Watchdog:
             idle = time.monotonic() - self._last
             if not self._paused and idle > self.timeout_s:
                 print(
-                    f"error: rank {self.rank}: no training step finished for {idle:.0f} s "
+                    f"error: rank {self.rank}: no training step finished for {idle:.0f} s, not even a micro-step "
                     f"(train.comm_timeout_minutes {self.timeout_s / 60:g}); another rank has hung or died. "
                     "Exiting so that the launch fails instead of hanging; resume with the same command",
                     file=sys.stderr,

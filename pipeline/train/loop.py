@@ -45,7 +45,9 @@ def train(prepared: Prepared) -> int:
     import torch.distributed as tdist
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    run = Run.on(prepared, init_distributed(prepared.cfg.train.comm_timeout_minutes))
+    # The watchdog ends a rank that makes no progress within train.comm_timeout_minutes, with a message that says so;
+    # a collective may wait twice that before it raises, so the watchdog always speaks first.
+    run = Run.on(prepared, init_distributed(2 * prepared.cfg.train.comm_timeout_minutes))
     make_deterministic_on_cpu(run.dist.device)
     apply_memory_cap(run.dist.device, run.cfg.train.gpu_memory_cap_gib)
     trainer = Trainer(run)
@@ -114,7 +116,7 @@ class Trainer:
         )
         stop = StopFlag()
         logger = StepLogger(run, engine, self.sink, state.step, self.max_steps)
-        validator = Validator(run, self.val_data, self.sink, self.max_steps)
+        validator = Validator(run, self.val_data, self.sink, self.max_steps, progress=self.watchdog.beat)
         nonfinite = NonFinite(run.cfg, plan, rank, len(self.train_data), int(engine.skipped_steps))
         self.watchdog.start()
         engine.train()
@@ -122,7 +124,9 @@ class Trainer:
         while state.step < self.max_steps:
             lr = lr_at(state.step, run.cfg, self.max_steps)
             poison = rank == 0 and faults.armed("NONFINITE_AT_STEP", state.step + 1)
-            step_loss = train_step(engine, batches, plan.grad_accum, lr, device, poison=poison)
+            step_loss = train_step(
+                engine, batches, plan.grad_accum, lr, device, poison=poison, progress=self.watchdog.beat
+            )
             state.step += 1
             state.consumed_samples += plan.global_batch_size
             loss, stopping = self._agree(step_loss, stop.requested)

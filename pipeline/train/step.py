@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from pipeline.model import token_losses
+from pipeline.train import faults
 
 
 def reduce_token_losses(per_token: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -48,6 +50,7 @@ def train_step(
     lr: float,
     device: torch.device,
     poison: bool = False,
+    progress: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Set the learning rate, run `grad_accum` micro-steps (forward, backward, DeepSpeed's step, which applies
     the update at the accumulation boundary) and return the mean per-token loss as a float64 device tensor.
@@ -55,11 +58,16 @@ def train_step(
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    slow = faults.seconds("SLOW_MICRO_STEP")
     for i in range(grad_accum):
+        if slow:
+            time.sleep(slow)
         loss, total, tokens = micro_step_loss(engine, next(batches), device)
         if poison and i == 0:
             loss, total = loss * float("nan"), total * float("nan")
         engine.backward(loss)
         engine.step()
         loss_sum += total / max(tokens, 1)
+        if progress is not None:
+            progress()  # a long step of many micro-steps is progress, not a hang (the watchdog)
     return loss_sum / grad_accum

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,8 +24,15 @@ log = logging.getLogger(__name__)
 class Validator:
     """Runs the validation pass when it is due; off when the shards have no val split or `eval.batches` is 0."""
 
-    def __init__(self, run: Run, val_data: ShardedDataset | None, sink: MetricsSink, max_steps: int):
-        self.run, self.val_data, self.sink, self.max_steps = run, val_data, sink, max_steps
+    def __init__(
+        self,
+        run: Run,
+        val_data: ShardedDataset | None,
+        sink: MetricsSink,
+        max_steps: int,
+        progress: Callable[[], None] | None = None,
+    ):
+        self.run, self.val_data, self.sink, self.max_steps, self.progress = run, val_data, sink, max_steps, progress
 
     def maybe_run(self, engine: Any, state: TrainState) -> None:
         cfg = self.run.cfg.eval
@@ -32,14 +40,14 @@ class Validator:
             return
         if state.step % cfg.interval and state.step != self.max_steps:
             return
-        val_loss = validate(engine, self.val_data, self.run)
+        val_loss = validate(engine, self.val_data, self.run, self.progress)
         if self.run.dist.rank == 0:
             log.info("step %d | val loss %.4f | val ppl %.2f", state.step, val_loss, math.exp(min(val_loss, 50)))
         self.sink.emit({"step": state.step, "val_loss": val_loss})
 
 
 @torch.no_grad()
-def validate(engine: Any, val_data: ShardedDataset, run: Run) -> float:
+def validate(engine: Any, val_data: ShardedDataset, run: Run, progress: Callable[[], None] | None = None) -> float:
     """Mean token loss over the first `eval.batches` micro-batches per rank of the val split (fixed order)."""
     import deepspeed.comm as dist
 
@@ -51,6 +59,8 @@ def validate(engine: Any, val_data: ShardedDataset, run: Run) -> float:
         _, loss_total, tokens = micro_step_loss(engine, collate_samples(val_data, next(it)), device)
         totals[0] += loss_total
         totals[1] += tokens
+        if progress is not None:
+            progress()
     dist.all_reduce(totals)
     engine.train()
     return float(totals[0] / totals[1].clamp(min=1))

@@ -153,3 +153,31 @@ def test_a_hung_rank_fails_the_launch_instead_of_hanging(shards: Path, tmp_path:
             launch.kill_group(proc)
         except ProcessLookupError:
             pass
+
+
+def test_optimizer_steps_longer_than_the_timeout_finish(shards: Path, tmp_path: Path) -> None:
+    """A step of many micro-steps (70B on 8 x 4090D: 61 of them, 1.5-2 hours) is progress, not a hang: here each
+    micro-step sleeps 2 s, GA 4 makes a step of 8 s, and train.comm_timeout_minutes is 0.1 (6 s)."""
+    run_dir = tmp_path / "run"
+    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=2,
+                              micro=1, global_batch=8, ckpt_interval=2)  # fmt: skip
+    out = launch.run(cfg, sets=("train.comm_timeout_minutes=0.1",), extra_env={"PIPELINE_FAULT_SLOW_MICRO_STEP": "2"})
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert sorted(launch.losses(run_dir)) == [1, 2] and "no training step finished" not in log
+
+
+def test_a_conversion_longer_than_the_timeout_resumes(shards: Path, tmp_path: Path) -> None:
+    """Resuming 70B on another world size converts about 3 TB to the universal form while the other ranks wait:
+    that wait is not a hang. Here the conversion takes 25 s more and train.comm_timeout_minutes is 0.25 (15 s)."""
+    run_dir = tmp_path / "run"
+    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json", steps=6,
+                              ckpt_interval=3)  # fmt: skip
+    sets = ("train.comm_timeout_minutes=0.25",)
+    first = launch.run(cfg, num_gpus=1, sets=sets, extra_env={"PIPELINE_FAULT_KILL_AT_STEP": "4"})
+    assert first.returncode != 0 and ckpt.latest_complete(run_dir) == "step00000003"
+    out = launch.run(cfg, num_gpus=2, sets=sets, extra_env={"PIPELINE_FAULT_SLOW_CONVERSION": "25"})
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert "through the universal checkpoint step00000003.universal" in log
+    assert sorted(launch.losses(run_dir)) == list(range(1, 7))
