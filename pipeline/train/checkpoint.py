@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from pipeline.atomic import replacing_dir, sha256_file, write_json, write_text
 from pipeline.errors import PipelineError
-from pipeline.train import faults
 from pipeline.plan.memory import checkpoint_bytes
+from pipeline.train import faults
 from pipeline.train.ds_config import zero_stage
 
 if TYPE_CHECKING:
