@@ -61,11 +61,14 @@ format: install
 	$(BIN)/ruff format pipeline tests bench
 	$(BIN)/ruff check --fix pipeline tests bench
 
-# The whole pipeline on the bundled Shakespeare corpus, on the CPU, through the deepspeed launcher (2 ranks).
+# The whole pipeline on the bundled Shakespeare corpus, through the deepspeed launcher, on what this machine has.
 # Each stage runs when its input is newer than its output, so a second `make demo` resumes the run (finished:
 # it evaluates again) instead of re-tokenizing into shards that the run would refuse as other data.
+# Ranks for the demo: two CPU processes on a CPU machine, one per GPU (at most two) on a GPU machine.
+DEMO_RANKS ?= $(shell $(BIN)/python -c "import torch; n = torch.cuda.device_count(); print(min(n, 2) or 2)" 2>/dev/null || echo 2)
+
 demo: data/shards-256/manifest.json
-	OMP_NUM_THREADS=1 $(BIN)/pipeline pretrain --config configs/demo.yaml --num-gpus 2
+	OMP_NUM_THREADS=1 $(BIN)/pipeline pretrain --config configs/demo.yaml --num-gpus $(DEMO_RANKS)
 	$(MAKE) eval CKPT=$(RUN)
 
 data: data/shakespeare.jsonl

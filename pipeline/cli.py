@@ -489,6 +489,7 @@ def doctor(
 
     from pipeline.doctor import cluster as doc
     from pipeline.plan.hostfile import hostfile_hosts
+    from pipeline.train.env import env_file_paths
 
     hosts = [h for h, _ in hostfile_hosts(hostfile)] if hostfile else None
     needs, note = doc.needs_for(config_path, list(sets), hostfile, master_port)
@@ -500,7 +501,7 @@ def doctor(
     else:
         click.echo(doc.table(reports))
     if write_env:
-        target = doc.env_file_paths()[-1]
+        target = env_file_paths()[-1]
         for note in doc.write_env(Path(target), doc.env_findings(reports)) or ["nothing to add"]:
             click.echo(f"{target}: {note}", err=True)
     sys.exit(1 if doc.failed(reports) else 0)

@@ -44,6 +44,13 @@ class Where:
             return sum(slots), max(slots)
         return self.num_gpus, self.num_gpus
 
+    def check_local_gpus(self) -> None:
+        """Refuse more local ranks than GPUs (on a GPU machine; CPU ranks are processes, any number)."""
+        from pipeline.train.dist import accelerator_name, local_ranks_problem, visible_gpus
+
+        if not self.hostfile and (problem := local_ranks_problem(self.num_gpus, accelerator_name(), visible_gpus())):
+            raise PipelineError(problem)
+
     def launcher(self) -> list[str]:
         """`deepspeed [--hostfile H | --num_gpus N] [--master_port P]`, the launcher of this environment."""
         found = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
@@ -70,6 +77,7 @@ def pretrain(
     from pipeline.train.prepare import prepare
 
     cfg = load(config_path, sets)
+    where.check_local_gpus()
     world, per_node = where.world_size()
     prepared = None
     if world is not None:
@@ -142,6 +150,7 @@ def evaluate(cfg: Any, where: Where) -> dict[str, Any]:
     launcher (ZeRO-3, pipeline.evaluate.distributed); rank 0 writes the results file, read back here."""
     from pipeline.evaluate import run as stage
 
+    where.check_local_gpus()
     inputs = stage.open_inputs(cfg)  # bad input fails here, in a second, before any rank starts
     target = stage.result_path(cfg, inputs.run)
     before = target.stat().st_mtime_ns if target.exists() else None

@@ -124,13 +124,15 @@ def accelerator(r: Report) -> bool:
         r.add("accelerator", FAIL, f"torch does not import: {e}", "reinstall torch")
         return False
     if not torch.cuda.is_available():
+        from pipeline.train.dist import unusable_gpu
+
         r.facts["gpus"] = []
-        r.add(
-            "accelerator",
-            WARN,
-            "no GPU visible to torch: ranks here would run on the CPU",
-            "install the NVIDIA driver and a CUDA build of torch (make install TORCH_SPEC=...)",
-        )
+        if problem := unusable_gpu():  # a GPU torch cannot use: `pipeline pretrain` refuses to train on the CPU
+            r.add(
+                "accelerator", FAIL, problem.split(". Install")[0], "install a CUDA build of torch the driver supports"
+            )
+        else:
+            r.add("accelerator", WARN, "no GPU here: ranks would run on the CPU", "fine for tests; train on GPUs")
         return False
     gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
     r.facts["gpus"] = [{"name": g.name, "memory_bytes": g.total_memory} for g in gpus]

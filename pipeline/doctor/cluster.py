@@ -22,6 +22,7 @@ from pipeline.doctor.checks import FAIL, PASS, WARN, Check, Needs, Report, run_c
 from pipeline.errors import PipelineError
 from pipeline.plan.cluster import cluster_from_flags
 from pipeline.plan.hostfile import hostfile_facts
+from pipeline.train.env import read_env_files
 from pipeline.units import parse_gbps
 
 EXPORT_PREFIXES = ("PYTHON", "MV2", "UCX", "MLFLOW", "NCCL", "GLOO", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")
@@ -29,20 +30,9 @@ EXPORT_PREFIXES = ("PYTHON", "MV2", "UCX", "MLFLOW", "NCCL", "GLOO", "DS_ACCELER
 this pipeline's runs read."""
 
 
-def env_file_paths() -> list[Path]:
-    """The .deepspeed_env files DeepSpeed's launcher reads (home, then this folder; DS_ENV_FILE names them)."""
-    name = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
-    return [Path(p) / name for p in (os.path.expanduser("~"), ".")] if not os.path.isabs(name) else [Path(name)]
-
-
 def exports() -> str:
     found = {k: v for k, v in os.environ.items() if k.startswith(EXPORT_PREFIXES)}
-    for path in env_file_paths():
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                key, sep, value = line.partition("=")
-                if sep:
-                    found[key.strip()] = value.strip()
+    found.update(read_env_files())
     return "".join(f"export {k}={shlex.quote(v)}; " for k, v in found.items())
 
 

@@ -21,6 +21,7 @@ from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.consolidate import consolidated_state, consolidated_tensors, materialize
+from pipeline.train.dist import unusable_gpu
 from pipeline.train.weights import parameter_shapes, weight_mismatch
 
 DEFAULT_PROMPTS = ["ROMEO:\n", "To be, or not to be", "The king is", "春天来了，"]
@@ -205,6 +206,8 @@ def plot_losses(run_dir: Path) -> Path | None:
 
 def _device(name: str) -> torch.device:
     if name == "auto":
+        if problem := unusable_gpu():  # evaluating on the CPU by accident: say why; --device cpu means it
+            raise PipelineError(problem.replace("set DS_ACCELERATOR=cpu", "pass --device cpu"))
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)

@@ -5,30 +5,81 @@ passed on in a `Dist`; nothing else reads them from the environment."""
 from __future__ import annotations
 
 import importlib.metadata as md
+import logging
 import os
+import shutil
 import sys
 import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from pipeline.errors import PipelineError
 from pipeline.train.ds_workarounds import memoize_cpu_info, release_shm_names
+from pipeline.train.env import apply_env_files, p2p_default, recorded
 from pipeline.train.ops import use_project_cache
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def accelerator_name() -> str:
-    """DeepSpeed's accelerator: DS_ACCELERATOR when set, else cuda when torch sees a GPU, else cpu."""
+    """DeepSpeed's accelerator: DS_ACCELERATOR when set, else cuda when torch sees a GPU, else cpu, refused when
+    this machine has an NVIDIA GPU that torch cannot use (`unusable_gpu`): that run would train on the CPU."""
     name = os.environ.get("DS_ACCELERATOR")
     if name:
         return name
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if problem := unusable_gpu():
+        raise PipelineError(problem)
+    return "cpu"
+
+
+def unusable_gpu() -> str | None:
+    """Why this machine's NVIDIA GPU is not used by torch (a CPU build of torch, a driver older than the build's
+    CUDA), or None when there is no GPU here or torch uses it."""
+    smi = shutil.which("nvidia-smi")
+    if not (smi or Path("/dev/nvidia0").exists()) or torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        cause = f"this torch ({torch.__version__}) is a CPU build"
+    else:
+        try:
+            torch.cuda.init()
+            error = "torch.cuda.is_available() is False"
+        except Exception as e:  # noqa: BLE001 - its message is the diagnosis (e.g. "driver too old")
+            error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        cause = f"torch {torch.__version__}, built for CUDA {torch.version.cuda}, cannot use it ({error})"
+    return (
+        f"this machine has an NVIDIA GPU ({smi or '/dev/nvidia0'}) but {cause}, so training would run on the CPU. "
+        "Install a CUDA build of torch the driver supports (nvidia-smi shows the driver's CUDA version), e.g. "
+        'make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"; or set '
+        "DS_ACCELERATOR=cpu to run on the CPU on purpose"
+    )
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_ranks_problem(num_gpus: int | None, accelerator: str, visible: int) -> str | None:
+    """Why `--num-gpus N` cannot start here: more GPU ranks than GPUs this process sees (DeepSpeed would hand out
+    device numbers that do not exist: rank N fails with "invalid device ordinal")."""
+    if not num_gpus or accelerator != "cuda" or num_gpus <= visible:
+        return None
+    shown = (
+        f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in os.environ else ""
+    )
+    return (
+        f"--num-gpus {num_gpus}: this machine shows {visible} GPU(s){shown}; use --num-gpus {visible} or fewer, "
+        "or a hostfile for more machines"
+    )
 
 
 def device_for(accelerator: str, local_rank: int) -> torch.device:
@@ -68,9 +119,15 @@ def init_distributed(timeout_minutes: float = 30.0) -> Dist:
 
     memoize_cpu_info()  # before DeepSpeed loads its first op
     use_project_cache()
+    applied = apply_env_files()  # before NCCL reads its settings (DeepSpeed forwards them only over pdsh)
     device = device_for(accelerator_name(), local_rank_from_env())
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if (note := p2p_default(names, ranks_per_node(1))) and local_rank_from_env() == 0:
+            log.warning("%s", note)
+    if "OMP_NUM_THREADS" in applied:
+        torch.set_num_threads(int(applied["OMP_NUM_THREADS"]))  # torch read the variable at import, before the file
     deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()  # every rank has mapped every shared-memory buffer by now
@@ -166,6 +223,19 @@ def environment(world_size: int, device: torch.device) -> dict[str, Any]:
         except md.PackageNotFoundError:
             info[pkg] = None
     return info
+
+
+def rank_facts(dist: Dist) -> dict[str, Any]:
+    """What one rank ran with (RUN_DIR/environment.json, "ranks"): its host, its NCCL/GLOO/OpenMP settings, the
+    threads torch uses for its CPU work (CPU Adam under offload)."""
+    import socket
+
+    return {
+        "rank": dist.rank,
+        "host": socket.gethostname(),
+        "torch_threads": torch.get_num_threads(),
+        "env": recorded(),
+    }
 
 
 def exit_now(code: int) -> None:

@@ -16,7 +16,13 @@ from pipeline.data.loader import ShardedDataset, build_loader
 from pipeline.train import faults
 from pipeline.train.checkpointer import Checkpointer
 from pipeline.train.config import dump
-from pipeline.train.dist import apply_memory_cap, environment, init_distributed, make_deterministic_on_cpu
+from pipeline.train.dist import (
+    apply_memory_cap,
+    environment,
+    init_distributed,
+    make_deterministic_on_cpu,
+    rank_facts,
+)
 from pipeline.train.engine import build_engine
 from pipeline.train.guards import NonFinite, Watchdog
 from pipeline.train.metrics import MetricsSink, StepLogger
@@ -66,6 +72,7 @@ class Trainer:
 
     def __init__(self, run: Run):
         import deepspeed.comm as dist
+        import torch.distributed as tdist
 
         self.run = run
         cfg, rank = run.cfg, run.dist.rank
@@ -82,12 +89,15 @@ class Trainer:
         self.engine, self.state = self.checkpointer.resume(
             lambda ds: build_engine(cfg, ds, run.shape, run.manifest["tokenizer"], rank)
         )
+        ranks: list[Any] = [None] * run.dist.world_size
+        tdist.all_gather_object(ranks, rank_facts(run.dist))
         if rank == 0:
             write_text(run.run_dir / "config.yaml", dump(cfg))
             write_json(run.run_dir / "ds_config.json", run.ds)
             env = environment(run.dist.world_size, run.dist.device)
             env["optimizer"] = type(self.engine.optimizer).__name__  # which of DeepSpeed's it chose
             env["grad_accum_dtype"] = (run.ds.get("data_types") or {}).get("grad_accum_dtype") or "model dtype"
+            env["ranks"] = ranks
             write_json(run.run_dir / "environment.json", env)
         self.max_steps = max_steps_for(cfg, run.plan)
         self.sink = MetricsSink(

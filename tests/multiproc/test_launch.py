@@ -1,0 +1,30 @@
+"""What every launch carries to its ranks, through the real launcher: `.deepspeed_env` on a one-node launch
+(DeepSpeed reads it only over pdsh), and how a CPU-Adam run's ranks share the node's cores."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc import launch
+
+pytestmark = pytest.mark.slow
+
+
+def test_deepspeed_env_reaches_every_rank_of_a_one_node_launch(shards: Path, tmp_path: Path) -> None:
+    (tmp_path / ".deepspeed_env").write_text("NCCL_SOCKET_NTHREADS=4\nNCCL_NSOCKS_PERTHREAD=2\n")
+    run_dir = tmp_path / "run"
+    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json", steps=2,
+                              ckpt_interval=2)  # fmt: skip
+    cmd = [str(Path(sys.executable).parent / "pipeline"), "pretrain", "--config", str(cfg), "--num-gpus", "2",
+           "--master-port", str(launch.free_port())]  # fmt: skip
+    out = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ranks = json.loads((run_dir / "environment.json").read_text())["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["env"]["NCCL_SOCKET_NTHREADS"] == "4" and r["env"]["NCCL_NSOCKS_PERTHREAD"] == "2", r

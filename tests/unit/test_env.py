@@ -1,0 +1,32 @@
+"""pipeline.train.env: the env files every rank applies, and P2P off for several GeForce cards on a node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.train.env import apply_env_files, p2p_default, read_env_files
+
+
+def test_env_files_apply_unless_the_environment_says_otherwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir(), here.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_SOCKET_IFNAME=eth0\nNCCL_IB_DISABLE=1\n")
+    (here / ".deepspeed_env").write_text("NCCL_SOCKET_IFNAME=enp65s0f0\nnot a setting\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    assert read_env_files() == {"NCCL_SOCKET_IFNAME": "enp65s0f0", "NCCL_IB_DISABLE": "1"}  # this folder wins
+    environ = {"NCCL_IB_DISABLE": "0"}
+    assert apply_env_files(environ) == {"NCCL_SOCKET_IFNAME": "enp65s0f0"}
+    assert environ == {"NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "enp65s0f0"}  # the user's own value kept
+
+
+def test_p2p_is_disabled_for_several_geforce_cards_unless_the_user_chose() -> None:
+    four = ["NVIDIA GeForce RTX 4090 D"] * 4
+    environ: dict[str, str] = {}
+    assert "NCCL_P2P_DISABLE=1" in (p2p_default(four, 4, environ) or "") and environ == {"NCCL_P2P_DISABLE": "1"}
+    assert p2p_default(four, 1, {}) is None  # one rank per node: no P2P to hang
+    assert p2p_default(["NVIDIA H100 80GB HBM3"] * 8, 8, {}) is None  # NVLink: P2P works
+    chosen = {"NCCL_P2P_DISABLE": "0"}
+    assert p2p_default(four, 4, chosen) is None and chosen == {"NCCL_P2P_DISABLE": "0"}

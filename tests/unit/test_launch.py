@@ -1,0 +1,41 @@
+"""pipeline.launch and the checks it makes before a process starts: GPUs that torch cannot use, more local ranks
+than GPUs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.train.dist import local_ranks_problem
+from tests.multiproc import launch
+
+
+def test_more_local_ranks_than_gpus_is_refused_in_one_line() -> None:
+    problem = local_ranks_problem(2, "cuda", 1)
+    assert problem and "--num-gpus 2: this machine shows 1 GPU(s)" in problem and "--num-gpus 1 or fewer" in problem
+    assert local_ranks_problem(2, "cuda", 2) is None and local_ranks_problem(8, "cpu", 0) is None
+
+
+def test_a_gpu_machine_whose_torch_cannot_use_the_gpu_is_refused_unless_the_cpu_is_asked_for(
+    shards: Path, tmp_path: Path
+) -> None:
+    """The CPU build of torch on a machine with an NVIDIA driver (nvidia-smi present): `pipeline pretrain` says so
+    and stops, instead of training on the CPU; DS_ACCELERATOR=cpu says the CPU is meant."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(
+        "#!/bin/sh\necho 'NVIDIA-SMI 570.86  Driver Version: 570.86  CUDA Version: 12.8'\n"
+    )
+    (fake / "nvidia-smi").chmod(0o755)
+    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=tmp_path / "run", shards=shards, ds_config="zero1.json")
+    env = {k: v for k, v in launch.env().items() if k != "DS_ACCELERATOR"}
+    env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
+    cmd = [sys.executable, "-m", "pipeline.cli", "pretrain", "--config", str(cfg), "--num-gpus", "2", "--dry-run"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "has an NVIDIA GPU" in out.stderr and "is a CPU build" in out.stderr and "DS_ACCELERATOR=cpu" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = subprocess.run(cmd, env={**env, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "deepspeed config" in out.stdout, out.stderr[-2000:]
