@@ -42,6 +42,8 @@ class Needs:
     nvme_bytes: float | None = None
     data_path: str | None = None
     uses_nvme: bool = False
+    cpu_adam: bool = False
+    """The optimizer is offloaded to the CPU: `pipeline pretrain` binds each rank to its cores with numactl."""
     master_port: int | None = None
     peer: str | None = None
     """An address of another host: the interface that routes there is the one collectives will use."""
@@ -286,6 +288,20 @@ def master_port(r: Report, port: int | None) -> None:
             )
 
 
+def cpu_binding(r: Report) -> None:
+    cores = os.cpu_count() or 1
+    if shutil.which("numactl"):
+        r.add("numactl", PASS, f"found: CPU Adam ranks are bound to their share of the {cores} cores")
+    else:
+        r.add(
+            "numactl",
+            FAIL,
+            "not installed: the launch binds CPU-Adam ranks to cores with numactl (--bind_cores_to_rank), "
+            "which fails on a host without it",
+            "apt-get install numactl on every host",
+        )
+
+
 def run_checks(needs: Needs, *, first: bool = True, quick: bool = False) -> Report:
     """All checks of this host. `quick`: only those that take no import of torch or deepspeed (what `pipeline
     pretrain` runs before every launch)."""
@@ -298,6 +314,8 @@ def run_checks(needs: Needs, *, first: bool = True, quick: bool = False) -> Repo
     if quick:
         return r
     python_and_versions(r)
+    if needs.cpu_adam:
+        cpu_binding(r)
     gpu = accelerator(r)
     deepspeed_ops(r, needs, gpu)
     network(r, needs)

@@ -255,6 +255,7 @@ def needs_for_config(config_path: str, sets: list[str], cluster: Any, master_por
     needs = Needs(run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port)
     if cfg.train.deepspeed_config != "auto":
         offload = offload_devices(load_ds_config(cfg.train.deepspeed_config))
+        needs.cpu_adam = offload.optimizer != "none"
         if offload.nvme:
             needs.uses_nvme, needs.nvme_path = True, (offload.nvme_paths or (None,))[-1]
     try:

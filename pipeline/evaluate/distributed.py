@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.evaluate.run import EvalConfig, Inputs, generate, open_inputs, perplexity, write_result
+from pipeline.model import loss_chunk_tokens
+from pipeline.plan.memory import evaluation_batch
 from pipeline.train.consolidate import consolidated_state, materialize
 from pipeline.train.dist import Dist, init_distributed, on_rank0
 from pipeline.train.engine import build_for
@@ -51,11 +54,40 @@ def load_partitioned(inputs: Inputs, env: Dist, ds: dict[str, Any]) -> Any:
     return engine.module.eval()
 
 
+def batch_that_fits(cfg: EvalConfig, inputs: Inputs, env: Dist) -> int:
+    """--batch-size, or the largest half of it whose forward fits every rank's GPU next to its share of the model
+    (pipeline.plan.memory.inference_bytes); the same on every rank (the batches are split by it). On the CPU the
+    batch is as asked."""
+    if env.device.type != "cuda":
+        return cfg.batch_size
+    import torch
+    import torch.distributed as tdist
+
+    shape, seq = inputs.run.shape, inputs.dataset.seq_len
+    total = torch.cuda.get_device_properties(env.device).total_memory
+    batch, need = evaluation_batch(
+        shape, seq, cfg.batch_size, env.world_size, total, loss_chunk_tokens(shape.vocab_size)
+    )
+    agreed = torch.tensor([batch], device=env.device)
+    tdist.all_reduce(agreed, op=tdist.ReduceOp.MIN)
+    batch = int(agreed.item())
+    if batch == 0:
+        raise PipelineError(
+            f"the model split {env.world_size} ways needs {need / 2**30:.1f} GiB per rank at batch 1 (seq {seq}), "
+            f"more than a {total / 2**30:.1f} GiB GPU holds with its margin: evaluate across more GPUs (--hostfile)"
+        )
+    if batch != cfg.batch_size and env.rank == 0:
+        log.warning("--batch-size %d does not fit a %.1f GiB GPU beside 1/%d of the model; evaluating with batch %d",
+                    cfg.batch_size, total / 2**30, env.world_size, batch)  # fmt: skip
+    return batch
+
+
 def evaluate_on_rank(cfg: EvalConfig) -> dict[str, Any] | None:
     """One rank's part; returns the result on rank 0, None elsewhere."""
     t0 = time.perf_counter()
     env = init_distributed()
     inputs = open_inputs(cfg)  # every rank checks the same inputs, so a bad one fails on all of them alike
+    cfg = replace(cfg, batch_size=batch_that_fits(cfg, inputs, env))
     ds = zero3_inference_config(cfg.batch_size, env.world_size, bf16=env.device.type == "cuda")
     model = load_partitioned(inputs, env, ds)
     metrics = perplexity(

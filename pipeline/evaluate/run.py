@@ -145,32 +145,27 @@ def generate(
     device: torch.device,
     synced: bool = False,
 ) -> list[dict[str, str]]:
-    """Greedy and sampled continuations. `synced`: under ZeRO-3 across ranks, every rank generates the same
+    """Greedy and sampled continuations of every prompt. The prompts go in one batch (left-padded, masked), one
+    greedy and one sampled call: under ZeRO-3 each forward gathers the whole model, so this is 2 x max_new_tokens
+    gathers, not 2 x prompts x max_new_tokens. `synced`: under ZeRO-3 across ranks, every rank generates the same
     prompts with the same seed, and transformers keeps the ranks' forwards in step until all are done."""
-    out = []
-    for p in prompts:
-        ids = torch.tensor([tokenizer.encode(p)], device=device)
-        greedy = model.generate(
-            ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_id, synced_gpus=synced
-        )
-        torch.manual_seed(seed)
-        sampled = model.generate(
-            ids,
-            max_new_tokens=max_new_tokens,
-            do_sample=True,
-            temperature=0.8,
-            top_k=50,
-            pad_token_id=tokenizer.eos_id,
-            synced_gpus=synced,
-        )
-        out.append(
-            {
-                "prompt": p,
-                "greedy": tokenizer.decode(greedy[0, ids.shape[1] :].tolist()),
-                "sampled": tokenizer.decode(sampled[0, ids.shape[1] :].tolist()),
-            }
-        )
-    return out
+    encoded = [tokenizer.encode(p) or [tokenizer.eos_id] for p in prompts]
+    width = max(len(e) for e in encoded)
+    pad = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
+    ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=device)
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=device)
+    common = {"attention_mask": mask, "max_new_tokens": max_new_tokens, "pad_token_id": pad, "synced_gpus": synced}
+    greedy = model.generate(ids, do_sample=False, **common)
+    torch.manual_seed(seed)
+    sampled = model.generate(ids, do_sample=True, temperature=0.8, top_k=50, **common)
+
+    def text(row: torch.Tensor) -> str:
+        new = row[width:].tolist()
+        if tokenizer.eos_id in new:  # a finished row is padded after its end of sequence
+            new = new[: new.index(tokenizer.eos_id) + 1]
+        return tokenizer.decode(new)
+
+    return [{"prompt": p, "greedy": text(greedy[i]), "sampled": text(sampled[i])} for i, p in enumerate(prompts)]
 
 
 def plot_losses(run_dir: Path) -> Path | None:

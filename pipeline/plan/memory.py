@@ -219,3 +219,39 @@ def checkpoint_bytes(
         "total": 12.0 * psi + (module_bytes * psi if stage < 3 else 0.0),
         "weights_only": 2.0 * psi,
     }
+
+
+def inference_bytes(
+    shape: ModelShape, seq_len: int, batch: int, world: int, loss_chunk_tokens: int
+) -> dict[str, float]:
+    """Per-rank bytes of evaluating `batch` sequences under ZeRO-3 in bf16 with the model split `world` ways
+    (pipeline evaluate --num-gpus/--hostfile): the rank's partition, the gathered modules (the one computing and
+    the one prefetched), the forward's transients (the MLP's gate, up and product alive at once; the residual
+    stream, norm and attention outputs; q, k, v), one loss chunk's fp32 logits, the CUDA context. Transients carry
+    the allocator's slack."""
+    tokens = batch * seq_len
+    kv = shape.num_kv_heads * shape.head_dim
+    static = 2.0 * shape.num_params() / world + 2 * 2.0 * shape.largest_layer_params()
+    transient = (
+        3 * tokens * shape.ffn_hidden_size * 2
+        + 4 * tokens * shape.hidden_size * 2
+        + tokens * (shape.num_heads * shape.head_dim + 2 * kv) * 2
+        + 2 * min(tokens, loss_chunk_tokens) * shape.vocab_size * 4
+    )
+    total = static + transient * FRAGMENTATION + CUDA_CONTEXT
+    return {"static": static, "transient": float(transient), "total": total}
+
+
+def evaluation_batch(
+    shape: ModelShape, seq_len: int, requested: int, world: int, card_bytes: float, loss_chunk_tokens: int
+) -> tuple[int, float]:
+    """The largest batch, `requested` halved until it fits, whose inference bytes plus the margin stay within the
+    card; (batch, bytes at that batch). Batch 0 when even one sequence does not fit."""
+    margin = max(MARGIN_MIN_BYTES, MARGIN_FRACTION * card_bytes)
+    batch = requested
+    while batch >= 1:
+        need = inference_bytes(shape, seq_len, batch, world, loss_chunk_tokens)["total"]
+        if need + margin <= card_bytes:
+            return batch, need
+        batch //= 2
+    return 0, inference_bytes(shape, seq_len, 1, world, loss_chunk_tokens)["total"]

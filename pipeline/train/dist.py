@@ -225,6 +225,21 @@ def environment(world_size: int, device: torch.device) -> dict[str, Any]:
     return info
 
 
+def share_cpu_cores(local_ranks: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> int | None:
+    """Threads for this rank's CPU work (DeepSpeed's CPU Adam under optimizer offload): the node's physical cores
+    shared by its ranks. DeepSpeed's `--bind_cores_to_rank` (which `pipeline pretrain` adds when numactl is there)
+    sets OMP_NUM_THREADS to exactly that; without it every rank starts OpenMP threads on every core, 4 x 10 of them
+    on a 10-core node. Returns the threads set, None when OMP_NUM_THREADS already says."""
+    import psutil
+
+    if "OMP_NUM_THREADS" in environ:
+        return None
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    threads = max(1, cores // max(1, local_ranks))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def rank_facts(dist: Dist) -> dict[str, Any]:
     """What one rank ran with (RUN_DIR/environment.json, "ranks"): its host, its NCCL/GLOO/OpenMP settings, the
     threads torch uses for its CPU work (CPU Adam under offload)."""

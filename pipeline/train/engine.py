@@ -14,6 +14,7 @@ from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model, pretraining_class, transformers_helper
 from pipeline.plan.cluster import offload_devices
 from pipeline.train.config import PretrainConfig
+from pipeline.train.dist import accelerator_name
 from pipeline.train.ds_config import zero_stage
 from pipeline.train.weights import init_weights, load_initial_weights
 
@@ -47,7 +48,8 @@ def build_training_model(
     if cfg.model.init_from:
         load_initial_weights(model, cfg.model.init_from, rank, stage3)
     else:
-        init_weights(model, cfg.train.seed, rank, stage3)
+        gpu = torch.device("cuda", torch.cuda.current_device()) if accelerator_name() == "cuda" else None
+        init_weights(model, cfg.train.seed, rank, stage3, gpu)
     if cfg.train.compile:
         for layer in model.model.layers:
             layer.compile()  # in place: parameter names and checkpoints stay those of the eager model

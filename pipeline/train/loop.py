@@ -13,6 +13,7 @@ import torch
 
 from pipeline.atomic import write_json, write_text
 from pipeline.data.loader import ShardedDataset, build_loader
+from pipeline.plan.cluster import offload_devices
 from pipeline.train import faults
 from pipeline.train.checkpointer import Checkpointer
 from pipeline.train.config import dump
@@ -22,6 +23,8 @@ from pipeline.train.dist import (
     init_distributed,
     make_deterministic_on_cpu,
     rank_facts,
+    ranks_per_node,
+    share_cpu_cores,
 )
 from pipeline.train.engine import build_engine
 from pipeline.train.guards import NonFinite, Watchdog
@@ -84,6 +87,8 @@ class Trainer:
         if rank == 0:
             run.run_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
+        if offload_devices(run.ds).optimizer != "none":
+            share_cpu_cores(ranks_per_node(run.dist.world_size))
         self.watchdog = Watchdog(cfg.train.comm_timeout_minutes * 60, rank)
         self.checkpointer = Checkpointer(run, data_fingerprint=self.train_data.fingerprint, watchdog=self.watchdog)
         self.engine, self.state = self.checkpointer.resume(

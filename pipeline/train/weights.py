@@ -63,16 +63,20 @@ def fill_parameters(
                     p.data.copy_(value(index[name], name, tuple(p.shape)).to(p.device, p.dtype))
 
 
-def init_weights(model: torch.nn.Module, seed: int, rank: int, stage3: bool) -> None:
+def init_weights(
+    model: torch.nn.Module, seed: int, rank: int, stage3: bool, device: torch.device | None = None
+) -> None:
     """Deterministic init, identical for every ZeRO stage and world size: N(0, 0.02) for matrices, 1 for norms.
     Each tensor draws from its own generator seeded by (seed, index), so the result does not depend on how
-    the model was partitioned."""
+    the model was partitioned. On a GPU `device` the values are drawn there: a one-thread CPU generator takes
+    about 10 minutes for 70B while every rank waits (the values differ from the CPU's, the same on every GPU)."""
+    device = device or torch.device("cpu")
 
     def value(i: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if len(shape) >= 2:
-            g = torch.Generator().manual_seed(seed * 100003 + i)
-            return torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g)
-        return torch.ones(shape, dtype=torch.float32)
+            g = torch.Generator(device=device).manual_seed(seed * 100003 + i)
+            return torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=g)
+        return torch.ones(shape, dtype=torch.float32, device=device)
 
     fill_parameters(model, value if rank == 0 or not stage3 else None, stage3=stage3)
 

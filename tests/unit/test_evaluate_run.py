@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,3 +22,22 @@ def test_a_checkpoint_larger_than_the_gpu_is_sent_to_zero3_across_ranks() -> Non
     with pytest.raises(PipelineError, match="--hostfile"):
         check_fits_device(PRESETS["70b"], cuda, 23 * GIB, 24 * GIB)
     check_fits_device(PRESETS["70b"], torch.device("cpu"), 0, 0)  # host RAM: the one-process CPU path streams
+
+
+def test_batched_greedy_continuations_equal_one_prompt_at_a_time(tokenized: Path) -> None:
+    """The prompts are generated in one left-padded batch (fewer ZeRO-3 gathers); each greedy continuation is the
+    one the prompt gets alone."""
+    from pipeline.data.tokenizer import Tokenizer
+    from pipeline.evaluate.run import generate
+    from pipeline.model import build_model, resolve_shape
+
+    tok = Tokenizer(Path(f"{tokenized}.tokenizer.model"))
+    torch.manual_seed(0)
+    model = build_model(resolve_shape("tiny", {}, tok.vocab_size), bos_id=tok.bos_id, eos_id=tok.eos_id,
+                        pad_id=tok.pad_id).eval()  # fmt: skip
+    prompts = ["ROMEO:\n", "To be, or not to be, that is the question", "The king"]
+    cpu = torch.device("cpu")
+    batched = generate(model, tok, prompts, seed=1, max_new_tokens=12, device=cpu)
+    alone = [generate(model, tok, [p], seed=1, max_new_tokens=12, device=cpu)[0] for p in prompts]
+    assert [b["greedy"] for b in batched] == [a["greedy"] for a in alone]
+    assert all(b["prompt"] == p for b, p in zip(batched, prompts, strict=True))

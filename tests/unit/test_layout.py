@@ -13,7 +13,7 @@ ALLOWED = {
     "data": set(),
     "plan": set(),
     "train": {"data", "plan"},
-    "evaluate": {"data", "train"},
+    "evaluate": {"data", "train", "plan"},
     "model": set(),
     "doctor": {"train", "plan"},
 }

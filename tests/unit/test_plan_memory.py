@@ -301,3 +301,18 @@ def test_cpu_adam_time_follows_the_nodes_cores_and_memory_bandwidth() -> None:
     per_node = PRESETS["7b"].num_params() / 8
     assert t["big"] == pytest.approx(per_node * 32 / 300e9) and t["rented"] == pytest.approx(6 * t["big"])
     assert t["two"] == pytest.approx(per_node / (2 * 0.85e9))  # too few cores: they, not memory, set the pace
+
+
+def test_distributed_evaluation_of_70b_picks_a_batch_that_fits_24_gib() -> None:
+    """70B split 8 ways at seq 4096: 16.1 GiB of bf16 partitions and 5.25 GiB of MLP transients at batch 8 are over
+    a 24 GiB card (the review's estimate: 24.5 GiB against 23.6 usable); batch 2 fits."""
+    from pipeline.model import loss_chunk_tokens
+    from pipeline.plan.memory import evaluation_batch, inference_bytes
+
+    shape, chunk = PRESETS["70b"], loss_chunk_tokens(32000)
+    at8 = inference_bytes(shape, 4096, 8, 8, chunk)
+    assert 2 * shape.num_params() / 8 / GiB == pytest.approx(16.06, rel=0.01)
+    assert at8["total"] / GiB > 23.6
+    batch, need = evaluation_batch(shape, 4096, 8, 8, 23.6 * GiB, chunk)
+    assert batch == 2 and need / GiB < 23.6 - 1.5
+    assert evaluation_batch(shape, 4096, 8, 2, 23.6 * GiB, chunk)[0] == 0  # 2 ranks: 64 GiB of partitions each
