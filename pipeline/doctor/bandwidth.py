@@ -18,7 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--master", required=True, help="ADDR:PORT of rank 0")
     ap.add_argument("--iface", default=None)
-    ap.add_argument("--mbytes", type=float, default=16.0)
+    ap.add_argument("--mbytes", type=float, default=16.0, help="the first size; it grows x4 while an all-reduce takes "
+                    "under --min-seconds, up to --max-mbytes (as nccl-tests sweeps sizes)")  # fmt: skip
+    ap.add_argument("--max-mbytes", type=float, default=1024.0)
+    ap.add_argument("--min-seconds", type=float, default=0.5)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
@@ -38,21 +41,33 @@ def main(argv: list[str] | None = None) -> int:
         world_size=args.world,
         timeout=timedelta(seconds=args.timeout),
     )
-    n = int(args.mbytes * 2**20 / 4)
-    x = torch.ones(n, dtype=torch.float32, device=device)
-    dist.all_reduce(x[: max(1, n // 16)])  # connections up, buffers warm
-    dist.all_reduce(x)
-    times = []
-    for _ in range(args.iters):
-        if gpu:
-            torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def median_time(n: int) -> float:
+        x = torch.ones(n, dtype=torch.float32, device=device)
+        dist.all_reduce(x[: max(1, n // 16)])  # connections up, buffers warm
         dist.all_reduce(x)
-        if gpu:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    t = sorted(times)[len(times) // 2]
+        times = []
+        for _ in range(args.iters):
+            if gpu:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            if gpu:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        # rank 0's figure for everyone, so all ranks take the same decision to grow
+        agreed = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)
+        dist.broadcast(agreed, src=0)
+        return float(agreed.item())
+
+    # A short all-reduce measures latency, not the link: grow the size until one takes min_seconds (16 MiB over
+    # 100 Gbps takes about 10 ms).
+    n = int(args.mbytes * 2**20 / 4)
+    t = median_time(n)
+    while t < args.min_seconds and n * 4 * 4 <= args.max_mbytes * 2**20:
+        n *= 4
+        t = median_time(n)
     bus = 2 * (args.world - 1) / args.world * n * 4 / t
     if args.rank == 0:
         print(

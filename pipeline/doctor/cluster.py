@@ -281,6 +281,11 @@ def env_findings(reports: list[Report]) -> dict[str, str]:
     hosts = [r for r in reports if "infiniband" in r.facts]
     if hosts and not any(r.facts["infiniband"] for r in hosts):
         found["NCCL_IB_DISABLE"] = "1"
+        if len(hosts) > 1 and any(r.facts.get("gpus") for r in hosts):
+            # NCCL over plain TCP: one socket and one thread per connection by default; NCCL's docs suggest 4 x 4
+            # for a generic 100 Gbps network (their product stays within NCCL's limit of 64).
+            found["NCCL_SOCKET_NTHREADS"] = "4"
+            found["NCCL_NSOCKS_PERTHREAD"] = "4"
     return found
 
 

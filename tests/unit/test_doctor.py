@@ -99,3 +99,20 @@ def test_config_checks_data_disk_and_ram_and_hosts_are_compared(shards: Path, tm
     same = {c.name: c for c in b.checks}
     assert same["same as first host"].status == "PASS"
     assert same["same data"].status == "FAIL" and fingerprint[:12] in same["same data"].detail
+
+
+def test_nccl_over_plain_ethernet_gets_more_sockets() -> None:
+    """Two GPU hosts without InfiniBand: NCCL's TCP transport gets 4 threads x 4 sockets (its docs' advice for a
+    generic 100 Gbps network) besides NCCL_IB_DISABLE; hosts with InfiniBand get neither."""
+    from pipeline.doctor.checks import Report
+    from pipeline.doctor.cluster import env_findings
+
+    def host(name: str, ib: bool) -> Report:
+        r = Report(name)
+        r.facts.update(infiniband=ib, gpus=[{"name": "NVIDIA GeForce RTX 4090 D"}], interface="enp65s0f0")
+        return r
+
+    found = env_findings([host("a", False), host("b", False)])
+    assert found["NCCL_IB_DISABLE"] == "1" and found["NCCL_SOCKET_NTHREADS"] == "4"
+    assert found["NCCL_NSOCKS_PERTHREAD"] == "4"
+    assert "NCCL_SOCKET_NTHREADS" not in env_findings([host("a", True), host("b", True)])
