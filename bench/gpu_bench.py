@@ -1,22 +1,27 @@
-"""GPU benchmark in one call on a lent GPU (under 8 minutes on one H200, JIT op builds included and timed):
+"""The GPU benchmark: one prepared call for a lent GPU, sized for a 15-minute lease (one H200 capped at a 4090D's
+24 GiB where the case is about 24 GB cards). One process orders the steps and keeps a deadline (`--budget`):
 
-  plain_eager, plain_compiled  the reference: transformers' Llama through a plain PyTorch loop (bf16 autocast,
-                               fused AdamW), eager and with torch.compile, on the same model and batch as:
-  pipeline_1b_zero2            the `1b` preset (TinyLlama geometry), seq 2048, ZeRO-2 bf16, through
-                               pipeline/pretrain.py and the real launcher;
-  70b_{2,4}layers_offload      Llama-2-70B geometry with 2 and 4 layers, ZeRO-3 + CPU offload, seq 4096, memory
-                               capped at 23 GiB (what an RTX 4090D leaves usable), each beside the planner's
-                               prediction of peak allocated memory and step time.
+  0. preflight     every import the cases need, the versions, nvidia-smi; stops at once if one is missing
+  1. warm-up       DeepSpeed's ops built in parallel while the GPU times a bf16 matmul and finds which SDPA
+                   backend serves causal attention; the weights init on the GPU RNG against the CPU's (ratio)
+  2. the cases, in order of value; a case whose timeout no longer fits the budget is skipped, never the first:
+     1b_zero2           the 1b preset (TinyLlama geometry), seq 2048, micro 8, ZeRO-2 bf16, through
+                        pipeline/pretrain.py and the real launcher: the headline tokens/s and MFU
+     70b_2layers, 70b_4layers   the Llama-2-70B geometry with 2 and 4 layers at configs/70b_8node.yaml's micro-batch
+                        2, seq 4096, ZeRO-3 + CPU offload + checkpointing, capped at 23 GiB: the per-layer slope
+                        of peak memory and step time gives the 80-layer verdict for 24 GB cards
+     1b_compile         the first case with train.compile
+     plain_eager        the same model and batch in a plain PyTorch loop (bf16 autocast, fused AdamW): our overhead
+     7b_2layers_offload the 7B geometry, 2 layers, micro 8, seq 4096, ZeRO-3 + CPU offload, capped (the fits-table plan)
+     7b_*               the offload features of DeepSpeed 0.19 on the same 7B slice (bf16 optimizer states, ZenFlow,
+                        activation offload), each beside the plain offload case and the planner
 
-Each case runs in its own process group, is killed whole on timeout, and its result is written as soon as it ends;
-no case writes a checkpoint. MFU is given by the PaLM count the trainer logs (6N + 12·L·h·s per token, as TinyLlama
-and torchtitan count) and by the causal-attention count (6N + 6·L·h·s).
+Each result lands in OUT/results.json as its case ends, with the planner's prediction beside it, and each case's
+whole log in OUT/logs/. MFU is given by the PaLM count the trainer logs (6N + 12*L*h*s FLOPs per token, as TinyLlama
+and torchtitan count) and by the causal-attention count (6N + 6*L*h*s). No case writes a checkpoint.
 
-Output: OUT/<gpu>-<date>.json and a markdown table (OUT defaults to $OUT, else bench/results).
-`--smoke` runs every case's code path on the CPU with the tiny preset in a few minutes (a test runs it, so the
-script cannot rot between GPU runs).
-
-Usage: python bench/gpu_bench.py [--smoke] [--out DIR] [--only CASE ...]"""
+`--smoke` runs every step and case's code path on the CPU at a tiny size (a test runs it, so the script cannot rot
+between leases). Usage: python bench/gpu_bench.py [--smoke] [--out DIR] [--budget SECONDS] [--only CASE ...]"""
 
 from __future__ import annotations
 
@@ -24,10 +29,11 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,78 +42,185 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without an install (a carried tree on a lent GPU)
+if str(ROOT) not in sys.path:  # run from a carried checkout without an install (a lent GPU)
     sys.path.insert(0, str(ROOT))
+
+CAP_GIB = 23.0  # what an RTX 4090D leaves usable, as the planner plans it
 
 
 @dataclass
 class Case:
     name: str
-    kind: str  # plain | pipeline
+    kind: str  # pipeline | plain
     preset: str
     seq_len: int
     micro_batch_size: int
     steps: int
     layers: int | None = None
     ds_config: str = "zero2.json"
+    ds_overrides: dict[str, Any] = field(default_factory=dict)
+    """Merged into the zero_optimization / bf16 sections of ds_config (the offload features)."""
     activation_checkpointing: bool = False
     memory_cap_gib: float | None = None
     compile: bool = False
-    timeout_s: int = 240
-    plan: dict[str, Any] = field(default_factory=dict)  # stage, offload_optimizer, offload_param, buckets
+    timeout_s: int = 150
+    """What the deadline reserves for the case."""
+    note: str = ""
 
 
 def cases(smoke: bool) -> list[Case]:
-    if smoke:  # the same code paths, at CPU size
-        offload = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}
-        return [
-            Case("plain_eager", "plain", "tiny", 128, 4, 6),
-            Case("plain_compiled", "plain", "tiny", 128, 4, 6, compile=True),
-            Case("pipeline_1b_zero2", "pipeline", "tiny", 128, 4, 6, plan={"stage": 2}),
-            Case(
-                "70b_2layers_offload",
-                "pipeline",
-                "tiny",
-                128,
-                1,
-                4,
-                layers=2,
-                ds_config="zero3_offload.json",
-                activation_checkpointing=True,
-                plan=offload,
-            ),
-        ]
-    offload = {
-        "stage": 3,
-        "offload_optimizer": "cpu",
-        "offload_param": "cpu",
-        "reduce_bucket": 1e8,
-        "prefetch_bucket": 1e8,
-        "max_live": 3e8,
-        "sub_group": 1e8,
-    }
-    return [
-        Case("plain_eager", "plain", "1b", 2048, 8, 14, timeout_s=150),
-        Case("plain_compiled", "plain", "1b", 2048, 8, 14, compile=True, timeout_s=200),
-        Case("pipeline_1b_zero2", "pipeline", "1b", 2048, 8, 14, plan={"stage": 2}, timeout_s=200),
-        *[
-            Case(
-                f"70b_{n}layers_offload",
-                "pipeline",
-                "70b",
-                4096,
-                1,
-                6,
-                layers=n,
-                ds_config="zero3_offload.json",
-                activation_checkpointing=True,
-                memory_cap_gib=23.0,
-                plan=offload,
-                timeout_s=200,
-            )
-            for n in (2, 4)
-        ],
+    """The cases in order of value (the order they run in); smoke: the same code paths at CPU size."""
+    offload = dict(ds_config="zero3_offload.json", activation_checkpointing=True, memory_cap_gib=CAP_GIB)
+    full = [
+        Case("1b_zero2", "pipeline", "1b", 2048, 8, 14, timeout_s=110, note="headline"),
+        Case("70b_2layers", "pipeline", "70b", 4096, 2, 6, layers=2, timeout_s=110, **offload),
+        Case("70b_4layers", "pipeline", "70b", 4096, 2, 6, layers=4, timeout_s=140, **offload),
+        Case("1b_compile", "pipeline", "1b", 2048, 8, 14, compile=True, timeout_s=110),
+        Case("plain_eager", "plain", "1b", 2048, 8, 14, timeout_s=50),
+        Case("7b_2layers_offload", "pipeline", "7b", 4096, 8, 6, layers=2, timeout_s=100, **offload),
     ]
+    if not smoke:
+        return full
+    small = {"1b": "tiny", "70b": "tiny", "7b": "tiny"}
+    return [
+        replace(
+            c,
+            preset=small[c.preset],
+            seq_len=128,
+            micro_batch_size=min(c.micro_batch_size, 4),
+            steps=4,
+            memory_cap_gib=None,
+            timeout_s=240,
+        )
+        for c in full
+    ]
+
+
+# ---- 0. preflight --------------------------------------------------------------------------------------------
+
+
+def preflight(out: Path) -> dict[str, Any]:
+    """Every import the cases need and the versions; the first missing one stops the run (no half measurement)."""
+    import importlib
+
+    needed = [
+        "torch",
+        "deepspeed",
+        "transformers",
+        "ninja",
+        "psutil",
+        "cpuinfo",
+        "msgpack",
+        "einops",
+        "hjson",
+        "pydantic",
+        "sentencepiece",
+        "safetensors",
+        "yaml",
+    ]
+    missing = []
+    versions: dict[str, str] = {}
+    for name in needed:
+        try:
+            versions[name] = str(getattr(importlib.import_module(name), "__version__", "?"))
+        except Exception as e:  # noqa: BLE001 - reported, then the run stops
+            missing.append(f"{name} ({type(e).__name__}: {e})")
+    from pipeline.model import transformers_helper
+
+    for module, helper in (
+        ("transformers.initialization", "no_init_weights"),
+        ("transformers.integrations.deepspeed", "prevent_arange_dtype_change"),
+    ):
+        try:
+            transformers_helper(module, helper)
+        except Exception as e:  # noqa: BLE001
+            missing.append(f"{module}.{helper} ({e})")
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout
+        (out / "nvidia-smi.txt").write_text(smi)
+    return {"versions": versions, "missing": missing, "python": platform.python_version()}
+
+
+# ---- 1. warm-up: op builds in parallel with the GPU ceilings --------------------------------------------------
+
+
+def warm_up(smoke: bool) -> dict[str, Any]:
+    from pipeline.train.ops import build
+
+    built: list[Any] = []
+    builder = threading.Thread(target=lambda: built.extend(build(["fused_adam", "cpu_adam"], jobs=2)), daemon=True)
+    builder.start()
+    doc: dict[str, Any] = {"matmul": matmul_ceiling(smoke), "sdpa": sdpa_backend(smoke), "init": init_speed(smoke)}
+    builder.join()
+    doc["op_builds"] = {name: {"seconds": round(s, 1), "error": err} for name, s, err in built}
+    return doc
+
+
+def matmul_ceiling(smoke: bool) -> dict[str, float]:
+    """bf16 matmul TFLOP/s at 8192^3 (the achievable ceiling beside the datasheet's dense peak)."""
+    import torch
+
+    cuda = torch.cuda.is_available() and not smoke
+    n, dev, dtype = (8192, "cuda", torch.bfloat16) if cuda else (512, "cpu", torch.float32)
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    if cuda:
+        torch.cuda.synchronize()
+    t0, iters = time.perf_counter(), 20 if cuda else 3
+    for _ in range(iters):
+        a @ b
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / iters
+    return {"n": n, "tflops": 2 * n**3 / seconds / 1e12}
+
+
+def sdpa_backend(smoke: bool) -> dict[str, Any]:
+    """Which SDPA backend serves causal bf16 attention at (8, 32, 2048, 64), and each backend's time."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if smoke or not torch.cuda.is_available():
+        return {"skipped": "no GPU"}
+    q = torch.randn(8, 32, 2048, 64, device="cuda", dtype=torch.bfloat16)
+    times = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+                torch.cuda.synchronize()
+            times[backend.name] = (time.perf_counter() - t0) / 10
+        except RuntimeError as e:
+            times[backend.name] = f"unavailable: {str(e).splitlines()[0][:80]}"
+    return times
+
+
+def init_speed(smoke: bool) -> dict[str, Any]:
+    """The initial weights of one 70B-geometry MLP matrix (8192 x 28672) drawn the trainer's way on the GPU and with
+    a one-thread CPU generator (rank 0 did that for the whole model: about 10 minutes for 70B)."""
+    import torch
+
+    shape = (1024, 1024) if smoke else (8192, 28672)
+    out = {}
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not smoke else [])
+    for dev in devices:
+        g = torch.Generator(device=dev).manual_seed(1)
+        t0 = time.perf_counter()
+        torch.empty(shape, device=dev).normal_(0.0, 0.02, generator=g)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        out[f"{dev}_values_per_s"] = shape[0] * shape[1] / (time.perf_counter() - t0)
+    if "cuda_values_per_s" in out:
+        out["gpu_over_cpu"] = out["cuda_values_per_s"] / out["cpu_values_per_s"]
+    return out
+
+
+# ---- 2. the cases --------------------------------------------------------------------------------------------
 
 
 def synthetic_shards(work: Path, seq_len: int, vocab: int) -> Path:
@@ -128,21 +241,18 @@ def synthetic_shards(work: Path, seq_len: int, vocab: int) -> Path:
         lengths = rng.integers(200, 4000, 1000).astype(np.int32)
         w.add_many(lengths, rng.integers(4, vocab, int(lengths.sum())).astype(np.uint16))
         w.finish(Path(str(prefix) + ".idx"))
+        tokenizer = {
+            "path": "synthetic",
+            "sha256": "0" * 64,
+            "kind": "none",
+            "vocab_size": vocab,
+            "eos_id": 2,
+            "bos_id": 1,
+            "pad_id": 3,
+        }
         write_json(
             str(prefix) + ".manifest.json",
-            {
-                "tokenizer": {
-                    "path": "synthetic",
-                    "sha256": "0" * 64,
-                    "kind": "none",
-                    "vocab_size": vocab,
-                    "eos_id": 2,
-                    "bos_id": 1,
-                    "pad_id": 3,
-                },
-                "dtype": "uint16",
-                "totals": {"documents": w.documents, "tokens": w.tokens},
-            },
+            {"tokenizer": tokenizer, "dtype": "uint16", "totals": {"documents": w.documents, "tokens": w.tokens}},
         )
     shard_stage.run(
         ShardConfig(
@@ -153,65 +263,43 @@ def synthetic_shards(work: Path, seq_len: int, vocab: int) -> Path:
 
 
 def shape_of(case: Case, vocab: int) -> Any:
-    from pipeline.model import resolve_shape
+    from pipeline.model import resolve_shape, with_seq_len
 
     shape = resolve_shape(case.preset, {"num_layers": case.layers} if case.layers else {}, vocab)
-    return replace(shape, max_seq_len=max(shape.max_seq_len, case.seq_len))
+    return with_seq_len(shape, case.seq_len)
 
 
-# ---- the plain PyTorch reference, run in a child process (`--child-plain CASE.json`) ----
+def ds_json(case: Case, work: Path) -> Path:
+    """The case's DeepSpeed JSON: a project config with the case's features merged in."""
+    ds = json.loads((ROOT / "ds_configs" / case.ds_config).read_text())
+    for section, values in case.ds_overrides.items():
+        ds.setdefault(section, {}).update(values)
+    path = work / f"{case.name}.ds.json"
+    path.write_text(json.dumps(ds, indent=2))
+    return path
 
 
-def plain_child(spec: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    from pipeline.data.loader import ShardedDataset, collate_samples, rank_batches
-    from pipeline.model import ModelShape, build_model
-    from pipeline.train.engine import param_groups
-    from pipeline.train.step import lm_loss
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    torch.manual_seed(0)
-    model = build_model(ModelShape(**spec["shape"])).to(device)
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, fused=cuda)
-    fwd = torch.compile(model, backend="inductor" if cuda else "aot_eager") if spec["compile"] else model
-    data = ShardedDataset(spec["shards"], "train")
-    batches = rank_batches(len(data), 1234, spec["micro_batch_size"], 1, 0)
-    times = []
-    for _ in range(spec["steps"]):
-        batch = collate_samples(data, next(batches))
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            logits = fwd(input_ids=batch["input_ids"].to(device, non_blocking=True)).logits
-        loss, _, _ = lm_loss(logits, batch["labels"])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    steady = times[len(times) // 2 :]  # the first half holds compilation and warm-up
-    step_s = sum(steady) / len(steady)
-    return {
-        "step_time_s": step_s,
-        "tokens_per_s": spec["micro_batch_size"] * spec["seq_len"] / step_s,
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "first_step_s": times[0],
+def child_env(smoke: bool) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
     }
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    if smoke:
+        env["DS_ACCELERATOR"] = "cpu"
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
-# ---- the cases, each in its own process group ----
-
-
-def run_group(cmd: list[str], env: dict[str, str], timeout: int, log: Path) -> tuple[int | None, float]:
-    """Run `cmd` in a new session; on timeout kill the whole group (ranks, workers, compile workers)."""
+def run_group(cmd: list[str], env: dict[str, str], timeout: float, log: Path) -> tuple[int | None, float]:
+    """`cmd` in its own session, its output in `log`; on timeout the whole group is killed (ranks, workers)."""
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         try:
-            code: int | None = proc.wait(timeout=timeout)
+            code: int | None = proc.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
             code = None
         finally:
@@ -223,56 +311,20 @@ def run_group(cmd: list[str], env: dict[str, str], timeout: int, log: Path) -> t
     return code, time.perf_counter() - t0
 
 
-def child_env(smoke: bool) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-    }
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    if smoke:
-        env["DS_ACCELERATOR"] = "cpu"
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    return env
-
-
-def run_plain(case: Case, shards: Path, work: Path, vocab: int, smoke: bool) -> dict[str, Any]:
-    spec = {
-        "shape": shape_of(case, vocab).as_dict(),
-        "compile": case.compile,
-        "shards": str(shards),
-        "micro_batch_size": case.micro_batch_size,
-        "seq_len": case.seq_len,
-        "steps": case.steps,
-    }
-    spec_path, result_path = work / f"{case.name}.spec.json", work / f"{case.name}.result.json"
-    spec_path.write_text(json.dumps(spec))
-    code, wall = run_group(
-        [sys.executable, __file__, "--child-plain", str(spec_path), str(result_path)],
-        child_env(smoke),
-        case.timeout_s,
-        work / f"{case.name}.log",
-    )
-    if code != 0 or not result_path.exists():
-        return {"error": _failure(code, case, work)}
-    return {**json.loads(result_path.read_text()), "wall_s": wall}
-
-
-def run_pipeline(case: Case, shards: Path, work: Path, smoke: bool) -> dict[str, Any]:
+def run_pipeline(case: Case, shards: Path, work: Path, logs: Path, smoke: bool, timeout: float) -> dict[str, Any]:
     run_dir = work / case.name
-    shape_overrides = {"num_layers": case.layers} if case.layers else {}
     config = {
         "run_dir": str(run_dir),
-        "model": {"preset": case.preset, "shape": shape_overrides},
+        "model": {"preset": case.preset, "shape": {"num_layers": case.layers} if case.layers else {}},
         "data": {"path": str(shards), "num_workers": 2, "verify": False},
         "batch": {"micro_batch_size": case.micro_batch_size, "global_batch_size": case.micro_batch_size},
         "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2},
         "train": {
             "max_steps": case.steps,
             "precision": "fp32" if smoke else "bf16",
+            "compile": case.compile,
             "activation_checkpointing": case.activation_checkpointing,
-            "deepspeed_config": str(ROOT / "ds_configs" / case.ds_config),
+            "deepspeed_config": str(ds_json(case, work)),
             "gpu_memory_cap_gib": case.memory_cap_gib,
         },
         "eval": {"interval": 10**6, "batches": 0},
@@ -293,21 +345,79 @@ def run_pipeline(case: Case, shards: Path, work: Path, smoke: bool) -> dict[str,
         "--config",
         str(cfg_path),
     ]
-    code, wall = run_group(cmd, child_env(smoke), case.timeout_s, work / f"{case.name}.log")
+    log = logs / f"{case.name}.log"
+    code, wall = run_group(cmd, child_env(smoke), timeout, log)
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     rows = [r for r in rows if "tokens_per_s" in r]
     if code != 0 or not rows:
-        return {"error": _failure(code, case, work)}
-    steady = rows[len(rows) // 2 :]  # the first steps hold warm-up (and JIT op loading)
+        return {"error": failure(code, timeout, log)}
+    steady = rows[len(rows) // 2 :]  # the first steps hold warm-up and compilation
     tps = len(steady) / sum(1 / r["tokens_per_s"] for r in steady)
     return {
         "tokens_per_s": tps,
         "step_time_s": case.micro_batch_size * case.seq_len / tps,
         "peak_allocated_gib": max(r["mem_gib"] for r in rows) if not smoke else None,
-        "first_step_s": None,
         "wall_s": wall,
     }
+
+
+def plain_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """The reference: transformers' model in a plain PyTorch loop (bf16 autocast, fused AdamW), same batch."""
+    import torch
+
+    from pipeline.data.loader import ShardedDataset, collate_samples, rank_batches
+    from pipeline.model import ModelShape, build_model
+    from pipeline.train.engine import param_groups
+    from pipeline.train.step import lm_loss
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    model = build_model(ModelShape(**spec["shape"])).to(device)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, fused=cuda)
+    data = ShardedDataset(spec["shards"], "train")
+    batches = rank_batches(len(data), 1234, spec["micro_batch_size"], 1, 0)
+    times = []
+    for _ in range(spec["steps"]):
+        batch = collate_samples(data, next(batches))
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            logits = model(input_ids=batch["input_ids"].to(device, non_blocking=True)).logits
+        loss, _, _ = lm_loss(logits, batch["labels"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        print(f"step {len(times)}/{spec['steps']} | loss {loss.item():.4f} | {times[-1]:.3f} s", flush=True)
+    steady = times[len(times) // 2 :]
+    step_s = sum(steady) / len(steady)
+    return {
+        "step_time_s": step_s,
+        "tokens_per_s": spec["micro_batch_size"] * spec["seq_len"] / step_s,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    }
+
+
+def run_plain(case: Case, shards: Path, work: Path, logs: Path, vocab: int, smoke: bool, timeout: float) -> dict:
+    spec = {
+        "shape": shape_of(case, vocab).as_dict(),
+        "shards": str(shards),
+        "micro_batch_size": case.micro_batch_size,
+        "seq_len": case.seq_len,
+        "steps": case.steps,
+    }
+    spec_path, result_path = work / f"{case.name}.spec.json", work / f"{case.name}.result.json"
+    spec_path.write_text(json.dumps(spec))
+    log = logs / f"{case.name}.log"
+    cmd = [sys.executable, __file__, "--child-plain", str(spec_path), str(result_path)]
+    code, wall = run_group(cmd, child_env(smoke), timeout, log)
+    if code != 0 or not result_path.exists():
+        return {"error": failure(code, timeout, log)}
+    return {**json.loads(result_path.read_text()), "wall_s": wall}
 
 
 def free_port() -> int:
@@ -318,36 +428,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _failure(code: int | None, case: Case, work: Path) -> str:
-    tail = (work / f"{case.name}.log").read_text()[-1500:] if (work / f"{case.name}.log").exists() else ""
-    return (f"timed out after {case.timeout_s}s" if code is None else f"exit code {code}") + ": " + tail
+def failure(code: int | None, timeout: float, log: Path) -> str:
+    tail = log.read_text()[-1500:] if log.exists() else ""
+    return (f"timed out after {timeout:.0f} s" if code is None else f"exit code {code}") + ": " + tail
 
 
-def planned(case: Case, vocab: int, card: Any) -> dict[str, Any]:
-    """The planner's prediction for exactly this case (one GPU, host RAM as on the lent machine)."""
-    from pipeline.plan.cluster import Candidate, Cluster
-    from pipeline.plan.search import estimate
+def planned(case: Case, vocab: int, card: Any, work: Path) -> dict[str, Any]:
+    """The planner's prediction for exactly this case: its DeepSpeed JSON on one GPU capped as the case is, the
+    lent machine's RAM and cores."""
+    import psutil
+
+    from pipeline.model import loss_chunk_tokens
+    from pipeline.plan.cluster import Cluster
+    from pipeline.plan.gpus import capped
+    from pipeline.plan.search import candidate_from_ds, estimate
 
     if case.kind != "pipeline":
         return {}
-    p = case.plan
-    kw = {k: p[k] for k in ("reduce_bucket", "prefetch_bucket", "max_live", "sub_group") if k in p}
-    cand = Candidate(
-        p["stage"],
-        p.get("offload_optimizer", "none"),
-        p.get("offload_param", "none"),
-        case.activation_checkpointing,
-        case.micro_batch_size,
+    ds = json.loads((work / f"{case.name}.ds.json").read_text())
+    cand = candidate_from_ds(ds, case.micro_batch_size, 1, case.activation_checkpointing)
+    cluster = Cluster(
         1,
-        **kw,
+        1,
+        capped(card, case.memory_cap_gib),
+        int(psutil.virtual_memory().total),
+        cpu_cores=psutil.cpu_count(logical=False) or 1,
     )
-    if case.memory_cap_gib:
-        card = replace(card, memory_gib=case.memory_cap_gib)
-    e = estimate(shape_of(case, vocab), case.seq_len, Cluster(1, 1, card, 125 * 10**9, cpu_cores=16), cand)
+    shape = shape_of(case, vocab)
+    e = estimate(shape, case.seq_len, cluster, cand, loss_chunk_tokens=loss_chunk_tokens(shape.vocab_size))
     return {
         "plan_tokens_per_s": e.tokens_per_s,
         "plan_step_time_s": e.step_time_s,
         "plan_step_time_range_s": list(e.step_time_range_s),
+        "plan_fits": e.fits,
         "plan_peak_allocated_gib": e.gpu["peak_allocated"] / 2**30,  # beside torch.cuda.max_memory_allocated
         "plan_reserved_gib": e.gpu["reserved"] / 2**30,
     }
@@ -364,33 +477,36 @@ def mfu(result: dict[str, Any], case: Case, vocab: int, peak_tflops: float | Non
     }
 
 
-def warm_ops(smoke: bool, work: Path) -> dict[str, Any]:
-    """Build (or load from cache) DeepSpeed's JIT ops once, timed, so the cases do not pay for it."""
-    script = (
-        "import time, json\nfrom deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder\nout = {}\n"
-        "for b in (FusedAdamBuilder(), CPUAdamBuilder()):\n    t = time.perf_counter(); b.load()\n"
-        "    out[b.name] = round(time.perf_counter() - t, 1)\nprint(json.dumps(out))\n"
-    )
-    log = work / "ops.log"
-    code, wall = run_group([sys.executable, "-c", script], child_env(smoke), 400, log)
-    lines = log.read_text().strip().splitlines() if log.exists() else []
-    try:
-        return {"op_build_s": json.loads(lines[-1]), "wall_s": round(wall, 1)}
-    except (IndexError, json.JSONDecodeError):
-        return {"error": f"op build failed ({code}): " + "\n".join(lines[-20:])}
+def slope_verdict(results: dict[str, dict[str, Any]], card_gib: float) -> dict[str, Any] | None:
+    """From the 2- and 4-layer 70B cases: the per-layer slope of peak memory and step time, projected to 80
+    layers (configs/70b_8node.yaml on one card)."""
+    two, four = results.get("70b_2layers"), results.get("70b_4layers")
+    if not two or not four or "error" in two or "error" in four or two.get("peak_allocated_gib") is None:
+        return None
+    per_layer = (four["peak_allocated_gib"] - two["peak_allocated_gib"]) / 2
+    peak80 = two["peak_allocated_gib"] + 78 * per_layer
+    step_per_layer = (four["step_time_s"] - two["step_time_s"]) / 2
+    return {
+        "peak_per_layer_gib": per_layer,
+        "peak_80_layers_gib": peak80,
+        "fits_24gb": peak80 <= card_gib,
+        "step_per_layer_s": step_per_layer,
+        "step_80_layers_s": two["step_time_s"] + 78 * step_per_layer,
+    }
 
 
 def table(results: list[dict[str, Any]]) -> str:
     def f(v: Any, fmt: str) -> str:
-        return format(v, fmt) if isinstance(v, (int, float)) else ""
+        return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
 
-    rows = [
-        "| case | tokens/s | step s | planned step s | peak alloc GiB | planned peak GiB | MFU (PaLM) | MFU (causal) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    head = (
+        "| case | tokens/s | step s | planned step s | peak alloc GiB | planned peak GiB | MFU (PaLM) | MFU (causal) |"
+    )
+    rows = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        if "error" in r:
-            rows.append(f"| {r['name']} | failed: {r['error'][:60]!r} | | | | | | |")
+        if "error" in r or "skipped" in r:
+            why = r.get("skipped") or r["error"][:60]
+            rows.append(f"| {r['name']} | {'skipped' if 'skipped' in r else 'failed'}: {why!r} | | | | | | |")
             continue
         rows.append(
             f"| {r['name']} | {f(r['tokens_per_s'], ',.0f')} | {f(r['step_time_s'], '.3f')} | "
@@ -404,7 +520,12 @@ def table(results: list[dict[str, Any]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="Every case's code path on the CPU, tiny preset.")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("OUT"),
+        help="Folder for results.json, results.md and logs/ (default: $OUT, else bench/results/GPU-DATE)",
+    )
+    ap.add_argument("--budget", type=float, default=540.0, help="Seconds for everything; later cases are skipped.")
     ap.add_argument("--only", nargs="*", default=None, help="Run only these cases.")
     ap.add_argument("--child-plain", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -412,7 +533,29 @@ def main() -> None:
         spec = json.loads(Path(args.child_plain[0]).read_text())
         Path(args.child_plain[1]).write_text(json.dumps(plain_child(spec)))
         return
+    started = time.monotonic()
+    out_dir = Path(
+        args.out or ROOT / "bench" / "results" / f"{'cpu-smoke' if args.smoke else 'gpu'}-{time.strftime('%Y-%m-%d')}"
+    )
+    logs = out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "smoke": args.smoke,
+        "budget_s": args.budget,
+        "mfu_convention": "PaLM: 6N + 12*L*h*s per token (N without the input embedding); causal: 6N + 6*L*h*s",
+        "cases": [],
+    }
+    results_path = out_dir / "results.json"
 
+    def save() -> None:
+        doc["elapsed_s"] = round(time.monotonic() - started, 1)
+        results_path.write_text(json.dumps(doc, indent=2))  # after every step: a later timeout loses nothing
+
+    doc["preflight"] = preflight(out_dir)
+    save()
+    if doc["preflight"]["missing"]:
+        raise SystemExit(f"missing: {'; '.join(doc['preflight']['missing'])} (see {results_path})")
     import torch
 
     from pipeline.plan.gpus import GPU, lookup
@@ -423,45 +566,47 @@ def main() -> None:
     gpu_name = torch.cuda.get_device_name(0) if cuda else "cpu-smoke"
     card: GPU = lookup(gpu_name) if cuda else GPU("CPU", 20.0, 1.0, 20.0, 0, 10.0, True)
     vocab = 32000 if cuda else 4000
-    date = time.strftime("%Y-%m-%d")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"{gpu_name.replace(' ', '_').replace('/', '_')}-{date}.json"
-    doc: dict[str, Any] = {
-        "date": date,
-        "gpu": gpu_name,
-        "smoke": args.smoke,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "mfu_convention": "PaLM: 6N + 12*L*h*s per token (N without the input embedding); causal: 6N + 6*L*h*s",
-        "peak_bf16_tflops": card.bf16_tflops if cuda else None,
-        "cases": [],
-    }
-    with tempfile.TemporaryDirectory(prefix="gpubench-") as tmp:
-        work = Path(tmp)
-        doc["ops"] = warm_ops(args.smoke, work)
-        for case in cases(args.smoke):
-            if args.only and case.name not in args.only:
+    doc.update(gpu=gpu_name, torch=torch.__version__, peak_bf16_tflops=card.bf16_tflops if cuda else None)
+    doc["warm_up"] = warm_up(args.smoke)
+    save()
+    print(json.dumps(doc["warm_up"])[:600], flush=True)
+    work = out_dir / ".work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        selected = [c for c in cases(args.smoke) if not args.only or c.name in args.only]
+        by_name: dict[str, dict[str, Any]] = {}
+        for i, case in enumerate(selected):
+            left = args.budget - (time.monotonic() - started)
+            if i and case.timeout_s > left:
+                doc["cases"].append({"name": case.name, "skipped": f"{case.timeout_s} s needed, {left:.0f} s left"})
+                save()
                 continue
             shards = synthetic_shards(work, case.seq_len, vocab)
+            timeout = min(case.timeout_s, max(30.0, left))
             result = (
-                run_plain(case, shards, work, vocab, args.smoke)
+                run_plain(case, shards, work, logs, vocab, args.smoke, timeout)
                 if case.kind == "plain"
-                else run_pipeline(case, shards, work, args.smoke)
+                else run_pipeline(case, shards, work, logs, args.smoke, timeout)
             )
             result = {
                 "name": case.name,
+                "note": case.note,
                 **result,
-                **planned(case, vocab, card),
+                **planned(case, vocab, card, work),
                 **mfu(result, case, vocab, card.bf16_tflops if cuda else None),
             }
+            by_name[case.name] = result
             doc["cases"].append(result)
-            out.write_text(json.dumps(doc, indent=2))  # after every case: a later timeout loses nothing
+            doc["verdict_70b_80_layers"] = slope_verdict(by_name, CAP_GIB)
+            save()
             print(json.dumps(result)[:400], flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # run folders hold no checkpoint; the logs stay in OUT/logs
     md = table(doc["cases"])
-    out.with_suffix(".md").write_text(md + "\n")
+    (out_dir / "results.md").write_text(md + "\n")
     print(md)
-    print(f"wrote {out}")
+    print(f"wrote {results_path}")
     if any("error" in r for r in doc["cases"]):
         sys.exit(1)
 

@@ -661,9 +661,16 @@ def plan(
         from pipeline.train import forecast
 
         text, fits = forecast.config_report(
-            config_path, list(sets), cluster, seq_len=seq_len, layers=layers, vocab_size=vocab_size, mfu=mfu,
-            budget=budget, as_json=as_json,
-        )  # fmt: skip
+            config_path,
+            list(sets),
+            cluster,
+            seq_len=seq_len,
+            layers=layers,
+            vocab_size=vocab_size,
+            mfu=mfu,
+            budget=budget,
+            as_json=as_json,
+        )
         click.echo(text)
         sys.exit(0 if fits else 3)
     shape, note = planner.planned_shape(preset, layers, vocab_size, seq_len or 4096)

@@ -18,8 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--master", required=True, help="ADDR:PORT of rank 0")
     ap.add_argument("--iface", default=None)
-    ap.add_argument("--mbytes", type=float, default=16.0, help="the first size; it grows x4 while an all-reduce takes "
-                    "under --min-seconds, up to --max-mbytes (as nccl-tests sweeps sizes)")  # fmt: skip
+    ap.add_argument(
+        "--mbytes",
+        type=float,
+        default=16.0,
+        help="the first size; it grows x4 while an all-reduce takes "
+        "under --min-seconds, up to --max-mbytes (as nccl-tests sweeps sizes)",
+    )
     ap.add_argument("--max-mbytes", type=float, default=1024.0)
     ap.add_argument("--min-seconds", type=float, default=0.5)
     ap.add_argument("--iters", type=int, default=3)

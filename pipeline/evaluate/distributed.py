@@ -77,8 +77,13 @@ def batch_that_fits(cfg: EvalConfig, inputs: Inputs, env: Dist) -> int:
             f"more than a {total / 2**30:.1f} GiB GPU holds with its margin: evaluate across more GPUs (--hostfile)"
         )
     if batch != cfg.batch_size and env.rank == 0:
-        log.warning("--batch-size %d does not fit a %.1f GiB GPU beside 1/%d of the model; evaluating with batch %d",
-                    cfg.batch_size, total / 2**30, env.world_size, batch)  # fmt: skip
+        log.warning(
+            "--batch-size %d does not fit a %.1f GiB GPU beside 1/%d of the model; evaluating with batch %d",
+            cfg.batch_size,
+            total / 2**30,
+            env.world_size,
+            batch,
+        )
     return batch
 
 

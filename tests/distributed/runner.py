@@ -22,11 +22,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[str, str], out: Any,
-               args: tuple[Any, ...]) -> None:  # fmt: skip
+def _rank_main(
+    fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[str, str], out: Any, args: tuple[Any, ...]
+) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         from pipeline.train.dist import init_distributed
 
@@ -42,8 +49,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, env: di
         os._exit(0)  # no interpreter teardown: the gloo shutdown race (pipeline.train.dist.exit_now)
 
 
-def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 180,
-                    env: dict[str, str] | None = None) -> list[Any]:  # fmt: skip
+def run_distributed(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 180, env: dict[str, str] | None = None
+) -> list[Any]:
     """`fn(rank, world_size, *args)` on every rank; the results by rank. Raises AssertionError with each failing
     rank's traceback, or when a rank does not answer within `timeout` seconds."""
     ctx = mp.get_context("spawn")

@@ -159,8 +159,16 @@ def test_optimizer_steps_longer_than_the_timeout_finish(shards: Path, tmp_path: 
     """A step of many micro-steps (70B on 8 x 4090D: 61 of them, 1.5-2 hours) is progress, not a hang: here each
     micro-step sleeps 2 s, GA 4 makes a step of 8 s, and train.comm_timeout_minutes is 0.1 (6 s)."""
     run_dir = tmp_path / "run"
-    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=2,
-                              micro=1, global_batch=8, ckpt_interval=2)  # fmt: skip
+    cfg = launch.write_config(
+        tmp_path / "c.yaml",
+        run_dir=run_dir,
+        shards=shards,
+        ds_config="zero2.json",
+        steps=2,
+        micro=1,
+        global_batch=8,
+        ckpt_interval=2,
+    )
     out = launch.run(cfg, sets=("train.comm_timeout_minutes=0.1",), extra_env={"PIPELINE_FAULT_SLOW_MICRO_STEP": "2"})
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
@@ -171,8 +179,9 @@ def test_a_conversion_longer_than_the_timeout_resumes(shards: Path, tmp_path: Pa
     """Resuming 70B on another world size converts about 3 TB to the universal form while the other ranks wait:
     that wait is not a hang. Here the conversion takes 25 s more and train.comm_timeout_minutes is 0.25 (15 s)."""
     run_dir = tmp_path / "run"
-    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json", steps=6,
-                              ckpt_interval=3)  # fmt: skip
+    cfg = launch.write_config(
+        tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json", steps=6, ckpt_interval=3
+    )
     sets = ("train.comm_timeout_minutes=0.25",)
     first = launch.run(cfg, num_gpus=1, sets=sets, extra_env={"PIPELINE_FAULT_KILL_AT_STEP": "4"})
     assert first.returncode != 0 and ckpt.latest_complete(run_dir) == "step00000003"

@@ -286,8 +286,9 @@ def test_bf16_runs_accumulate_gradients_in_fp32_train_resume_and_evaluate(
     from pipeline.evaluate.run import run as evaluate_run
 
     run_dir = tmp_path / "run"
-    cfg = launch.write_config(tmp_path / "b.yaml", run_dir=run_dir, shards=shards, ds_config=f"zero{stage}.json",
-                              steps=6, ckpt_interval=3)  # fmt: skip
+    cfg = launch.write_config(
+        tmp_path / "b.yaml", run_dir=run_dir, shards=shards, ds_config=f"zero{stage}.json", steps=6, ckpt_interval=3
+    )
     sets = ("train.precision=bf16",)
     out = launch.run(cfg, sets=sets)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -300,12 +301,14 @@ def test_bf16_runs_accumulate_gradients_in_fp32_train_resume_and_evaluate(
     resumed = tmp_path / "resumed"
     shutil.copytree(run_dir, resumed)
     shutil.rmtree(resumed / "step00000006")
-    cfg2 = launch.write_config(tmp_path / "b2.yaml", run_dir=resumed, shards=shards, ds_config=f"zero{stage}.json",
-                               steps=6, ckpt_interval=3)  # fmt: skip
+    cfg2 = launch.write_config(
+        tmp_path / "b2.yaml", run_dir=resumed, shards=shards, ds_config=f"zero{stage}.json", steps=6, ckpt_interval=3
+    )
     out = launch.run(cfg2, sets=sets)
     assert out.returncode == 0 and "resumed from" in out.stdout + out.stderr, out.stderr[-3000:]
     again = launch.losses(resumed)
     assert [again[s] for s in (4, 5, 6)] == [got[s] for s in (4, 5, 6)]
-    res = evaluate_run(EvalConfig(checkpoint=str(run_dir), max_batches=2, max_new_tokens=4,
-                                  output=str(tmp_path / "e.json")))  # fmt: skip
+    res = evaluate_run(
+        EvalConfig(checkpoint=str(run_dir), max_batches=2, max_new_tokens=4, output=str(tmp_path / "e.json"))
+    )
     assert res["tokens"] > 0 and res["loss"] < got[1]

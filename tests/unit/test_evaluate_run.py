@@ -33,8 +33,9 @@ def test_batched_greedy_continuations_equal_one_prompt_at_a_time(tokenized: Path
 
     tok = Tokenizer(Path(f"{tokenized}.tokenizer.model"))
     torch.manual_seed(0)
-    model = build_model(resolve_shape("tiny", {}, tok.vocab_size), bos_id=tok.bos_id, eos_id=tok.eos_id,
-                        pad_id=tok.pad_id).eval()  # fmt: skip
+    model = build_model(
+        resolve_shape("tiny", {}, tok.vocab_size), bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id
+    ).eval()
     prompts = ["ROMEO:\n", "To be, or not to be, that is the question", "The king"]
     cpu = torch.device("cpu")
     batched = generate(model, tok, prompts, seed=1, max_new_tokens=12, device=cpu)

@@ -15,8 +15,12 @@ from pipeline.train.guards import NonFinite
 
 
 def _guard(precision: str, policy: str = "stop") -> NonFinite:
-    cfg = from_dict({"batch": {"micro_batch_size": 2, "global_batch_size": 4},
-                     "train": {"max_steps": 10, "precision": precision, "on_nonfinite": policy}})  # fmt: skip
+    cfg = from_dict(
+        {
+            "batch": {"micro_batch_size": 2, "global_batch_size": 4},
+            "train": {"max_steps": 10, "precision": precision, "on_nonfinite": policy},
+        }
+    )
     return NonFinite(cfg, batch_plan(cfg, 2, 64), rank=0, train_samples=100)
 
 
