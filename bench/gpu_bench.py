@@ -463,6 +463,7 @@ def planned(case: Case, vocab: int, card: Any, work: Path) -> dict[str, Any]:
         "plan_fits": e.fits,
         "plan_peak_allocated_gib": e.gpu["peak_allocated"] / 2**30,  # beside torch.cuda.max_memory_allocated
         "plan_reserved_gib": e.gpu["reserved"] / 2**30,
+        "plan_assumed": [{"figure": f, "value": v, "source": src} for f, v, src in e.assumed],
     }
 
 

@@ -529,8 +529,9 @@ def doctor(
     "--from-run",
     "from_run",
     default=None,
-    help="A run folder: the plan for exactly that run beside what it "
-    "measured (peak memory, step time, tokens/s), with the ratios.",
+    help="A run folder: the plan for exactly that run beside what it measured (peak memory, step time, tokens/s), "
+    "with the ratios and the rates it measured (compute efficiency, parameter fetch, CPU Adam). With --model or "
+    "--config: plan that on the run's cluster at the run's measured rates.",
 )
 @click.option(
     "--layers",
@@ -552,7 +553,7 @@ def doctor(
     "--gpu",
     default=None,
     show_default=CLUSTER_DEFAULTS["gpu"],
-    help="3090, 4090, 4090d, l40s, a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100, "
+    help="3090, 4090, 4090d, l40s, v100, a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100, "
     "h100-pcie, h100-nvl, h200, h200-nvl, or a name as nvidia-smi prints it.",
 )
 @click.option("--gpu-mem", default=None, help="Cap the card's memory, e.g. 24GiB (emulating a smaller card).")
@@ -586,9 +587,9 @@ def doctor(
 @click.option(
     "--mfu",
     type=click.FloatRange(0.0, 1.0, min_open=True),
-    default=0.40,
-    show_default=True,
-    help="Assumed MFU of the compute itself (0 < mfu <= 1; PaLM count); the time range spans 0.85x-1.125x.",
+    default=None,
+    help="Fix the compute efficiency (0 < mfu <= 1, of peak, PaLM count plus recompute) instead of the curve "
+    "fitted to published runs (which depends on the card and the micro-step); e.g. what your own run measured.",
 )
 @click.option("--tokens", default="1B", show_default=True, help="Token budget for the time estimate.")
 @click.option("--write-ds-config", default=None, help="Write the chosen DeepSpeed JSON here.")
@@ -616,7 +617,7 @@ def plan(
     network: str | None,
     global_batch_tokens: str,
     micro_batch_size: int | None,
-    mfu: float,
+    mfu: float | None,
     tokens: str,
     write_ds_config: str | None,
     as_json: bool,
@@ -630,8 +631,6 @@ def plan(
     from pipeline.plan import search as planner
     from pipeline.plan.cluster import cluster_from_flags
 
-    if sum(x is not None for x in (config_path, from_run)) > 1:
-        raise PipelineError("give one of --config and --from-run")
     budget, gbt = _token_amounts(tokens, global_batch_tokens)
     flags = {
         "gpu": gpu,
@@ -647,16 +646,22 @@ def plan(
         click.echo(plan_report.reference_fits_table(flags, vocab_size, seq_len or 4096, gbt, mfu, budget))
         return
     cluster, source = cluster_from_flags(hostfile, nodes, gpus_per_node, flags)
-    if source and not as_json:
-        click.echo(source)
+    ctx = click.get_current_context()
+    given = {k for k in ctx.params if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
+    rates = None
     if from_run:
         from pipeline.train import forecast
 
-        ctx = click.get_current_context()
-        given = {k for k in ctx.params if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
         cluster_given = bool(given & {"hostfile", "nodes", "gpus_per_node", "gpu", "gpu_mem", "cpu_mem"})
-        click.echo(forecast.run_report(from_run, cluster if cluster_given else None, mfu=mfu, as_json=as_json))
-        return
+        if not (config_path or "preset" in given):
+            click.echo(forecast.run_report(from_run, cluster if cluster_given else None, mfu=mfu, as_json=as_json))
+            return
+        if mfu is not None:
+            raise PipelineError("give one of --mfu and --from-run: both set the compute efficiency")
+        rates, cluster, notes = forecast.calibration(from_run, cluster if cluster_given else None)
+        source = f"rates and cluster measured by --from-run {from_run}" + ("; " + "; ".join(notes) if notes else "")
+    if source and not as_json:
+        click.echo(source)
     if config_path:
         from pipeline.train import forecast
 
@@ -670,6 +675,7 @@ def plan(
             mfu=mfu,
             budget=budget,
             as_json=as_json,
+            rates=rates,
         )
         click.echo(text)
         sys.exit(0 if fits else 3)
@@ -678,7 +684,7 @@ def plan(
         click.echo(note, err=True)
     if shape.hf_config and not as_json:
         click.echo(shape.describe())
-    p = planner.search(shape, seq_len or 4096, cluster, gbt, mfu, fixed_micro=micro_batch_size)
+    p = planner.search(shape, seq_len or 4096, cluster, gbt, mfu, fixed_micro=micro_batch_size, rates=rates)
     if write_ds_config and p.best is not None:
         planner.write_ds_config(p.best, write_ds_config, nvme)
     click.echo(json.dumps(p.to_dict(), indent=2) if as_json else plan_report.render(p, budget))

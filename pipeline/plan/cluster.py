@@ -44,6 +44,25 @@ class Cluster:
 
 
 @dataclass(frozen=True, slots=True)
+class Stack:
+    """The training software, as far as its time and memory depend on it (the planner's defaults are this
+    project's trainer; published runs of other stacks are planned with theirs)."""
+
+    kernels: Literal["hf", "fused"] = "hf"
+    """hf: transformers' decoder layers with SDPA (this trainer); fused: FlashAttention with fused norm, SwiGLU
+    and cross-entropy kernels (TinyLlama, llm-foundry), which keep fewer activations for the backward."""
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    """eager: attention scores materialised, seq^2 per head per layer (transformers' eager path; Falcon's 2023
+    code)."""
+    engine: Literal["deepspeed", "fsdp"] = "deepspeed"
+    """fsdp: PyTorch's FSDP full shard (planned as ZeRO-3): it reduce-scatters one flat gradient per layer into its
+    shard, without DeepSpeed's bucket temporaries."""
+    bind_cores: bool = True
+    """CPU Adam ranks bound to their share of the node's cores (`pipeline pretrain` does it with numactl); unbound,
+    every rank starts threads on every core (DeepSpeed's default)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
     stage: int
     offload_optimizer: OffloadDevice
@@ -57,6 +76,9 @@ class Candidate:
     sub_group: float = 1e9
     max_reuse: float | None = None  # stage3_max_reuse_distance; None: equal to max_live (what ds_config writes)
     grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype; None: fp32_grad_accumulation's rule
+    bf16_master: bool = False  # bf16.bf16_master_weights_and_grads: master weights and gradients kept in bf16
+    bf16_optimizer_states: bool = False  # bf16.bf16_optimizer_states: Adam's moments in bf16 too
+    pin_memory: bool = True  # offload_*.pin_memory (DeepSpeed's default since 0.19.5; false before)
 
     @property
     def fp32_grad_accum(self) -> bool:

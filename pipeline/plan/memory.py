@@ -10,11 +10,21 @@ from __future__ import annotations
 import math
 
 from pipeline.model import ModelShape
-from pipeline.plan.cluster import Candidate, Cluster
+from pipeline.plan.cluster import Candidate, Cluster, Stack
 
 GiB = 2**30
 CUDA_CONTEXT = int(0.8 * GiB)  # CUDA context, cuBLAS/NCCL workspaces: outside max_memory_allocated
-FRAGMENTATION = 1.10  # caching-allocator slack on top of live tensors
+FRAGMENTATION = 1.10  # caching-allocator slack on transient tensors (activations, logits): many sizes, reused
+REDUCE_BYTES = 8
+"""ZeRO-3's gradient reduction, per element of `reduce_bucket_size`: the bf16 bucket, the copy it is reduced in,
+the rearranged output and the partition copies (8 bytes at once). Accumulating in fp32 adds the fp32 copy of this
+rank's partition of the bucket (4 / world bytes: DeepSpeed's default reduce-scatter path casts partitions)."""
+BUFFER_FRAGMENTATION = 5.0
+"""Those reduce temporaries are allocated and freed at every micro-step in sizes the caching allocator cannot
+reuse for one another: under a memory cap (a 24 GiB card) about 5x their live size stays reserved. Fitted to the
+one OOM we measured: DeepSpeed's defaults (reduce 5e8) ran a 2-layer 70B slice out of a 24 GiB cap on an H200
+whose live tensors were 9.4 GiB (the smallest factor that puts its reserved memory above the cap is 4.8), while
+1e8 peaked at 5.8 GiB and ran; LLaMA-Factory's h^2 buckets (S1-S4) fit 24 GB cards."""
 MARGIN_MIN_BYTES = int(1.5 * GiB)
 MARGIN_FRACTION = 0.07
 RANK_HOST_OVERHEAD = 6 * GiB  # torch + CUDA libraries + DeepSpeed per rank process, host RAM
@@ -24,28 +34,42 @@ RANK_HOST_OVERHEAD = 6 * GiB  # torch + CUDA libraries + DeepSpeed per rank proc
 # 20 h (bf16 inputs/outputs of q, k, v, o, the residuals, and the fp32 RMSNorm intermediates) + 4 h_kv (k, v)
 # + 8 f (SwiGLU gate, up, act, product) + 5 a (attention's fp32 log-sum-exp and its bf16 output per head).
 ACT_PER_H, ACT_PER_HKV, ACT_PER_F, ACT_PER_HEAD = 20, 4, 8, 5
+# Fused kernels (FlashAttention, a fused RMSNorm that keeps its input and 1/rms, a fused SwiGLU that keeps gate and
+# up and recomputes the rest; TinyLlama's and llm-foundry's stacks) keep 10 h + 4 h_kv + 4 f + 5 a.
+FUSED_PER_H, FUSED_PER_F = 10, 4
+# Eager attention (scores materialised) keeps the bf16 scores and probabilities: 4 bytes per score.
+EAGER_SCORE_KEPT_BYTES = 4
 # The plain loss over full logits: bf16 logits, their fp32 copy, fp32 log-softmax and the fp32 gradient.
 LOGIT_BYTES = 14
 
 
-def layer_activation_bytes_per_token(shape: ModelShape) -> int:
+def layer_activation_bytes_per_token(shape: ModelShape, stack: Stack | None = None, seq_len: int = 0) -> int:
+    stack = stack or Stack()
     h_kv = shape.num_kv_heads * shape.head_dim
+    per_h, per_f = (FUSED_PER_H, FUSED_PER_F) if stack.kernels == "fused" else (ACT_PER_H, ACT_PER_F)
+    scores = EAGER_SCORE_KEPT_BYTES * shape.num_heads * seq_len if stack.attention == "eager" else 0
     return (
-        ACT_PER_H * shape.hidden_size
+        per_h * shape.hidden_size
         + ACT_PER_HKV * h_kv
-        + ACT_PER_F * shape.ffn_hidden_size
+        + per_f * shape.ffn_hidden_size
         + ACT_PER_HEAD * shape.num_heads
+        + scores
     )
 
 
 def activation_bytes(
-    shape: ModelShape, seq_len: int, micro: int, checkpointing: bool, loss_chunk_tokens: int | None = None
+    shape: ModelShape,
+    seq_len: int,
+    micro: int,
+    checkpointing: bool,
+    loss_chunk_tokens: int | None = None,
+    stack: Stack | None = None,
 ) -> dict[str, float]:
     """Activation memory of one micro-batch (bf16): `layers` at the end of the forward (full recompute keeps each
     layer's bf16 input plus one layer's activations while it is recomputed), `one_layer`, `logits` (the loss's
     peak: full logits, or one chunk of `loss_chunk_tokens` as our trainer computes it) and `embeddings`."""
     sb = seq_len * micro
-    one = float(sb * layer_activation_bytes_per_token(shape))
+    one = float(sb * layer_activation_bytes_per_token(shape, stack, seq_len))
     layers = shape.num_layers * 2 * sb * shape.hidden_size + one if checkpointing else shape.num_layers * one
     logit_tokens = sb if loss_chunk_tokens is None else min(sb, loss_chunk_tokens)
     return {
@@ -116,36 +140,60 @@ def margin_bytes(card_gib: float) -> float:
 
 
 def gpu_memory(
-    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, loss_chunk_tokens: int | None
+    shape: ModelShape,
+    seq_len: int,
+    c: Cluster,
+    cand: Candidate,
+    loss_chunk_tokens: int | None,
+    stack: Stack | None = None,
 ) -> dict[str, float]:
     """Per-GPU bytes. The peak is the larger of two moments: the start of the backward (every activation and the
     loss's logits and their gradient alive) and its end (buckets full, ZeRO-0/1's whole bf16 gradients alive).
-    Model states and ZeRO-3's gathered layer and buffers are alive at both."""
+    Model states and ZeRO-3's gathered layer and buffers are alive at both. What the card must hold (`reserved`)
+    adds the allocator's slack on the transients only: activations and logits at FRAGMENTATION, ZeRO-3's
+    bucket-sized buffers at BUFFER_FRAGMENTATION; model states are allocated once."""
+    stack = stack or Stack()
     psi, g = shape.num_params(), c.world
     off_opt, off_par = cand.offload_optimizer != "none", cand.offload_param != "none"
     split = state_split(cand.stage, psi, g, off_opt, off_par, cand.fp32_grad_accum)
-    act = activation_bytes(shape, seq_len, cand.micro_batch_size, cand.activation_checkpointing, loss_chunk_tokens)
+    if cand.bf16_master and cand.stage == 3 and not off_opt:  # bf16 master and gradient partitions on the GPU
+        split["grads"] -= 2 * psi / g
+        split["optimizer"] -= (2 + (4 if cand.bf16_optimizer_states else 0)) * psi / g
+    if stack.kernels == "fused":  # a fused linear cross-entropy (Liger's) computes ~tokens x h / V tokens at a time
+        tokens = cand.micro_batch_size * seq_len
+        loss_chunk_tokens = max(256, tokens * shape.hidden_size // shape.vocab_size)
+    act = activation_bytes(
+        shape, seq_len, cand.micro_batch_size, cand.activation_checkpointing, loss_chunk_tokens, stack
+    )
     largest = shape.largest_layer_params()
     if cand.stage == 3:
-        buffers = 2 * max(0.0, cand.max_live - largest) + 2 * cand.prefetch_bucket + 2 * 2 * cand.reduce_bucket
-        working = 4.0 * largest  # gathered 16-bit params + grads of the largest layer
+        # Gathered 16-bit parameters: the module in use and the prefetched ones (DeepSpeed releases a module after
+        # its use), at most max live; the reduce path's temporaries; the largest layer's gradient.
+        live = 2 * min(cand.max_live, shape.layer_params() + cand.prefetch_bucket, psi)
+        reduce = cand.reduce_bucket * (REDUCE_BYTES + (4 / g if cand.fp32_grad_accum else 0))
+        if stack.engine == "fsdp":  # one flat 16-bit gradient per layer, reduce-scattered into its shard
+            reduce = 2.0 * cand.reduce_bucket
+        buffers = live + reduce + 2.0 * largest
         transient_grads = 0.0
     else:
         buffers = 4.5 * 2 * cand.reduce_bucket if cand.stage in (1, 2) else 2 * 2.5e7
-        working = 0.0
         # bf16 gradients exist from the backward until the step; stage 0/1 keep them whole, stage 2 in buckets.
         transient_grads = 2.0 * psi if cand.stage in (0, 1) else 0.0
-    static = sum(split.values()) - transient_grads + working
-    forward = act["layers"] + act["embeddings"] + act["logits"]  # the loss's backward starts with all of it alive
-    if cand.stage == 3:
-        forward += buffers  # ZeRO-3's buffers live through the forward as well
+    static = sum(split.values()) - transient_grads
+    forward_act = act["layers"] + act["embeddings"] + act["logits"]  # the loss's backward starts with all of it
+    zero3_buffers = buffers if cand.stage == 3 else 0.0  # ZeRO-3's live through the forward as well
+    forward = forward_act + zero3_buffers
     backward = buffers + transient_grads + act["one_layer"]  # the end of the backward: gradients, few activations
     peak = static + max(forward, backward)
-    reserved = peak * FRAGMENTATION + CUDA_CONTEXT
+    # The reserved memory is the larger of the two moments, each with its slack: the reduce temporaries at
+    # BUFFER_FRAGMENTATION (they are alive in both), everything else at FRAGMENTATION.
+    reduce_part = reduce if cand.stage == 3 and stack.engine == "deepspeed" else 0.0
+    reserved_transients = (max(forward, backward) - reduce_part) * FRAGMENTATION + reduce_part * BUFFER_FRAGMENTATION
+    reserved = static + reserved_transients + CUDA_CONTEXT
     return {
         **split,
-        "working_layer": working,
-        "ds_buffers": buffers,
+        "working_layer": 2.0 * largest if cand.stage == 3 else 0.0,
+        "ds_buffers": buffers - (2.0 * largest if cand.stage == 3 else 0.0),
         "activations": act["layers"] + act["embeddings"],
         "logits": act["logits"],
         "peak_phase_backward": float(backward > forward),
@@ -153,7 +201,7 @@ def gpu_memory(
         "reserved": reserved,
         "margin": margin_bytes(c.gpu.memory_gib),
         "cuda_context": float(CUDA_CONTEXT),
-        "fragmentation": peak * (FRAGMENTATION - 1),
+        "fragmentation": reserved - CUDA_CONTEXT - peak,
         "total": reserved,
     }
 
@@ -168,21 +216,26 @@ def pinned(nbytes: float, pieces: int = 1) -> float:
 
 
 def host_memory(shape: ModelShape, c: Cluster, cand: Candidate) -> dict[str, float]:
-    """Host RAM per node, buffer by buffer as DeepSpeed 0.19 allocates them per rank (ZeRO-3: one pinned bf16
-    gradient-accumulation buffer, pinned bf16 parameter partitions per param group, a pinned fp32 gradient buffer
-    per optimizer sub-group; pageable fp32 master weights and Adam moments), plus each rank's process."""
+    """Host RAM per node, buffer by buffer as DeepSpeed 0.19 allocates them per rank (ZeRO-3: one pinned
+    gradient-accumulation buffer, pinned bf16 parameter partitions per param group, a pinned gradient buffer per
+    optimizer sub-group; pageable master weights and Adam moments, fp32 unless the JSON asks for bf16), plus each
+    rank's process."""
     psi, g, gpn = shape.num_params(), c.world, c.gpus_per_node
     part = psi / g  # parameters one rank owns
     pin, pageable = 0.0, 0.0
     subgroups = max(1, math.ceil(part / cand.sub_group))
+    # bf16.bf16_master_weights_and_grads (DeepSpeed >= 0.19.1 with offload): master weights and the optimizer's
+    # gradients in bf16; bf16_optimizer_states: Adam's moments too (host state ~10 -> ~6 bytes a parameter).
+    master = 2 if cand.bf16_master else 4
+    moments = 4 if cand.bf16_optimizer_states else 8
     if cand.offload_optimizer == "cpu":
         if cand.stage == 3:
             pin += pinned((4 if cand.fp32_grad_accum else 2) * part)  # gradient accumulation buffer
-            pin += pinned(4 * part, subgroups)  # fp32 gradients per sub-group
-            pageable += 12 * part  # fp32 master, Adam m and v
+            pin += pinned(master * part, subgroups)  # the optimizer's gradients, per sub-group
+            pageable += (master + moments) * part  # master weights, Adam m and v
         else:
-            pin += pinned(4 * part) + pinned(4 * part)  # fp32 gradients, fp32 master
-            pageable += 8 * part
+            pin += pinned(master * part) + pinned(master * part)  # the optimizer's gradients, master weights
+            pageable += moments * part
     elif cand.offload_optimizer == "nvme":
         pin += pinned(4 * cand.sub_group * 4, 4)  # swap buffers
         pin += pinned(2 * part)

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pipeline
 from pipeline.model import resolve_shape
-from pipeline.plan.cluster import cluster_from_flags
+from pipeline.plan.cluster import Candidate, cluster_from_flags
 from pipeline.plan.memory import GiB
 from pipeline.plan.search import Estimate, Plan, search
+from pipeline.plan.timing import RANGE
 
 
 def _days(tokens: float, tps: float) -> str:
@@ -53,14 +54,14 @@ def render(p: Plan, token_budget: float | None = None) -> str:
     e = p.best
     lines += describe_estimate(p, e, token_budget)
     if p.ranked[1:]:
-        lines.append("\nrunners-up                                                        tok/s   GPU GiB  host GB")
-        seen = {e.candidate.label()}
+        lines.append(f"\n{'runners-up':76s} {'tok/s':>7s} {'GPU GiB':>8s} {'host GB':>8s}")
+        seen = {row_label(e.candidate)}
         for r in p.ranked[1:]:
-            if r.candidate.label() in seen:
+            if row_label(r.candidate) in seen:
                 continue
-            seen.add(r.candidate.label())
+            seen.add(row_label(r.candidate))
             lines.append(
-                f"  {r.candidate.label():62s} {r.tokens_per_s:7,.0f} {r.gpu['reserved'] / GiB:8.1f} "
+                f"  {row_label(r.candidate):74s} {r.tokens_per_s:7,.0f} {r.gpu['reserved'] / GiB:8.1f} "
                 f"{r.host['total'] / 1e9:8.0f}"
             )
             if len(seen) > 5:
@@ -77,7 +78,7 @@ def render(p: Plan, token_budget: float | None = None) -> str:
         if key not in best_of or r.gpu["reserved"] < best_of[key].gpu["reserved"]:
             best_of[key] = r
     for r in sorted(best_of.values(), key=lambda r: r.gpu["reserved"])[:8]:
-        lines.append(f"  {r.candidate.label():62s} {'; '.join(r.why_not)}")
+        lines.append(f"  {row_label(r.candidate):74s} {'; '.join(r.why_not)}")
     return "\n".join(lines)
 
 
@@ -114,8 +115,8 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
     lines += [
         f"  {'peak allocated':31s} {g['peak_allocated'] / GiB:7.2f}   (torch.cuda.max_memory_allocated; at the "
         f"{'end' if g['peak_phase_backward'] else 'start'} of the backward)",
-        f"  {'reserved':31s} {g['reserved'] / GiB:7.2f}   (+10% allocator slack, +"
-        f"{g['cuda_context'] / GiB:.1f} CUDA context: what the card must hold)",
+        f"  {'reserved':31s} {g['reserved'] / GiB:7.2f}   (+{g['fragmentation'] / GiB:.2f} allocator slack on "
+        f"transients, +{g['cuda_context'] / GiB:.1f} CUDA context: what the card must hold)",
         f"  {'margin kept':31s} {g['margin'] / GiB:7.2f}   (max(1.5 GiB, 7%)); card {card:.1f}, "
         f"free after all: {card - (g['reserved'] + g['margin']) / GiB:.2f}",
     ]
@@ -137,17 +138,16 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
     tlo, thi = e.tokens_per_s_range
     lines += [
         f"\nstep time {e.step_time_s:,.2f} s (range {lo:,.2f}-{hi:,.2f} s): compute {t['compute']:,.2f} s "
-        f"(at {p.mfu_assumed:.0%} MFU{', +1/3 recompute' if cand.activation_checkpointing else ''}), network "
-        f"{t['network']:,.2f} s, PCIe {t['pcie']:,.2f} s, optimizer {t['optimizer']:,.2f} s, collective "
-        f"latency {t['collective_latency']:,.2f} s, overhead {t['overhead']:,.2f} s (compute/network/PCIe "
-        "overlap partly)",
+        f"(at {t['efficiency']:.0%} of peak{', +1/3 recompute' if cand.activation_checkpointing else ''}), network "
+        f"{t['network']:,.2f} s, host copies {t['host_copies']:,.2f} s, parameter fetch {t['param_fetch']:,.2f} s, "
+        f"optimizer {t['optimizer']:,.2f} s, collective latency {t['collective_latency']:,.2f} s, overhead "
+        f"{t['overhead']:,.2f} s (the parts of a micro-step overlap partly)",
         f"throughput {e.tokens_per_s:,.0f} tokens/s (range {tlo:,.0f}-{thi:,.0f}; physical ceiling at 100% of "
         f"peak: {e.ceiling_tokens_per_s:,.0f}), MFU {e.mfu:.1%} (PaLM count: 6N + 12*L*h*s per token)",
-        "  the range spans compute efficiency "
-        f"{p.mfu_assumed * 0.85:.0%}-{min(1.0, p.mfu_assumed * 1.125):.0%} and the network's "
-        + (
-            "6-12 GB/s per 100 Gbps (sockets: no GPUDirect RDMA on GeForce)" if not c.gpu.p2p else "90-98% of line rate"
-        ),
+        f"  the range: every rate x{RANGE[0]:g}-x{RANGE[1]:g} and the network's "
+        + ("6-12 GB/s per 100 Gbps (sockets: no GPUDirect RDMA)" if not c.gpu.gpudirect else "90-98% of line rate"),
+        "assumed:",
+        *(f"  {figure} {value} ({source})" for figure, value, source in e.assumed),
     ]
     budget = token_budget or 1e9
     lines.append(
@@ -188,7 +188,12 @@ REFERENCE_HOSTFILES = ("8node", "4node4gpu")
 
 
 def reference_fits_table(
-    flags: dict[str, str | None], vocab_size: int, seq_len: int, global_batch_tokens: int, mfu: float, budget: float
+    flags: dict[str, str | None],
+    vocab_size: int,
+    seq_len: int,
+    global_batch_tokens: int,
+    mfu: float | None,
+    budget: float,
 ) -> str:
     """`plan --fits-table`: the README's table of presets 1b-70b on each reference hostfile."""
 
@@ -200,3 +205,8 @@ def reference_fits_table(
             shape = resolve_shape(name, {}, vocab_size)
             rows.append((name, f"hostfiles/{hf}", search(shape, seq_len, c, global_batch_tokens, mfu)))
     return fits_table(rows, budget)
+
+
+def row_label(c: Candidate) -> str:
+    """A candidate in the runners-up and rejected lists: ZeRO-3's differ by their bucket set too."""
+    return c.label() + (f", buckets {c.reduce_bucket:.0e}" if c.stage == 3 else "")

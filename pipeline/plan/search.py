@@ -1,15 +1,14 @@
 """Planner: will a model fit a cluster, how fast will it really train, and the DeepSpeed config that gets there.
 Pure arithmetic: no CUDA calls. Every throughput is printed beside its physical ceiling (100% of peak) and as a
-low-high range.
+low-high range, with the rates it assumed and where each came from.
 
 Memory (pipeline.plan.memory): model states follow DeepSpeed's own estimators; activations use coefficients
-measured on a real transformers Llama layer; the GPU figure is given like with like (`peak_allocated`, what
-torch.cuda.max_memory_allocated reports) and as what the card must hold (`reserved`), and a plan keeps a margin.
-Host RAM is counted buffer by buffer as DeepSpeed pins it. Time: compute at an assumed MFU (34-45% is what
-DeepSpeed runs reach), ZeRO collectives over the node's NIC (GeForce has no GPUDirect RDMA: NCCL over sockets
-reaches 6-12 GB/s on 100 Gbps), PCIe per node (a node's cards share its host memory), CPU/NVMe optimizer steps.
-Overlap: the largest of compute/network/PCIe per micro-step, plus a quarter of the others (prefetch hides most,
-not all). Anchors (H200, tests/unit/test_plan.py): see ANCHORS there.
+measured on a real transformers Llama layer (or a fused stack's); the GPU figure is given like with like
+(`peak_allocated`, what torch.cuda.max_memory_allocated reports) and as what the card must hold (`reserved`, the
+allocator's slack on transients), and a plan keeps a margin. Host RAM is counted buffer by buffer as DeepSpeed
+pins it. Time (pipeline.plan.timing): compute at an efficiency that depends on the card and the micro-step, the
+network, copies through host memory, parameter offload and CPU Adam at node-level rates, fitted to published
+runs (tests/unit/test_plan_published.py) and our own H200 anchors (tests/unit/test_plan.py).
 """
 
 from __future__ import annotations
@@ -20,25 +19,14 @@ from typing import Any
 
 from pipeline.atomic import write_json
 from pipeline.model import PRESETS, ModelShape, families, loss_chunk_tokens, resolve_shape, with_seq_len
-from pipeline.plan.cluster import Candidate, Cluster, OffloadDevice, offload_devices
+from pipeline.plan.cluster import Candidate, Cluster, OffloadDevice, Stack, offload_devices
 from pipeline.plan.memory import GiB, checkpoint_bytes, gpu_memory, host_memory
+from pipeline.plan.timing import Rates, cpu_adam_rate, offload_rate, step_time_range
 
 HOST_RAM_LIMIT = 0.80  # refuse plans above 80% of a node's RAM (host OOM kills are silent)
-ADAM_BYTES_PER_PARAM = 32  # CPU Adam traffic: read p, g, m, v (16 B fp32), write p, m, v, bf16 copy
-CPU_ADAM_PARAMS_PER_CORE_S = 0.85e9  # DeepSpeed's CPUAdam, one thread, measured 0.81-0.89e9 params/s
-OVERLAP_RESIDUE = 0.25
-COLLECTIVE_LATENCY_S = 2e-4
-STEP_OVERHEAD_S = 0.02  # engine bookkeeping per optimizer step (clipping, norms, scheduler)
-MFU_RANGE = (0.85, 1.125)  # around the assumed MFU: 0.34-0.45 at the default 0.40
-# Fraction of a NIC's line rate that NCCL reaches: with GPUDirect RDMA ~98% (12.2 GB/s busbw on 100 Gbps, an NCCL
-# maintainer); GeForce has none, so traffic is staged through host memory and sockets reach 6-12 GB/s.
-NET_EFFICIENCY_RDMA = (0.90, 0.94, 0.98)  # low, point, high
-NET_EFFICIENCY_SOCKETS = (0.48, 0.72, 0.96)
-# Measured on an H200 capped at 24 GiB (70B geometry): DeepSpeed's defaults (5e8 reduce, 5e7 prefetch, 1e9 live)
-# ran out of memory, 1e8/1e8/3e8 peaked at 5.8 GiB. Only sizes at or below the largest measured-safe set are
-# offered, and a config with larger ones is not vouched for: the buffer arithmetic cannot explain that OOM.
-BUCKETS_ZERO3 = [(1e8, 1e8, 3e8), (2e8, 2e8, 5e8)]  # reduce, prefetch, max-live
-MEASURED_SAFE_ZERO3 = BUCKETS_ZERO3[-1]
+# ZeRO-3 bucket sets the search tries (reduce, prefetch, max live). Their memory is counted (pipeline.plan.memory):
+# DeepSpeed's defaults (5e8, 5e7, 1e9) are predicted not to fit a 2-layer 70B slice on 24 GiB, as measured.
+BUCKETS_ZERO3 = [(1e8, 1e8, 3e8), (2e8, 2e8, 5e8)]
 NEAR_TIE = 0.02  # throughputs within 2% are a tie, broken toward less memory
 
 
@@ -59,71 +47,8 @@ class Estimate:
     tokens_per_s_range: tuple[float, float] = (0.0, 0.0)
     warnings: list[str] = field(default_factory=list)
     checkpoint: dict[str, float] = field(default_factory=dict)
-
-
-def _net_efficiency(c: Cluster) -> tuple[float, float, float]:
-    return NET_EFFICIENCY_RDMA if c.gpu.p2p else NET_EFFICIENCY_SOCKETS
-
-
-def _step_time(
-    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, mfu: float, net_eff: float
-) -> dict[str, float]:
-    """Seconds per optimizer step, by part. Collective bytes are per rank; a ring over the nodes carries about a
-    rank's volume across each node's NIC, which all of the node's GPUs share."""
-    psi, g, gpn = shape.num_params(), c.world, c.gpus_per_node
-    off_opt, off_par = cand.offload_optimizer != "none", cand.offload_param != "none"
-    pcie = c.gpu.pcie_gbs * 1e9
-    intra = c.gpu.nvlink_gbs * 1e9 if c.gpu.nvlink_gbs else (pcie if c.gpu.p2p else pcie / 2)
-    coll_bw = intra if c.nodes == 1 else min(intra, c.network_gbps / 8 * 1e9 * net_eff)
-    # A node's cards copy through one host: its memory bandwidth (shared with CPU Adam) bounds their sum.
-    node_pcie = min(gpn * pcie, c.cpu_mem_bw_gbs * 1e9 / 2)
-
-    tokens_micro = cand.micro_batch_size * seq_len
-    peak = c.gpu.bf16_tflops * 1e12
-    hw_fpt = shape.flops_per_token(seq_len) * (4 / 3 if cand.activation_checkpointing else 1)
-    compute = tokens_micro * hw_fpt / (peak * mfu)
-
-    share = (g - 1) / g if g > 1 else 0.0
-    gathers = 0
-    if cand.stage == 3:
-        gathers = 2  # forward and backward all-gather of every parameter
-        layer = shape.layer_params()
-        if cand.activation_checkpointing and (cand.max_reuse or cand.max_live) < layer:
-            gathers += 1  # the recompute gathers each layer again: it was released (reuse distance < a layer)
-    net_micro = (
-        (gathers * 2 * psi + 2 * psi) * share if cand.stage == 3 else (2 * psi * share if cand.stage == 2 else 0.0)
-    )
-    net_step = {0: 4 * psi * share, 1: 6 * psi * share, 2: 2 * psi * share, 3: 0.0}[cand.stage]
-    # PCIe per GPU per micro-step, the busier direction: offloaded parameter partitions in for each gather,
-    # offloaded gradient partitions out, and collectives staged through host memory without P2P/GPUDirect RDMA.
-    staged = c.nodes > 1 or not c.gpu.p2p
-    h2d = (gathers if off_par else 0) * 2 * psi / g + (net_micro / 2 if staged else 0.0)
-    d2h = (2 * psi / g if off_opt else 0.0) + (net_micro / 2 if staged else 0.0)
-    pcie_micro_t = gpn * max(h2d, d2h) / node_pcie
-    pcie_step_t = ((2 * psi / g if off_opt and not off_par else 0.0) + (net_step if staged else 0.0)) * gpn / node_pcie
-    n_coll = (3 * psi / cand.reduce_bucket) if cand.stage == 3 else 0.0
-    net_t = net_micro / coll_bw if net_micro else 0.0
-    parts = [compute, net_t, pcie_micro_t]
-    micro_t = max(parts) + OVERLAP_RESIDUE * (sum(parts) - max(parts)) + n_coll * COLLECTIVE_LATENCY_S
-    per_node = psi / c.nodes
-    if off_opt:
-        rate = min(c.cpu_cores * CPU_ADAM_PARAMS_PER_CORE_S, c.cpu_mem_bw_gbs * 1e9 / ADAM_BYTES_PER_PARAM)
-        opt_t = per_node / rate
-        if cand.offload_optimizer == "nvme":
-            opt_t += 2 * 16 * per_node / (c.nvme_gbs * 1e9)
-    else:
-        opt_t = (psi / g if cand.stage else psi) * ADAM_BYTES_PER_PARAM / (c.gpu.mem_bw_gbs * 1e9)
-    step_net_t = net_step / coll_bw if net_step else 0.0
-    total = cand.grad_accum * micro_t + opt_t + step_net_t + pcie_step_t + STEP_OVERHEAD_S
-    return {
-        "total": total,
-        "compute": cand.grad_accum * compute,
-        "network": cand.grad_accum * net_t + step_net_t,
-        "pcie": cand.grad_accum * pcie_micro_t + pcie_step_t,
-        "optimizer": opt_t,
-        "collective_latency": cand.grad_accum * n_coll * COLLECTIVE_LATENCY_S,
-        "overhead": STEP_OVERHEAD_S,
-    }
+    assumed: list[tuple[str, str, str]] = field(default_factory=list)
+    """(figure, value, where it came from): the rates the time ran at."""
 
 
 def estimate(
@@ -131,14 +56,22 @@ def estimate(
     seq_len: int,
     c: Cluster,
     cand: Candidate,
-    mfu_assumed: float = 0.40,
+    mfu_assumed: float | None = None,
     loss_chunk_tokens: int | None = None,
     keep_last: int = 1,
+    stack: Stack | None = None,
+    rates: Rates | None = None,
 ) -> Estimate:
-    """One configuration: memory, time (point and range), fit. `loss_chunk_tokens`: the trainer's chunked loss
-    (pipeline.model.loss_chunk_tokens); None models a plain loss over full logits. `keep_last`: checkpoints kept
-    (checkpoint.keep_last); a safe save writes one more before the oldest goes."""
-    gpu = gpu_memory(shape, seq_len, c, cand, loss_chunk_tokens)
+    """One configuration: memory, time (point and range), fit. `mfu_assumed`: a fixed compute efficiency instead
+    of the fitted curve. `loss_chunk_tokens`: the trainer's chunked loss (pipeline.model.loss_chunk_tokens); None
+    models a plain loss over full logits. `keep_last`: checkpoints kept (checkpoint.keep_last); a safe save writes
+    one more before the oldest goes. `stack`: the training software (default: this trainer). `rates`: measured
+    ones (`plan --from-run`)."""
+    stack = stack or Stack()
+    rates = rates or Rates()
+    if mfu_assumed is not None:
+        rates = replace(rates, efficiency=mfu_assumed, sources=(*rates.sources, ("compute efficiency", "given: --mfu")))
+    gpu = gpu_memory(shape, seq_len, c, cand, loss_chunk_tokens, stack)
     host = host_memory(shape, c, cand)
     psi = shape.num_params()
     nvme = 0.0
@@ -146,10 +79,7 @@ def estimate(
         nvme += 16 * psi / c.nodes
     if cand.offload_param == "nvme":
         nvme += 2 * psi / c.nodes
-    lo_eff, point_eff, hi_eff = _net_efficiency(c)
-    t = _step_time(shape, seq_len, c, cand, mfu_assumed, point_eff)
-    fast = _step_time(shape, seq_len, c, cand, min(1.0, mfu_assumed * MFU_RANGE[1]), hi_eff)["total"]
-    slow = _step_time(shape, seq_len, c, cand, mfu_assumed * MFU_RANGE[0], lo_eff)["total"]
+    t, fast, slow = step_time_range(shape, seq_len, c, cand, stack, rates)
     g = c.world
     tokens_step = cand.micro_batch_size * seq_len * cand.grad_accum * g
     fpt = shape.flops_per_token(seq_len)
@@ -167,16 +97,6 @@ def estimate(
         why.append(f"host RAM {host['total'] / 1e9:.0f} GB per node > 80% of {c.cpu_mem_bytes / 1e9:.0f} GB")
     if nvme > c.nvme_bytes:
         why.append(f"NVMe {nvme / 1e12:.2f} TB per node needed, {c.nvme_bytes / 1e12:.2f} TB given")
-    if cand.stage == 3 and any(
-        v > m
-        for v, m in zip((cand.reduce_bucket, cand.prefetch_bucket, cand.max_live), MEASURED_SAFE_ZERO3, strict=True)
-    ):
-        sizes = f"reduce {cand.reduce_bucket:.0e}, prefetch {cand.prefetch_bucket:.0e}, max live {cand.max_live:.0e}"
-        why.append(
-            f"ZeRO-3 buckets ({sizes}) above the largest measured to fit (2e8, 2e8, 5e8): DeepSpeed's "
-            "defaults ran out of memory on a 24 GiB card with a 70B slice that the buffer arithmetic puts "
-            "at 9 GiB; use the planner's sizes (--write-ds-config)"
-        )
     ckpt = checkpoint_bytes(shape, cand.stage, c.world, c.gpus_per_node)
     if c.disk_bytes:
         safe = (keep_last + 1) * ckpt["per_node"]
@@ -210,7 +130,47 @@ def estimate(
         tokens_per_s_range=(tokens_step / slow, tokens_step / fast),
         warnings=warnings,
         checkpoint=ckpt,
+        assumed=assumptions(shape, seq_len, c, cand, stack, rates, t["efficiency"]),
     )
+
+
+FITTED = "fitted to published runs (tests/unit/test_plan_published.py)"
+
+
+def assumptions(
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates, eff: float
+) -> list[tuple[str, str, str]]:
+    """What an estimate assumed, each with its source: given (--mfu), measured (--from-run) or fitted."""
+    given = dict(rates.sources)
+    tokens = cand.micro_batch_size * seq_len
+    out = [
+        (
+            "compute efficiency",
+            f"{eff:.0%} of peak",
+            given.get("compute efficiency")
+            or f"{FITTED}: {c.gpu.name}'s GEMM ceiling {c.gpu.gemm_fraction:.0%}, {tokens:,} tokens per micro-step",
+        )
+    ]
+    if cand.offload_param != "none":
+        out.append(
+            (
+                "parameter fetch",
+                f"{offload_rate(c, rates, cand.pin_memory) / 1e9:.3g} GB/s per node"
+                + ("" if cand.pin_memory else " (pageable: pin_memory false)"),
+                given.get("parameter fetch") or f"{FITTED}: a share of {c.cpu_mem_bw_gbs:g} GB/s host memory bandwidth",
+            )
+        )
+    if cand.offload_optimizer != "none":
+        rate = rates.cpu_adam_params_per_s or cpu_adam_rate(c, cand, stack)
+        how = "bound to cores" if stack.bind_cores else "ranks not bound to cores"
+        out.append(
+            (
+                "CPU Adam",
+                f"{rate / 1e9:.2g}e9 parameters/s per node",
+                given.get("CPU Adam") or f"{FITTED}: {c.cpu_cores} cores, {c.cpu_mem_bw_gbs:g} GB/s memory, {how}",
+            )
+        )
+    return out
 
 
 def candidate_from_ds(
@@ -238,6 +198,11 @@ def candidate_from_ds(
         num("sub_group_size", 1e9),
         num("stage3_max_reuse_distance", 1e9),
         (ds.get("data_types") or {}).get("grad_accum_dtype"),
+        bf16_master=(ds.get("bf16") or {}).get("bf16_master_weights_and_grads") is True,
+        bf16_optimizer_states=(ds.get("bf16") or {}).get("bf16_optimizer_states") is True,
+        pin_memory=all(
+            (zero.get(k) or {}).get("pin_memory", True) is not False for k in ("offload_param", "offload_optimizer")
+        ),
     )
 
 
@@ -245,7 +210,7 @@ def candidates(
     c: Cluster,
     seq_len: int,
     global_batch_tokens: int,
-    micro_sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
+    micro_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
     fixed_micro: int | None = None,
 ) -> list[Candidate]:
     out = []
@@ -282,7 +247,8 @@ class Plan:
     ranked: list[Estimate]
     rejected: list[Estimate]
     advice: list[str]
-    mfu_assumed: float = 0.40
+    mfu_assumed: float | None = None
+    """A fixed compute efficiency (--mfu); None: the fitted curve."""
     global_batch_tokens: int = 0
     """What was asked; the chosen configuration's own global batch may differ (rounded to whole micro-batches)."""
 
@@ -325,6 +291,7 @@ def estimate_dict(e: Estimate) -> dict[str, Any]:
         "why_not": e.why_not,
         "warnings": e.warnings,
         "checkpoint_bytes": e.checkpoint,
+        "assumed": [{"figure": f, "value": v, "source": src} for f, v, src in e.assumed],
     }
 
 
@@ -349,14 +316,16 @@ def search(
     seq_len: int,
     c: Cluster,
     global_batch_tokens: int = 4 * 2**20,
-    mfu_assumed: float = 0.40,
+    mfu_assumed: float | None = None,
     fixed_micro: int | None = None,
     loss_chunk_tokens: int | None = -1,
+    stack: Stack | None = None,
+    rates: Rates | None = None,
 ) -> Plan:
     """All candidate configurations, fitting ones ranked. `loss_chunk_tokens` -1: the trainer's default chunk."""
     chunk = trainer_loss_chunk(shape) if loss_chunk_tokens == -1 else loss_chunk_tokens
     ests = [
-        estimate(shape, seq_len, c, cand, mfu_assumed, chunk)
+        estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates)
         for cand in candidates(c, seq_len, global_batch_tokens, fixed_micro=fixed_micro)
     ]
     fitting = choose([e for e in ests if e.fits])
@@ -367,7 +336,7 @@ def search(
     )
 
 
-def _advice(shape: ModelShape, seq_len: int, c: Cluster, gbt: int, mfu: float) -> list[str]:
+def _advice(shape: ModelShape, seq_len: int, c: Cluster, gbt: int, mfu: float | None) -> list[str]:
     tips = []
     psi = shape.num_params()
     offload = estimate(shape, seq_len, c, Candidate(3, "cpu", "cpu", True, 1, 1, *BUCKETS_ZERO3[0], 1e8), mfu)

@@ -14,10 +14,11 @@ from pipeline.data.manifest import read_shard_manifest
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, loss_chunk_tokens
 from pipeline.model.families import model_shape
-from pipeline.plan.cluster import Cluster
+from pipeline.plan.cluster import Cluster, Stack
 from pipeline.plan.gpus import capped, lookup
 from pipeline.plan.report import describe_estimate, header
 from pipeline.plan.search import Estimate, Plan, candidate_from_ds, estimate, estimate_dict, search
+from pipeline.plan.timing import Measured, Rates, rates_from_run
 from pipeline.train.config import PretrainConfig, load
 from pipeline.train.ds_config import BatchPlan, batch_plan, load_ds_config
 
@@ -64,14 +65,15 @@ def forecast_config(
     seq_len: int | None,
     layers: int | None,
     vocab_size: int,
-    mfu: float,
+    mfu: float | None,
+    rates: Rates | None = None,
 ) -> Forecast:
     cfg = load(config_path, sets)
     shape, seq, source, _ = shape_and_seq(cfg, seq_len, layers, vocab_size)
     cluster = replace(cluster, gpu=capped(cluster.gpu, cfg.train.gpu_memory_cap_gib))
     bp = batch_plan(cfg, cluster.world, seq)
     chunk = cfg.train.loss_chunk_tokens or loss_chunk_tokens(shape.vocab_size)
-    found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk)
+    found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk, rates=rates)
     if cfg.train.deepspeed_config == "auto":
         if found.best is None:
             raise PipelineError("train.deepspeed_config auto: nothing fits this cluster; " + "; ".join(found.advice))
@@ -83,7 +85,7 @@ def forecast_config(
             bp.grad_accum,
             cfg.train.activation_checkpointing,
         )
-        yours = estimate(shape, seq, cluster, cand, mfu, chunk)
+        yours = estimate(shape, seq, cluster, cand, mfu, chunk, rates=rates)
     return Forecast(config_path, shape, seq, source, bp, cluster, yours, found)
 
 
@@ -94,11 +96,16 @@ class RunMeasured:
     peak_memory_gib: float
     memory_kind: str
     records: int
+    optimizer_s: float | None = None
+    """Median seconds of the optimizer step (metrics.jsonl `optimizer_s`); None in runs from before it was logged."""
+    steps: int = 0
+    """Training steps the medians cover."""
 
 
 def measured(run_dir: Path, tokens_per_step: int) -> RunMeasured:
-    """The run's throughput (median over log lines, the first one left out as warm-up when there are more) and its
-    peak memory (GPU: max_memory_allocated; CPU: the process's peak RSS)."""
+    """The run's step time and throughput (medians over log lines, the first one left out as warm-up when there
+    are more: the trainer's own `step_s` when logged, else from tokens/s), its optimizer step, and its peak memory
+    (GPU: max_memory_allocated; CPU: the process's peak RSS)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise PipelineError(f"{run_dir}: no metrics.jsonl yet; let the run log a few steps first")
@@ -107,11 +114,36 @@ def measured(run_dir: Path, tokens_per_step: int) -> RunMeasured:
     if not rows:
         raise PipelineError(f"{path}: no training steps logged yet")
     steady = rows[1:] if len(rows) > 1 else rows
-    tps = statistics.median(r["tokens_per_s"] for r in steady)
-    return RunMeasured(tps, tokens_per_step / tps, max(r.get("mem_gib", 0.0) for r in rows), "", len(rows))
+    timed = [r["step_s"] for r in steady if r.get("step_s")]
+    step_s = (
+        statistics.median(timed) if timed else tokens_per_step / statistics.median(r["tokens_per_s"] for r in steady)
+    )
+    opt = [r["optimizer_s"] for r in steady if r.get("optimizer_s")]
+    steps = steady[-1]["step"] - (rows[0]["step"] if len(rows) > 1 else 0)
+    return RunMeasured(
+        tokens_per_step / step_s,
+        step_s,
+        max(r.get("mem_gib", 0.0) for r in rows),
+        "",
+        len(rows),
+        statistics.median(opt) if opt else None,
+        steps,
+    )
 
 
-def forecast_run(run_dir: str, cluster: Cluster | None, *, mfu: float) -> tuple[Forecast, RunMeasured, dict[str, Any]]:
+def run_rates(f: Forecast, got: RunMeasured, env: dict[str, Any]) -> tuple[Rates | None, list[str]]:
+    """The rates that reproduce the run's own step in the model (pipeline.plan.timing.rates_from_run), for the
+    next plan of this cluster; None for a CPU run, whose time the GPU model does not describe."""
+    if env.get("device", "cpu") == "cpu":
+        return None, ["a CPU run measures no GPU rates: plans keep the fitted ones"]
+    label = f"run {Path(f.config).parent}, {got.steps} steps"
+    m = Measured(got.step_time_s, got.optimizer_s, label)
+    return rates_from_run(f.shape, f.seq_len, f.cluster, f.yours.candidate, Stack(), m)
+
+
+def forecast_run(
+    run_dir: str, cluster: Cluster | None, *, mfu: float | None
+) -> tuple[Forecast, RunMeasured, dict[str, Any]]:
     """The plan for exactly what a run ran (its resolved config and DeepSpeed JSON, on the cluster it recorded)
     beside what it measured."""
     from pipeline.train.prepare import cpu_card
@@ -237,7 +269,8 @@ def render_run(f: Forecast, got: RunMeasured, env: dict[str, Any]) -> str:
         lines.append(
             "a CPU run: the planner's GPU model (MFU, PCIe, a nominal 0.5 TF per rank) does not describe "
             "it; the comparison checks the plumbing. On GPUs, ratios near 1 mean the plan for the rest of "
-            "the cluster can be trusted; far from 1, plan with --mfu set to the measured MFU."
+            "the cluster can be trusted; far from 1, plan the next run with --from-run: it runs at the rates "
+            "this run measured."
         )
     return "\n".join(lines)
 
@@ -250,14 +283,17 @@ def config_report(
     seq_len: int | None,
     layers: int | None,
     vocab_size: int,
-    mfu: float,
+    mfu: float | None,
     budget: float,
     as_json: bool,
+    rates: Rates | None = None,
 ) -> tuple[str, bool]:
     """`plan --config`: that run's plan beside what the search would choose, for people or as JSON; and whether
-    it fits."""
+    it fits. `rates`: measured by a run (`--from-run`)."""
 
-    fc = forecast_config(config_path, sets, cluster, seq_len=seq_len, layers=layers, vocab_size=vocab_size, mfu=mfu)
+    fc = forecast_config(
+        config_path, sets, cluster, seq_len=seq_len, layers=layers, vocab_size=vocab_size, mfu=mfu, rates=rates
+    )
     if not as_json:
         return render_config(fc, budget), fc.yours.fits
     doc = {
@@ -270,7 +306,58 @@ def config_report(
     return json.dumps(doc, indent=2), fc.yours.fits
 
 
-def run_report(run_dir: str, cluster: Cluster | None, *, mfu: float, as_json: bool) -> str:
-    """`plan --from-run`: the plan for exactly that run beside what it measured, for people or as JSON."""
+def run_report(run_dir: str, cluster: Cluster | None, *, mfu: float | None, as_json: bool) -> str:
+    """`plan --from-run`: the plan for exactly that run beside what it measured, and the rates it measured, for
+    people or as JSON."""
     f, got, env = forecast_run(run_dir, cluster, mfu=mfu)
-    return json.dumps(comparison(f, got), indent=2) if as_json else render_run(f, got, env)
+    rates, notes = run_rates(f, got, env)
+    if as_json:
+        doc = comparison(f, got) | {"measured_rates": rates_dict(rates), "notes": notes}
+        return json.dumps(doc, indent=2)
+    lines = [render_run(f, got, env), ""]
+    if rates is not None and rates.sources:
+        lines.append("rates this run measured (what the next plan with --from-run uses):")
+        lines += [f"  {name}: {value} ({how})" for name, value, how in measured_rate_lines(f, rates)]
+        lines.append(
+            f"  plan another model or config on this cluster with them: pipeline plan --from-run {run_dir} "
+            "--model NAME (or --config FILE)"
+        )
+    lines += [f"note: {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def rates_dict(rates: Rates | None) -> dict[str, Any] | None:
+    if rates is None:
+        return None
+    return {
+        "efficiency_scale": rates.efficiency_scale,
+        "offload_node_gbs": rates.offload_node_gbs,
+        "cpu_adam_params_per_s": rates.cpu_adam_params_per_s,
+        "sources": dict(rates.sources),
+    }
+
+
+def measured_rate_lines(f: Forecast, rates: Rates) -> list[tuple[str, str, str]]:
+    """(figure, value, source) for the rates a run measured, as the plan with them reports them."""
+    e = estimate(f.shape, f.seq_len, f.cluster, f.yours.candidate, rates=rates)
+    given = dict(rates.sources)
+    return [a for a in e.assumed if a[0] in given]
+
+
+def calibration(run_dir: str, cluster: Cluster | None) -> tuple[Rates, Cluster, list[str]]:
+    """`plan --from-run RUN --model/--config`: the rates RUN measured and the cluster to plan (RUN's own unless
+    one is given; a plan for another GPU is refused: the rates describe RUN's cards and hosts). A given cluster
+    of RUN's size is taken to be RUN's (its hostfile knows more of the hosts than environment.json)."""
+    f, got, env = forecast_run(run_dir, None, mfu=None)
+    if cluster is not None and cluster.world == f.cluster.world:
+        f, got, env = forecast_run(run_dir, cluster, mfu=None)
+    rates, notes = run_rates(f, got, env)
+    if rates is None:
+        raise PipelineError(f"{run_dir}: {notes[0]}; plan without --from-run")
+    run_gpu = lookup(env["device"]).name
+    if cluster is not None and cluster.gpu.name != run_gpu:
+        raise PipelineError(
+            f"--from-run {run_dir} measured {run_gpu}; this plan is for {cluster.gpu.name}: the rates do not carry "
+            "over to another card. Plan without --from-run, or from a run on these cards"
+        )
+    return rates, cluster or f.cluster, notes

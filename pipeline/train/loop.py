@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from typing import Any
 
 import torch
@@ -139,16 +140,26 @@ class Trainer:
         while state.step < self.max_steps:
             lr = lr_at(state.step, run.cfg, self.max_steps)
             poison = rank == 0 and faults.armed("NONFINITE_AT_STEP", state.step + 1)
+            timings: dict[str, float] = {}
+            t0 = time.perf_counter()
             step_loss = train_step(
-                engine, batches, plan.grad_accum, lr, device, poison=poison, progress=self.watchdog.beat
+                engine,
+                batches,
+                plan.grad_accum,
+                lr,
+                device,
+                poison=poison,
+                progress=self.watchdog.beat,
+                timings=timings,
             )
             state.step += 1
             state.consumed_samples += plan.global_batch_size
             loss, stopping = self._agree(step_loss, stop.requested)
+            timings["step_s"] = time.perf_counter() - t0  # _agree waited for the step's last kernel
             self.watchdog.beat()
             nonfinite.check(loss, int(engine.skipped_steps), state, run.run_dir)
             trained = True
-            logger.maybe_log(state, loss=loss, lr=lr)
+            logger.maybe_log(state, loss=loss, lr=lr, timings=timings)
             validator.maybe_run(engine, state)
             self.checkpointer.maybe_save(state, stopping=stopping)
             if rank == 0 and faults.armed("KILL_AT_STEP", state.step):

@@ -112,19 +112,28 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 class StepLogger:
     """Every `log.interval` steps (and at the last): one line on rank 0 and a record in the sink, with loss, lr,
-    gradient norm, tokens/s since the last line, TFLOP/s and MFU (PaLM count) per device, peak memory and the ETA."""
+    gradient norm, tokens/s since the last line, TFLOP/s and MFU (PaLM count) per device, peak memory, the ETA, and
+    the interval's mean seconds per step (`step_s`) and per optimizer step (`optimizer_s`)."""
 
     def __init__(self, run: Run, engine: Any, sink: MetricsSink, start_step: int, max_steps: int):
         self.run, self.engine, self.sink, self.max_steps = run, engine, sink, max_steps
         self.throughput = Throughput(start_step)
         self.peak = peak_for(run.dist.device, run.cfg.train.peak_tflops, run.dist.rank)
+        self.timings: dict[str, float] = {}
+        self.timed_steps = 0
 
-    def maybe_log(self, state: TrainState, *, loss: float, lr: float) -> None:
+    def maybe_log(self, state: TrainState, *, loss: float, lr: float, timings: dict[str, float] | None = None) -> None:
         self.throughput.add(self.run.plan.tokens_per_step)
+        for k, v in (timings or {}).items():
+            self.timings[k] = self.timings.get(k, 0.0) + v
+        self.timed_steps += 1
         if state.step % self.run.cfg.log.interval and state.step != self.max_steps:
             return
         tps, eta = self.throughput.take(state.step, self.max_steps)
         rec = self.record(state, loss=loss, lr=lr, tokens_per_s=tps)
+        # Seconds per step, training only (the interval's tokens/s also holds validation and checkpoint saves).
+        rec |= {k: v / self.timed_steps for k, v in self.timings.items()}
+        self.timings, self.timed_steps = {}, 0
         if self.run.dist.rank == 0:
             log.info(format_line(rec, self.max_steps, eta))
         self.sink.emit(rec)

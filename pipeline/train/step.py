@@ -51,10 +51,13 @@ def train_step(
     device: torch.device,
     poison: bool = False,
     progress: Callable[[], None] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """Set the learning rate, run `grad_accum` micro-steps (forward, backward, DeepSpeed's step, which applies
     the update at the accumulation boundary) and return the mean per-token loss as a float64 device tensor.
-    `poison` (tests only, pipeline.train.faults) makes the first micro-step's loss NaN."""
+    `poison` (tests only, pipeline.train.faults) makes the first micro-step's loss NaN. `timings` gets
+    "optimizer_s": the boundary's engine.step from a synchronised start to a synchronised end (the optimizer, CPU
+    Adam under offload, and what it waits for), which `pipeline plan --from-run` calibrates on."""
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -66,8 +69,21 @@ def train_step(
         if poison and i == 0:
             loss, total = loss * float("nan"), total * float("nan")
         engine.backward(loss)
-        engine.step()
+        if timings is not None and i == grad_accum - 1:
+            synchronize(device)
+            t0 = time.perf_counter()
+            engine.step()
+            synchronize(device)
+            timings["optimizer_s"] = time.perf_counter() - t0
+        else:
+            engine.step()
         loss_sum += total / max(tokens, 1)
         if progress is not None:
             progress()  # a long step of many micro-steps is progress, not a hang (the watchdog)
     return loss_sum / grad_accum
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU, whose ops are synchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

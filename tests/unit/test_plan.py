@@ -15,7 +15,7 @@ from pipeline.cli import main
 from pipeline.model import PRESETS, ModelShape
 from pipeline.plan.cluster import Candidate, Cluster
 from pipeline.plan.gpus import GPUS, lookup, peak_tflops_for_device
-from pipeline.plan.memory import deepspeed_model_states
+from pipeline.plan.memory import CUDA_CONTEXT, deepspeed_model_states
 from pipeline.plan.search import estimate, search
 from pipeline.train.config import from_dict
 from pipeline.train.ds_config import batch_plan, resolve
@@ -94,10 +94,13 @@ def test_no_throughput_above_the_physical_ceiling(preset: str, gpu: str, nodes: 
     c = Cluster(nodes, gpn, GPUS[gpu], 512 * 10**9)
     p = search(PRESETS[preset], seq, c)
     for e in p.ranked + p.rejected:
-        assert e.tokens_per_s <= e.ceiling_tokens_per_s * 0.40 + 1e-6  # compute itself runs at the assumed 40% MFU
-        assert 0 < e.mfu <= 0.40
+        # Compute runs at most at the card's GEMM ceiling (a measured share of its peak); the range's fast end at
+        # most at the peak itself.
+        assert e.tokens_per_s <= e.ceiling_tokens_per_s * GPUS[gpu].gemm_fraction + 1e-6
+        assert 0 < e.mfu <= GPUS[gpu].gemm_fraction
         assert e.tokens_per_s_range[0] <= e.tokens_per_s <= e.tokens_per_s_range[1]
-        assert e.tokens_per_s_range[1] <= e.ceiling_tokens_per_s * 0.45 + 1e-6  # the range's top: 45% MFU
+        assert e.tokens_per_s_range[1] <= e.ceiling_tokens_per_s + 1e-6
+        assert e.tokens_per_s_range[1] / e.tokens_per_s_range[0] < 2.0  # a range, not a shrug
 
 
 def test_refuses_70b_on_one_node_without_nvme_and_says_what_would_fit() -> None:
@@ -112,7 +115,10 @@ def test_refuses_70b_on_one_node_without_nvme_and_says_what_would_fit() -> None:
 
 # Measured on an H200 (GPU path issue): (case, shape, seq, cluster, candidate, seconds per step, GiB peak allocated).
 # Measured with a plain loss over full logits (loss_chunk_tokens=None), as the trainer then computed it.
-H200_24 = Cluster(1, 1, replace(GPUS["h200"], memory_gib=24.0), 137 * 10**9, cpu_cores=16)
+# The lent H200 machine: 16 cores and 137 GB of a larger server; its memory bandwidth was not measured (assumed: a
+# 16-core slice of a DDR5 server, 200 GB/s).
+H200_HOST = {"cpu_cores": 16, "cpu_mem_bw_gbs": 200.0}
+H200_24 = Cluster(1, 1, replace(GPUS["h200"], memory_gib=24.0), 137 * 10**9, **H200_HOST)  # type: ignore[arg-type]
 OFFLOAD_TUNED = Candidate(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
 ANCHORS = [
     (
@@ -129,7 +135,7 @@ ANCHORS = [
         "1b ZeRO-2 bf16, H200 uncapped, micro 8",
         PRESETS["1b"],
         2048,
-        Cluster(1, 1, GPUS["h200"], 137 * 10**9),
+        Cluster(1, 1, GPUS["h200"], 137 * 10**9, **H200_HOST),  # type: ignore[arg-type]
         Candidate(2, "none", "none", False, 8, 1),
         0.355,
         49.8,
@@ -152,7 +158,10 @@ def test_h200_anchors_peak_allocated_within_15pct_and_step_time_within_25pct(
 def test_default_zero3_buckets_are_predicted_not_to_fit_the_70b_slice() -> None:
     default = Candidate(3, "cpu", "cpu", True, 1, 1)  # DeepSpeed's defaults: reduce 5e8, prefetch 5e7, max live 1e9
     e = estimate(replace(PRESETS["70b"], num_layers=2), 4096, H200_24, default, loss_chunk_tokens=None)
-    assert not e.fits and "above the largest measured to fit" in e.why_not[0]
+    # DeepSpeed's defaults ran out of a 24 GiB cap: the reserved memory alone is above it, not only the margin.
+    assert not e.fits and "GPU memory" in e.why_not[0] and e.gpu["reserved"] - CUDA_CONTEXT > 24 * 2**30
+    tuned = estimate(replace(PRESETS["70b"], num_layers=2), 4096, H200_24, OFFLOAD_TUNED, loss_chunk_tokens=None)
+    assert tuned.fits  # and the buckets it ran with fit
 
 
 def test_every_preset_gets_an_answer_for_the_seed_clusters() -> None:
@@ -216,6 +225,10 @@ def test_names_torch_reports_map_to_their_own_row(torch_name: str, row: str, tfl
 
 def test_report_prints_the_assumed_mfu_it_was_given() -> None:
     r = CliRunner().invoke(main, ["plan", "--model", "7b", "--hostfile", "hostfiles/8node", "--mfu", "0.3"])
-    assert r.exit_code == 0 and "(at 30% MFU" in r.output and "at 45% MFU" not in r.output
+    assert (
+        r.exit_code == 0
+        and "(at 30% of peak" in r.output
+        and "compute efficiency 30% of peak (given: --mfu)" in r.output
+    )
     d = json.loads(CliRunner().invoke(main, ["plan", "--model", "7b", "--mfu", "0.3", "--json"]).output)
     assert d["mfu_assumed"] == 0.3

@@ -1,0 +1,289 @@
+"""The planner's time model: seconds per optimizer step, by part, at rates that were fitted to what the field has
+measured (tests/unit/test_plan_published.py holds every published row, bench/plan_calibration.py fits them) and
+to our own H200 runs. Pure arithmetic.
+
+Per micro-step the parts run side by side and overlap imperfectly (the largest, plus OVERLAP_RESIDUE of the rest):
+  compute         FLOPs (PaLM count, x4/3 with activation checkpointing) at an efficiency that grows with the
+                  work per micro-step (`efficiency`), plus the memory traffic of materialised attention scores;
+  network         ZeRO's collectives across the node's NIC (a ring carries about one rank's volume per node);
+  host copies     collectives between a node's GPUs through host memory when they have no P2P (GeForce), and
+                  inter-node traffic staged there without GPUDirect RDMA, all sharing the node's host bandwidth;
+  param fetch     ZeRO-3 parameter offload: every gather copies the partitions in from host memory, at a rate per
+                  node that DeepSpeed's offload reaches whatever the GPU count (#3901, #6695: "one DIMM's worth");
+  grad offload    the gradient partition copied out to the host each micro-step under optimizer offload.
+Per step: the optimizer (CPU Adam at a node-level rate under offload: the node's cores and memory bandwidth, the
+bytes it touches per parameter), ZeRO-0-2's step collectives, a fixed engine overhead.
+
+`Rates` says what every figure ran at and where it came from, and carries a run's measured rates (`plan
+--from-run`) into the next plan."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from pipeline.model import ModelShape
+from pipeline.plan.cluster import Candidate, Cluster, Stack
+
+# ---- fitted to published runs (bench/plan_calibration.py) ------------------------------------------------------
+EFFICIENCY_KNEE_S = 2.0e-4
+"""Compute efficiency = the card's GEMM ceiling x g / (g + KNEE), with g the time one (tokens x h) x (h x h) GEMM of
+the micro-step takes at peak: small micro-steps (few tokens, narrow models, fast cards) lose to kernel launches
+and memory-bound work. H200 1b at 16k tokens: g 0.14 ms, 34%; a 4090 7B at 32k tokens: g 5 ms, near the ceiling."""
+OVERLAP_RESIDUE = 0.35
+"""Share of the smaller per-micro-step parts that the largest does not hide."""
+OFFLOAD_BW_FRACTION = 0.13
+"""ZeRO-3 parameter offload from pinned memory: the node's host-to-GPU fetch rate as a share of its memory
+bandwidth (all of its GPUs together, at most their PCIe): DeepSpeed's per-module copies reach "one DIMM's worth"
+(#6695). A fetch hides behind compute: DeepSpeed prefetches at least one parameter ahead."""
+PAGEABLE_BW_FRACTION = 0.015
+"""The same from pageable memory (offload_param.pin_memory false, DeepSpeed's default before 0.19.5): the CPU
+copies every byte through a staging buffer (#3901: about 5 GB/s for an 8-GPU node)."""
+HOST_COPY_FRACTION = 0.12
+"""Collectives through host memory (no P2P, no GPUDirect RDMA): the share of the node's memory bandwidth they get."""
+CPU_ADAM_PARAMS_PER_CORE_S = 0.3e9
+"""DeepSpeed's CPU Adam per core on arrays that do not fit the caches (memory-bound, not the 0.85e9 of one
+thread on cached data)."""
+CPU_ADAM_BW_FRACTION = 0.5
+"""Share of the node's memory bandwidth CPU Adam's streaming kernel sustains when bound to its cores (published
+node rates, with 8 unbound ranks: 0.9-1.8e9 parameters/s)."""
+CPU_ADAM_UNBOUND_SLOPE = 0.3
+"""Ranks not bound to their cores each start threads on every core: the node's rate / (1 + SLOPE x (ranks - 1)).
+DeepSpeed PR #7474 measured 1.3x from binding 2 ranks."""
+EAGER_SCORE_BYTES = 56
+"""Bytes of memory traffic per attention score per layer and micro-step when scores are materialised (written,
+read for the softmax and the product, forward, recompute and backward)."""
+STEP_OVERHEAD_S = 0.02
+"""Engine bookkeeping per optimizer step (clipping, norms, the scheduler)."""
+COLLECTIVE_LATENCY_S = 2e-4
+RANGE = (0.75, 1.2)
+"""The compute, offload and CPU-Adam rates' low and high factors: the printed range (the published figures fall
+inside it; its width stays under 2x)."""
+# Fraction of a NIC's line rate that NCCL reaches: with GPUDirect RDMA ~98% (12.2 GB/s busbw on 100 Gbps, an NCCL
+# maintainer); GeForce has none, so traffic is staged through host memory and sockets reach 6-12 GB/s.
+NET_EFFICIENCY_RDMA = (0.90, 0.94, 0.98)  # low, point, high
+NET_EFFICIENCY_SOCKETS = (0.48, 0.72, 0.96)
+ADAM_BYTES = {"fp32": 40, "bf16_master": 32, "bf16_states": 24}
+"""Bytes CPU Adam touches per parameter and step: fp32 master, moments and gradient read and written, the
+gradient's copy and norm passes, the 16-bit copy back; bf16 master weights and gradients, and bf16 moments, less."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """The rates one estimate runs at. None: the model's (fitted) value; a number: given (`--mfu`) or measured by
+    a run (`--from-run`), and `sources` says which."""
+
+    efficiency: float | None = None
+    """Compute efficiency of the hardware FLOPs (PaLM count plus recompute), fixed (`--mfu`); None: the curve
+    `efficiency(...)` times `efficiency_scale`."""
+    efficiency_scale: float = 1.0
+    """A run's measured efficiency over the curve's at its own micro-step (`--from-run`): carried to other
+    micro-batch sizes along the curve."""
+    offload_node_gbs: float | None = None
+    """Parameter-offload fetch rate per node; None: OFFLOAD_BW_FRACTION of its memory bandwidth."""
+    cpu_adam_params_per_s: float | None = None
+    """Per node; None: from its cores and memory bandwidth."""
+    factor: float = 1.0
+    """Scales every rate at once (the range's low and high ends)."""
+    sources: tuple[tuple[str, str], ...] = ()
+    """(figure, where it came from) for the report."""
+
+
+def efficiency(shape: ModelShape, tokens_micro: int, c: Cluster) -> float:
+    g = 2.0 * tokens_micro * shape.hidden_size**2 / (c.gpu.bf16_tflops * 1e12)
+    return c.gpu.gemm_fraction * g / (g + EFFICIENCY_KNEE_S)
+
+
+def cpu_adam_rate(c: Cluster, cand: Candidate, stack: Stack) -> float:
+    """Parameters per second CPU Adam updates on one node (all of its ranks together)."""
+    kind = "bf16_states" if cand.bf16_optimizer_states else "bf16_master" if cand.bf16_master else "fp32"
+    rate = min(
+        c.cpu_cores * CPU_ADAM_PARAMS_PER_CORE_S, c.cpu_mem_bw_gbs * 1e9 * CPU_ADAM_BW_FRACTION / ADAM_BYTES[kind]
+    )
+    return rate if stack.bind_cores else rate / (1 + CPU_ADAM_UNBOUND_SLOPE * (c.gpus_per_node - 1))
+
+
+def offload_rate(c: Cluster, rates: Rates, pinned: bool = True) -> float:
+    """Bytes per second the node's parameter-offload fetches reach, all of its GPUs together."""
+    if rates.offload_node_gbs is not None:
+        return rates.offload_node_gbs * 1e9
+    fraction = OFFLOAD_BW_FRACTION if pinned else PAGEABLE_BW_FRACTION
+    return min(c.gpus_per_node * c.gpu.pcie_gbs * 1e9, c.cpu_mem_bw_gbs * 1e9 * fraction)
+
+
+def net_efficiency(c: Cluster) -> tuple[float, float, float]:
+    return NET_EFFICIENCY_RDMA if c.gpu.gpudirect else NET_EFFICIENCY_SOCKETS
+
+
+def step_time(
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates, net_eff: float
+) -> dict[str, float]:
+    """Seconds per optimizer step, by part (see the module's docstring)."""
+    psi, g, gpn, f = shape.num_params(), c.world, c.gpus_per_node, rates.factor
+    off_opt, off_par = cand.offload_optimizer != "none", cand.offload_param != "none"
+    pcie = c.gpu.pcie_gbs * 1e9
+    host_bw = c.cpu_mem_bw_gbs * 1e9 * HOST_COPY_FRACTION * f  # what host-staged copies of the node share
+    node_pcie = min(gpn * pcie, host_bw) if gpn > 1 else pcie
+    if gpn == 1:
+        intra = math.inf  # no hop inside a node (inter-node staging through the host is in host copies)
+    elif c.gpu.nvlink_gbs:
+        intra = c.gpu.nvlink_gbs * 1e9
+    elif c.gpu.p2p:
+        intra = pcie
+    else:  # through host memory: each GPU's bytes go out and back in, all of the node's at once
+        intra = min(pcie, host_bw / (2 * gpn))
+    coll_bw = intra if c.nodes == 1 else min(intra, c.network_gbps / 8 * 1e9 * net_eff)
+
+    tokens_micro = cand.micro_batch_size * seq_len
+    peak = c.gpu.bf16_tflops * 1e12
+    eff = (
+        rates.efficiency
+        if rates.efficiency is not None
+        else efficiency(shape, tokens_micro, c) * rates.efficiency_scale
+    )
+    eff = min(eff * f, 1.0)  # the fast end never above the card's peak
+    hw_fpt = shape.flops_per_token(seq_len) * (4 / 3 if cand.activation_checkpointing else 1)
+    compute = tokens_micro * hw_fpt / (peak * eff)
+    if stack.attention == "eager":
+        scores = cand.micro_batch_size * shape.num_heads * seq_len**2 * shape.num_layers
+        compute += scores * EAGER_SCORE_BYTES / (c.gpu.mem_bw_gbs * 1e9)
+
+    share = (g - 1) / g if g > 1 else 0.0
+    gathers = 0
+    if cand.stage == 3:
+        gathers = 2  # forward and backward all-gather of every parameter
+        if cand.activation_checkpointing and (cand.max_reuse or cand.max_live) < shape.layer_params():
+            gathers += 1  # the recompute gathers each layer again: it was released (reuse distance < a layer)
+    if cand.stage == 3:
+        net_micro = (gathers * 2 * psi + 2 * psi) * share
+    else:
+        net_micro = 2 * psi * share if cand.stage == 2 else 0.0
+    net_step = {0: 4 * psi * share, 1: 6 * psi * share, 2: 2 * psi * share, 3: 0.0}[cand.stage]
+    net_t = net_micro / coll_bw if net_micro else 0.0
+    # Inter-node traffic without GPUDirect RDMA is staged through host memory: one more copy each way per GPU.
+    staged = c.nodes > 1 and not c.gpu.gpudirect
+    accum = 4 if cand.fp32_grad_accum and not cand.bf16_master else 2  # bytes of a gradient sent to the host
+    d2h = (accum * psi / g if off_opt else 0.0) + (net_micro / 2 if staged else 0.0)
+    h2d = net_micro / 2 if staged else 0.0
+    copies_t = gpn * max(h2d, d2h) / node_pcie if max(h2d, d2h) else 0.0
+    fetch_t = gathers * 2 * psi / g * gpn / (offload_rate(c, rates, cand.pin_memory) * f) if off_par else 0.0
+    parts = [compute, net_t, copies_t, fetch_t]
+    n_coll = (3 * psi / cand.reduce_bucket) if cand.stage == 3 else 0.0
+    micro_t = max(parts) + OVERLAP_RESIDUE * (sum(parts) - max(parts)) + n_coll * COLLECTIVE_LATENCY_S
+
+    if off_opt:
+        adam_rate = (rates.cpu_adam_params_per_s or cpu_adam_rate(c, cand, stack)) * f
+        opt_t = psi / c.nodes / adam_rate
+        if not off_par:  # the updated 16-bit partitions go back to the GPUs
+            opt_t += 2 * psi / g * gpn / node_pcie
+        if cand.offload_optimizer == "nvme":
+            opt_t += 2 * 16 * psi / c.nodes / (c.nvme_gbs * 1e9)
+    else:
+        opt_t = (psi / g if cand.stage else psi) * ADAM_BYTES["fp32"] / (c.gpu.mem_bw_gbs * 1e9)
+    step_net_t = net_step / coll_bw if net_step else 0.0
+    total = cand.grad_accum * micro_t + opt_t + step_net_t + STEP_OVERHEAD_S
+    return {
+        "total": total,
+        "compute": cand.grad_accum * compute,
+        "efficiency": eff,
+        "network": cand.grad_accum * net_t + step_net_t,
+        "host_copies": cand.grad_accum * copies_t,
+        "param_fetch": cand.grad_accum * fetch_t,
+        "optimizer": opt_t,
+        "collective_latency": cand.grad_accum * n_coll * COLLECTIVE_LATENCY_S,
+        "overhead": STEP_OVERHEAD_S,
+    }
+
+
+def step_time_range(
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates
+) -> tuple[dict[str, float], float, float]:
+    """(the point estimate by part, the fast end, the slow end): every rate at RANGE's factors and the network
+    over its efficiency range."""
+    lo_eff, point_eff, hi_eff = net_efficiency(c)
+    point = step_time(shape, seq_len, c, cand, stack, rates, point_eff)
+    fast = step_time(shape, seq_len, c, cand, stack, replace(rates, factor=rates.factor * RANGE[1]), hi_eff)
+    slow = step_time(shape, seq_len, c, cand, stack, replace(rates, factor=rates.factor * RANGE[0]), lo_eff)
+    return point, fast["total"], slow["total"]
+
+
+def solve(f: Callable[[float], float], target: float, lo: float, hi: float) -> float | None:
+    """x in [lo, hi] with f(x) = target for f decreasing in x (a time against a rate), by bisection on log x;
+    None when the target lies outside f's values there."""
+    if not f(hi) <= target <= f(lo):
+        return None
+    a, b = math.log(lo), math.log(hi)
+    for _ in range(60):
+        mid = (a + b) / 2
+        a, b = (mid, b) if f(math.exp(mid)) > target else (a, mid)
+    return math.exp((a + b) / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """What a run logged (RUN_DIR/metrics.jsonl): median seconds per optimizer step and of its optimizer step
+    (the accumulation boundary's engine.step, CPU Adam under offload; None in runs from before it was logged)."""
+
+    step_s: float
+    optimizer_s: float | None
+    label: str
+    """Where it came from, for the report: "run runs/7b, 40 steps"."""
+
+
+def rates_from_run(
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, got: Measured
+) -> tuple[Rates, list[str]]:
+    """The rates that make the model reproduce a run's own step (`plan --from-run`), and notes on what could not
+    be measured. CPU Adam from the optimizer step; then the compute efficiency (and, under parameter offload, the
+    fetch rate by the same factor: one step time cannot tell them apart) from the rest of the step."""
+    notes: list[str] = []
+    rates = Rates()
+    net = net_efficiency(c)[1]
+
+    def part(r: Rates, key: str) -> float:
+        return step_time(shape, seq_len, c, cand, stack, r, net)[key]
+
+    sources: list[tuple[str, str]] = []
+    if cand.offload_optimizer != "none" and got.optimizer_s:
+        adam = solve(lambda x: part(replace(rates, cpu_adam_params_per_s=x), "optimizer"), got.optimizer_s, 1e6, 1e13)
+        if adam is None:
+            notes.append(
+                f"CPU Adam: the measured optimizer step ({got.optimizer_s:.3g} s) is below what the copies alone "
+                "take in the model; the fitted rate is kept"
+            )
+        else:
+            rates = replace(rates, cpu_adam_params_per_s=adam)
+            sources.append(("CPU Adam", f"measured: {got.label}, optimizer step {got.optimizer_s:.3g} s"))
+    elif cand.offload_optimizer != "none":
+        notes.append("CPU Adam: the run logged no optimizer_s (a run from before it was logged); fitted rate kept")
+    rest = got.step_s - (got.optimizer_s or part(rates, "optimizer"))
+    base = offload_rate(c, rates, cand.pin_memory) / 1e9
+
+    def with_scale(k: float) -> Rates:
+        r = replace(rates, efficiency_scale=k)
+        return replace(r, offload_node_gbs=base * k) if cand.offload_param != "none" else r
+
+    def micro_time(x: float) -> float:
+        return part(with_scale(x), "total") - part(with_scale(x), "optimizer")
+
+    curve = efficiency(shape, cand.micro_batch_size * seq_len, c)
+    k = solve(micro_time, rest, 0.01, 1.0 / curve)
+    if k is not None and micro_time(k) / micro_time(k * 1.25) < 1.05:
+        notes.append(
+            f"compute: in the model the run's step is set by its network and host copies, not by compute or "
+            f"parameter fetch ({got.step_s:.3g} s); a step time cannot measure the efficiency of such a run. The "
+            "fitted curve is kept; a run with larger micro-batches (or one node) measures it"
+        )
+    elif k is None:
+        notes.append(
+            f"compute: the measured step ({got.step_s:.3g} s) is outside what any efficiency up to the peak gives "
+            "on this cluster in the model (its network or cluster facts differ); the fitted curve is kept"
+        )
+    else:
+        rates = with_scale(k)
+        how = f"measured: {got.label}, step {got.step_s:.3g} s; the fitted curve x{k:.2f}"
+        sources.append(("compute efficiency", how))
+        if cand.offload_param != "none":
+            sources.append(("parameter fetch", how + " (one step time cannot tell fetch from compute)"))
+    return replace(rates, sources=tuple(sources)), notes
