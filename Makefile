@@ -15,6 +15,8 @@ export PATH := $(abspath $(BIN)):$(PATH)
 RUN ?= runs/demo
 CKPT ?= $(RUN)
 SPLIT ?= val
+# A file of prompts for `make eval` (one per line); empty: the starts of a few samples of the evaluated split.
+PROMPTS ?=
 # Extra `pipeline evaluate` options, e.g. EVAL_ARGS="--hostfile hostfiles/8node" for a model larger than one GPU.
 EVAL_ARGS ?=
 # lm-evaluation-harness tasks for `make eval` (comma-separated), e.g. TASKS=pipeline_demo_ppl (bundled, offline:
@@ -69,7 +71,7 @@ DEMO_RANKS ?= $(shell $(BIN)/python -c "import torch; n = torch.cuda.device_coun
 
 demo: data/shards-256/manifest.json
 	OMP_NUM_THREADS=1 $(BIN)/pipeline pretrain --config configs/demo.yaml --num-gpus $(DEMO_RANKS)
-	$(MAKE) eval CKPT=$(RUN)
+	$(MAKE) eval CKPT=$(RUN) PROMPTS=configs/demo_prompts.txt
 
 data: data/shakespeare.jsonl
 
@@ -84,7 +86,7 @@ data/shards-256/manifest.json: data/shakespeare.manifest.json
 	$(BIN)/pipeline shard data/shakespeare --output data/shards-256 --seq-len 256 --split 90,5,5 --overwrite
 
 eval: install $(if $(TASKS),harness-install)
-	$(BIN)/pipeline evaluate --checkpoint $(CKPT) --split $(SPLIT) --prompts configs/demo_prompts.txt $(EVAL_ARGS)
+	$(BIN)/pipeline evaluate --checkpoint $(CKPT) --split $(SPLIT) $(if $(PROMPTS),--prompts $(PROMPTS)) $(EVAL_ARGS)
 	$(if $(TASKS),$(BIN)/pipeline harness --checkpoint $(CKPT) --tasks $(TASKS) --lm-eval $(HARNESS_VENV)/bin/lm_eval $(HARNESS_ARGS))
 
 # The harness pins its own dependencies, so it gets its own venv (with the same torch build as the main one).

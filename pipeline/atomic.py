@@ -14,11 +14,26 @@ from pathlib import Path
 from typing import Any
 
 
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def tmp_path_for(path: Path) -> Path:
-    """A unique temporary name beside `path` (same filesystem, so rename is atomic)."""
+    """A unique temporary name beside `path` (same filesystem, so rename is atomic), with the permissions a plain
+    `open` gives (0666 less the umask: readable by the group on a shared mount), not mkstemp's owner-only 0600."""
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~umask())
     os.close(fd)
     return Path(name)
+
+
+def make_temp_dir(parent: Path, prefix: str) -> Path:
+    """tempfile.mkdtemp with a plain mkdir's permissions (0777 less the umask), not owner-only 0700."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    work.chmod(0o777 & ~umask())
+    return work
 
 
 def write_json(path: str | Path, obj: Any) -> None:

@@ -13,7 +13,7 @@ import io
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -69,7 +69,17 @@ def resolve_inputs(inputs: list[str]) -> list[Source]:
             if _is_hf_dataset_dir(p):
                 out.append(Source(p, "hf"))
             elif p.is_dir():
-                found = [Source(f, k) for f in sorted(p.rglob("*")) if f.is_file() and (k := _kind(f))]
+                files = [f for f in sorted(p.rglob("*")) if f.is_file() and not _hidden(f.relative_to(p))]
+                found = [Source(f, k) for f in files if (k := _kind(f))]
+                if found and (others := [f for f in files if not _kind(f)]):
+                    listed = ", ".join(str(f) for f in others[:5]) + (
+                        f" and {len(others) - 5} more" if len(others) > 5 else ""
+                    )
+                    raise PipelineError(
+                        f"{p}: {len(others)} file(s) of a type tokenize does not read would be left out: {listed} "
+                        f"(it reads {', '.join(SUPPORTED)}); move them out, convert them, or name the files to read "
+                        f"(e.g. '{p}/**/*.jsonl')"
+                    )
                 if not found:
                     raise PipelineError(
                         f"{p}: directory holds no {', '.join(TEXT_SUFFIXES)} files "
@@ -85,6 +95,29 @@ def resolve_inputs(inputs: list[str]) -> list[Source]:
                     )
                 out.append(Source(p, k))
     return out
+
+
+def _hidden(rel: Path) -> bool:
+    """Dot files and folders (.git, .DS_Store): never inputs, never worth a refusal."""
+    return any(part.startswith(".") for part in rel.parts)
+
+
+MAGIC = {b"\x1f\x8b": ".gz", b"\x28\xb5\x2f\xfd": ".zst"}
+
+
+def check_not_compressed(path: Path) -> None:
+    """A compressed file whose name does not say so would be read as text and fail record by record as invalid
+    UTF-8; say what it is instead."""
+    if path.name.endswith((".gz", ".zst")) or path.is_dir():
+        return
+    with open(path, "rb") as f:
+        head = f.read(4)
+    for magic, suffix in MAGIC.items():
+        if head.startswith(magic):
+            raise PipelineError(
+                f"{path}: the file is {suffix[1:]}-compressed but its name does not end in {suffix}; rename it "
+                f"{path.name}{suffix} (tokenize reads compressed inputs) or decompress it"
+            )
 
 
 def _open_binary(path: Path) -> IO[bytes]:
@@ -130,25 +163,33 @@ def _jsonl(path: Path, text_key: str, max_record_bytes: int = MAX_RECORD_BYTES) 
             except json.JSONDecodeError as e:
                 yield Record(n, None, f"malformed JSON ({e.msg} at column {e.colno})", "malformed_json", len(line))
                 continue
-            yield _check_text(
+            record = _check_text(
                 n,
                 obj.get(text_key) if isinstance(obj, dict) else None,
                 text_key,
                 isinstance(obj, dict) and text_key in obj,
                 len(line),
             )
+            if record.reason == "missing_field" and isinstance(obj, dict):
+                record = replace(record, error=missing_field(text_key, list(obj)))
+            yield record
 
 
 def _check_text(n: int, text: object, text_key: str, present: bool, nbytes: int = -1) -> Record:
     if nbytes < 0:
         nbytes = len(text) if isinstance(text, str) else 0
     if not present:
-        return Record(n, None, f"missing field '{text_key}' (set --text-key)", "missing_field", nbytes)
+        return Record(n, None, missing_field(text_key, None), "missing_field", nbytes)
     if not isinstance(text, str):
         return Record(n, None, f"field '{text_key}' is {type(text).__name__}, not a string", "not_a_string", nbytes)
     if not text.strip():
         return Record(n, None, "empty document", "empty_document", nbytes)
     return Record(n, text, None, None, nbytes)
+
+
+def missing_field(text_key: str, fields: list[str] | None) -> str:
+    has = f"the record has {', '.join(fields[:8])}; " if fields else ""
+    return f"missing field '{text_key}' ({has}set --text-key)"
 
 
 def _txt(path: Path) -> Iterator[Record]:
@@ -225,6 +266,8 @@ def _hf(path: Path, text_key: str) -> Iterator[Record]:
 
 
 def read_records(src: Source, text_key: str = "text", max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[Record]:
+    if src.kind in ("jsonl", "txt"):
+        check_not_compressed(src.path)
     try:
         if src.kind == "jsonl":
             yield from _jsonl(src.path, text_key, max_record_bytes)

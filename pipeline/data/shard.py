@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.atomic import file_in_the_way, sha256_file, write_json
+from pipeline.atomic import file_in_the_way, make_temp_dir, sha256_file, write_json
 from pipeline.data.config import ShardConfig
 from pipeline.data.indexed import IndexedReader
 from pipeline.data.manifest import (
@@ -189,7 +188,7 @@ def run(cfg: ShardConfig) -> ShardResult:
             )
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out))
+    work = make_temp_dir(out, ".tmp-")
     try:
         result = _build(cfg, out, work, manifests, dtype, pad_id, weights, args, fingerprint, t0)
     except BaseException:
@@ -248,6 +247,12 @@ def _pack_sources(
         raise PipelineError(
             f"--seq-len {cfg.seq_len}: the train split ({train['tokens_in']:,} tokens in "
             f"{train['documents']} documents) holds no whole sample of {width} tokens; {fix}"
+        )
+    if cfg.split[1] == 0:
+        log.warning(
+            "warning: --split %s leaves no validation split: training will run without validation, and "
+            "`pipeline evaluate` needs --split test (or other held-out shards, --data DIR)",
+            ",".join(f"{x:g}" for x in cfg.split),
         )
     for split, ratio in zip(SPLITS[1:], cfg.split[1:], strict=True):
         if ratio > 0 and sum(split_stats[split]["per_source_samples"]) == 0:

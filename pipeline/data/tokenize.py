@@ -45,6 +45,8 @@ class FileStats:
     documents: int = 0
     tokens: int = 0
     skipped: Counter = field(default_factory=Counter)
+    first_error: str = ""
+    """`line: message` of the file's first skipped record."""
 
 
 @dataclass
@@ -79,6 +81,7 @@ class _ErrorSink:
         if self.on_error == "fail":
             raise PipelineError(where + " (use --on-error skip to count and skip such records)")
         stats.skipped[reason] += 1
+        stats.first_error = stats.first_error or f"line {line}: {message}"
         self.by_reason[reason] += 1
         if len(self.listed) < MAX_LISTED_ERRORS:
             self.listed.append(where)
@@ -327,11 +330,19 @@ def run(cfg: TokenizeConfig) -> TokenizeResult:
                 j, nb, res = pending.popleft()
                 consume(j, nb, *res.get())
         writer.finish(idx_tmp)
+        first = f"; first: {sink.listed[0]}" if sink.listed else ""
         if writer.documents == 0:
             raise PipelineError(
                 "no valid documents in the input; nothing written "
-                f"({', '.join(f'{k} {v}' for k, v in sink.by_reason.items()) or 'inputs are empty'})"
+                f"({', '.join(f'{k} {v}' for k, v in sink.by_reason.items()) or 'inputs are empty'}){first}"
             )
+        for st in stats:  # a file of records lost whole is a mistake (a wrong --text-key, another format), not noise
+            if st.documents == 0 and st.skipped and st.kind != "txt":  # (a .txt file is one document)
+                reasons = ", ".join(f"{k} {v}" for k, v in sorted(st.skipped.items()))
+                raise PipelineError(
+                    f"{st.path}: every record was skipped ({reasons}; first: {st.first_error}); nothing written. "
+                    "Fix the file or leave it out"
+                )
         manifest_path = prefix.with_name(prefix.name + ".manifest.json")
         manifest_path.unlink(missing_ok=True)  # an old manifest must not vouch for half-replaced files
         os.replace(bin_tmp, prefix.with_name(prefix.name + ".bin"))

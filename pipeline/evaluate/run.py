@@ -24,7 +24,8 @@ from pipeline.train.consolidate import consolidated_state, consolidated_tensors,
 from pipeline.train.dist import unusable_gpu
 from pipeline.train.weights import parameter_shapes, weight_mismatch
 
-DEFAULT_PROMPTS = ["ROMEO:\n", "To be, or not to be", "The king is", "春天来了，"]
+PROMPTS_FROM_DATA = 4
+"""Prompts taken from the evaluated split when --prompts is not given."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -216,8 +217,9 @@ def _device(name: str) -> torch.device:
 
 
 def _check_arguments(cfg: EvalConfig) -> list[str]:
-    """The evaluation's own arguments, checked before a checkpoint is read."""
-    prompts = DEFAULT_PROMPTS
+    """The evaluation's own arguments, checked before a checkpoint is read. No --prompts: [] (the evaluated split's
+    own text gives them, `prompts_from`)."""
+    prompts: list[str] = []
     if cfg.prompts:
         p = Path(cfg.prompts)
         if not p.is_file():
@@ -261,6 +263,17 @@ def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
             f"--data {path}: vocabulary {theirs['tokenizer']['vocab_size']} differs from the "
             f"model's {run.shape.vocab_size}; shards of another tokenizer"
         )
+    samples = theirs["splits"].get(split, {}).get("samples", 0)
+    if not samples:
+        others = [
+            f"{k} ({v['samples']:,} samples)" for k, v in theirs["splits"].items() if v.get("samples") and k != split
+        ]
+        ratios = ",".join(f"{x:g}" for x in theirs.get("split_ratios", []))
+        raise PipelineError(
+            f"{path}: the {split} split has no samples (the shards were made with --split {ratios}), so there is "
+            f"nothing to evaluate and no score would mean anything; evaluate another split "
+            f"({', '.join(others) or 'none has samples'}: --split NAME), or re-shard with a share for it"
+        )
     return ShardedDataset(path, split)
 
 
@@ -282,7 +295,23 @@ def open_inputs(cfg: EvalConfig) -> Inputs:
         raise PipelineError(
             f"{dataset.path}: the tokenizer {dataset.manifest['tokenizer']['path']} is gone; re-run shard"
         )
-    return Inputs(prompts, r, dataset, Tokenizer(tok_path))
+    tokenizer = Tokenizer(tok_path)
+    return Inputs(prompts or prompts_from(dataset, tokenizer), r, dataset, tokenizer)
+
+
+def prompts_from(
+    dataset: ShardedDataset, tokenizer: Tokenizer, n: int = PROMPTS_FROM_DATA, tokens: int = 12
+) -> list[str]:
+    """Prompts when none are given: the first `tokens` tokens of `n` samples spread over the evaluated split, so a
+    model trained on your text is prompted with your text (not the demo's Shakespeare)."""
+    count = len(dataset)
+    picks = sorted({i * count // n for i in range(n)}) if count else []
+    out = []
+    for i in picks:
+        ids = [int(t) for t in dataset[i][:tokens] if int(t) != tokenizer.eos_id]
+        if text := tokenizer.decode(ids).strip():
+            out.append(text)
+    return out or ["The"]
 
 
 def check_fits_device(shape: ModelShape, device: torch.device, free_bytes: int, total_bytes: int) -> None:

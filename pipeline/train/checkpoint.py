@@ -39,6 +39,8 @@ class Marker(TypedDict):
     tokenizer_sha256: str
     model_shape: dict[str, Any]
     world_size: int
+    max_steps: NotRequired[int]
+    """The run's length when it saved (the learning-rate schedule's); absent in checkpoints from before."""
     files: NotRequired[dict[str, dict[str, Any]]]
     """Every file of the checkpoint, relative to its folder: {"size": bytes, "sha256": hex (checkpoint.verify)}."""
 
@@ -165,6 +167,12 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
             )
         return path.parent, path.name
     if not path.is_dir():
+        there = complete_tags(path.parent) if _TAG.match(path.name) else []
+        if there:
+            raise PipelineError(
+                f"{path}: no such checkpoint (kept ones are pruned by checkpoint.keep_last); {path.parent} holds "
+                f"{', '.join(there)}: give one of them, or the run folder for the latest"
+            )
         raise PipelineError(f"{path}: no such run folder or checkpoint")
     tag = latest_complete(path)
     if tag is None:

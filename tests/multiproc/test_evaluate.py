@@ -176,3 +176,15 @@ def test_error_cases(zero_runs: dict[int, Path], tmp_path: Path, tokenized: Path
     shard_stage.run(ShardConfig(sources=((str(tokenized), 1.0),), output=str(other), seq_len=32, progress=False))
     r = cli("--checkpoint", str(zero_runs[2]), "--data", str(other))
     assert r.exit_code == 2 and "seq_len 32 differs from the run's 64" in r.output
+    # Shards without a val split: a perfect score for nothing is refused, and nothing is written.
+    no_val = tmp_path / "no-val"
+    cfg = ShardConfig(
+        sources=((str(tokenized), 1.0),), output=str(no_val), seq_len=64, split=(100, 0, 0), progress=False
+    )
+    shard_stage.run(cfg)
+    before = sorted((zero_runs[2] / "eval").glob("*")) if (zero_runs[2] / "eval").exists() else []
+    r = cli("--checkpoint", str(zero_runs[2]), "--data", str(no_val))
+    assert r.exit_code == 2 and "the val split has no samples (the shards were made with --split 100,0,0)" in r.output
+    assert "evaluate another split (train" in r.output
+    after = sorted((zero_runs[2] / "eval").glob("*")) if (zero_runs[2] / "eval").exists() else []
+    assert after == before

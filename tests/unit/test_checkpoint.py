@@ -45,3 +45,10 @@ def test_not_a_run_folder(tmp_path: Path) -> None:
         ckpt.resolve_checkpoint(tmp_path)
     with pytest.raises(PipelineError, match="no such run folder"):
         ckpt.resolve_checkpoint(tmp_path / "missing")
+
+
+def test_a_pruned_tag_names_the_ones_that_exist(tmp_path: Path) -> None:
+    for s in (30, 40):
+        _save(tmp_path, s)
+    with pytest.raises(PipelineError, match=r"step00000020: no such checkpoint .* holds step00000030, step00000040"):
+        ckpt.resolve_checkpoint(tmp_path / "step00000020")

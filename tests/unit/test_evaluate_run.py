@@ -42,3 +42,18 @@ def test_batched_greedy_continuations_equal_one_prompt_at_a_time(tokenized: Path
     alone = [generate(model, tok, [p], seed=1, max_new_tokens=12, device=cpu)[0] for p in prompts]
     assert [b["greedy"] for b in batched] == [a["greedy"] for a in alone]
     assert all(b["prompt"] == p for b, p in zip(batched, prompts, strict=True))
+
+
+def test_without_prompts_the_evaluated_split_gives_them(shards) -> None:
+    """`make eval` on your own run is not prompted with the demo's Shakespeare: with no --prompts, the starts of
+    samples spread over the evaluated split are the prompts."""
+    from pipeline.data.loader import ShardedDataset
+    from pipeline.data.tokenizer import Tokenizer
+    from pipeline.evaluate.run import prompts_from
+
+    val = ShardedDataset(shards, "val")
+    tok = Tokenizer(val.tokenizer_path)
+    prompts = prompts_from(val, tok)
+    assert 1 <= len(prompts) <= 4 and all(p.strip() for p in prompts)
+    first = tok.decode([int(t) for t in val[0][:12] if int(t) != tok.eos_id]).strip()
+    assert prompts[0] == first

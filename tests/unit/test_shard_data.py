@@ -200,3 +200,37 @@ def test_loader_gives_shifted_labels_and_masks(tmp_path: Path, tokenized: Path) 
     b = collate_samples(dataset, [padded])
     mask = dataset.loss_mask(padded)
     assert ((b["labels"][0] == -100).numpy() == ~mask[1:]).all()  # type: ignore[index]
+
+
+def test_a_split_without_validation_is_said(tokenized: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        res = _shard([(tokenized, 1.0)], tmp_path / "s", seq_len=32, split=(100.0, 0.0, 0.0))
+    assert res.manifest["splits"]["val"]["samples"] == 0
+    assert "--split 100,0,0 leaves no validation split: training will run without validation" in caplog.text
+
+
+def test_outputs_are_readable_by_the_group_as_the_umask_says(tokenized: Path, tmp_path: Path) -> None:
+    """Runs and data often live on a shared mount: tokenize, shard and their manifests come out with a plain
+    file's permissions (0644 under umask 022), not the owner-only 0600 of a temporary file."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        tok = tmp_path / "t"
+        tokenizing.run(
+            TokenizeConfig(
+                inputs=(str(CORPUS),),
+                output_prefix=str(tok),
+                tokenizer=str(tokenized) + ".tokenizer.model",
+                progress=False,
+            )
+        )
+        out = tmp_path / "s"
+        _shard([(tok, 1.0)], out, seq_len=32, split=(80.0, 10.0, 10.0))
+    finally:
+        os.umask(old)
+    made = [*tmp_path.glob("t.*"), out, *out.iterdir()]
+    assert made and all(p.stat().st_mode & (stat.S_IRGRP | stat.S_IROTH) for p in made), [
+        (p.name, oct(p.stat().st_mode)) for p in made
+    ]
