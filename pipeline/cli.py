@@ -687,7 +687,9 @@ def plan(
     p = planner.search(shape, seq_len or 4096, cluster, gbt, mfu, fixed_micro=micro_batch_size, rates=rates)
     if write_ds_config and p.best is not None:
         planner.write_ds_config(p.best, write_ds_config, nvme)
-    click.echo(json.dumps(p.to_dict(), indent=2) if as_json else plan_report.render(p, budget))
+    click.echo(
+        json.dumps(p.to_dict() | {"cluster_facts": source}, indent=2) if as_json else plan_report.render(p, budget)
+    )
     if write_ds_config and p.best is not None and not as_json:
         b = p.best.candidate
         click.echo(
@@ -700,12 +702,12 @@ def plan(
 
 
 def _token_amounts(tokens: str, global_batch_tokens: str) -> tuple[float, int]:
-    """--tokens (1B, 500M) and --global-batch-tokens (4M, 512K) as numbers of tokens."""
-    from pipeline.units import parse_size
+    """--tokens (1B, 100bn, 500M) and --global-batch-tokens (4M, 512K) as numbers of tokens."""
+    from pipeline.units import parse_count
 
     try:
-        budget = float(parse_size(tokens.upper().replace("B", "G") if tokens[-1:].upper() == "B" else tokens))
-        gbt = int(parse_size(global_batch_tokens.upper().replace("M", "MB").replace("K", "KB")))
+        budget = parse_count(tokens)
+        gbt = int(parse_count(global_batch_tokens))
     except ValueError as e:
         raise PipelineError(str(e)) from None
     for flag, value in (("--global-batch-tokens", gbt), ("--tokens", budget)):

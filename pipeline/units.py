@@ -45,3 +45,18 @@ def parse_gbps(text: str) -> float:
     if not value > 0:
         raise ValueError(f"'{text}': expected a positive rate such as 100Gbps")
     return value
+
+
+def parse_count(text: str, what: str = "tokens") -> float:
+    """'1B', '100bn', '500M', '2T', '512K', '4M', '1.5e9' -> a count (decimal: K 1e3, M 1e6, B/bn/G 1e9, T 1e12);
+    ValueError naming `what` when it is not one."""
+    s = text.strip().lower().replace(" ", "").replace("_", "").replace(",", "")
+    scale = {"k": 1e3, "m": 1e6, "mn": 1e6, "b": 1e9, "bn": 1e9, "g": 1e9, "t": 1e12, "tn": 1e12}
+    num = s.rstrip("kmbgtn")
+    unit = s[len(num) :]
+    try:
+        if unit and unit not in scale:
+            raise ValueError
+        return float(num) * scale.get(unit, 1.0)
+    except ValueError:
+        raise ValueError(f"'{text}': expected a number of {what} such as 1B, 100bn, 500M or 4M") from None

@@ -163,6 +163,14 @@ def cluster_from_flags(
             + (f"; defaults for {', '.join(defaults)}" if defaults else "")
             + ("" if facts else " (the hostfile has no '# cluster:' line; see hostfiles/8node)")
         )
+    else:
+        assumed = [k for k in ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "network") if k not in given]
+        if assumed:
+            source = (
+                "assumed, not given: "
+                + " ".join(f"{k}={CLUSTER_DEFAULTS[k]}" for k in assumed)
+                + " (the seed cluster's node; give a --hostfile with a '# cluster:' line, or the flags)"
+            )
 
     def size(flag: str, allow_dir: bool = False) -> int:
         text = values.get(flag)

@@ -7,6 +7,7 @@ fp32-accumulate at half the fp16-accumulate rate (updated Ada whitepaper [S4]), 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 
@@ -57,7 +58,22 @@ def _key(name: str) -> str:
     """A GPU name as torch, nvidia-smi or a person writes it -> one key: 'NVIDIA A100-PCIE-40GB' -> a10040gbpcie,
     'NVIDIA A100-SXM4-80GB' -> a10080gb, 'NVIDIA H100 80GB HBM3' -> h10080gb, 'NVIDIA GeForce RTX 4090 D' -> 4090d."""
     key = name.lower()
-    for word in ("nvidia", "geforce", "rtx", "sxm5", "sxm4", "sxm", "hbm3e", "hbm3", " ", "-", "_"):
+    for word in (
+        "nvidia",
+        "geforce",
+        "tesla",
+        "rtx",
+        "sxm5",
+        "sxm4",
+        "sxm3",
+        "sxm2",
+        "sxm",
+        "hbm3e",
+        "hbm3",
+        " ",
+        "-",
+        "_",
+    ):
         key = key.replace(word, "")
     return key.replace("pcie", "") + "pcie" if "pcie" in key else key
 
@@ -73,10 +89,21 @@ def lookup(name: str) -> GPU:
     for k, table_key in _BY_KEY:
         if key == k:
             return GPUS[table_key]
-    for k, table_key in _BY_KEY:  # a device name with more words, e.g. "NVIDIA H100 80GB HBM3"
-        if k in key and ("pcie" in key) == ("pcie" in k):
+    for k, table_key in _BY_KEY:  # a device name with its memory size, e.g. "NVIDIA H100 80GB HBM3"
+        if key.startswith(k) and ("pcie" in key) == ("pcie" in k) and re.fullmatch(r"(\d+gb)?", _rest(key, k)):
             return GPUS[table_key]
-    raise KeyError(f"unknown GPU '{name}'; known: {', '.join(GPUS)}")
+    near = [t for k, t in _BY_KEY if key.startswith(k)]
+    hint = (
+        f" ('{name}' is not the {GPUS[near[0]].name}; plan with the closest known card, knowing that its peak and "
+        "memory are not yours)"
+        if near
+        else ""
+    )
+    raise KeyError(f"unknown GPU '{name}'{hint}; known: {', '.join(GPUS)}")
+
+
+def _rest(key: str, table_key: str) -> str:
+    return key.removeprefix(table_key).removesuffix("pcie") if "pcie" in table_key else key.removeprefix(table_key)
 
 
 def peak_tflops_for_device(device_name: str) -> float | None:

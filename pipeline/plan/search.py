@@ -112,6 +112,12 @@ def estimate(
                 f"{safe / 1e9:.0f} GB per node > disk {c.disk_bytes / 1e9:.0f} GB; the first save that "
                 f"does not fit fails the run; {ways_out}"
             )
+    if cand.offload_optimizer == "nvme":
+        warnings.append(
+            "NVMe optimizer offload: DeepSpeed 0.19 resumes such checkpoints with fresh weights, so `pipeline "
+            "pretrain` refuses to resume them; this run cannot continue after a stop or a crash (plan more host "
+            "RAM or nodes for CPU offload if it must)"
+        )
     # No clamp to the ceiling: with 0 < MFU <= 1 the compute time alone keeps tokens/s below it, and a figure
     # above it would be a planner bug to see, not to hide.
     return Estimate(

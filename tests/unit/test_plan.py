@@ -232,3 +232,22 @@ def test_report_prints_the_assumed_mfu_it_was_given() -> None:
     )
     d = json.loads(CliRunner().invoke(main, ["plan", "--model", "7b", "--mfu", "0.3", "--json"]).output)
     assert d["mfu_assumed"] == 0.3
+
+
+def test_what_the_planner_assumed_of_the_cluster_is_said() -> None:
+    r = CliRunner().invoke(main, ["plan", "--model", "7b", "--cpu-mem", "256GB", "--tokens", "100bn"])
+    assert (
+        r.exit_code == 0 and "assumed, not given: gpu=4090d cpu_cores=32 cpu_mem_bw=80GB/s network=100Gbps" in r.output
+    )
+    assert "time to 100B tokens" in r.output
+    d = json.loads(CliRunner().invoke(main, ["plan", "--model", "7b", "--json"]).output)
+    assert d["cluster_facts"].startswith("assumed, not given: gpu=4090d cpu_mem=512GB")
+    r = CliRunner().invoke(main, ["plan", "--model", "7b", "--hostfile", "hostfiles/8node"])
+    assert "assumed, not given" not in r.output and "cluster facts from hostfiles/8node" in r.output
+
+
+def test_an_nvme_plan_says_it_cannot_resume() -> None:
+    args = ["plan", "--model", "configs/hf/qwen2.5-7b.json", "--gpus-per-node", "4", "--cpu-mem", "128GB"]
+    r = CliRunner().invoke(main, [*args, "--nvme", "2TB"])
+    assert r.exit_code == 0 and "chosen: ZeRO-3 + nvme offload" in r.output
+    assert "this run cannot continue after a stop or a crash" in r.output
