@@ -121,6 +121,15 @@ class CheckpointSection:
 class LogSection:
     interval: int = 10
     tensorboard: bool = True
+    wandb_project: str | None = None
+    """Weights & Biases project: every metrics.jsonl record goes there too, the config as its parameters. W&B's
+    own settings apply (WANDB_API_KEY, WANDB_MODE=offline). None: off."""
+    wandb_entity: str | None = None
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking server (http://host:5000) or store: the same records and parameters. None: off."""
+    mlflow_experiment: str = "pipeline"
+    tracking_name: str | None = None
+    """The tracked run's name (default: the run folder's name); resumes continue the same tracked run."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,5 +1,6 @@
-"""Where a run's numbers go: one log line per interval on rank 0 (`StepLogger`), `metrics.jsonl` and TensorBoard
-(`MetricsSink`). MFU is counted the PaLM way (6N + 12*L*h*s FLOPs per token, as TinyLlama and torchtitan count it)."""
+"""Where a run's numbers go: one log line per interval on rank 0 (`StepLogger`), `metrics.jsonl`, TensorBoard and
+the trackers the config turns on (W&B, MLflow: `MetricsSink`). MFU is counted the PaLM way (6N + 12*L*h*s FLOPs per
+token, as TinyLlama and torchtitan count it)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import math
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,12 +29,23 @@ class MetricsSink:
     """Rank 0 appends records to RUN_DIR/metrics.jsonl and TensorBoard; on other ranks every call is a no-op.
     On resume, lines past the checkpoint's step are dropped first so the file reads as one continuous run."""
 
-    def __init__(self, run_dir: Path, *, rank: int, tensorboard: bool, resumed_at: int | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        rank: int,
+        tensorboard: bool,
+        resumed_at: int | None = None,
+        trackers: Callable[[], Any] | None = None,
+    ):
         self.active = rank == 0
         self._file = None
         self._writer: Any = None
+        self._trackers: Any = None
         if not self.active:
             return
+        if trackers is not None:
+            self._trackers = trackers()  # W&B, MLflow (pipeline.train.tracking), rank 0 only
         path = run_dir / "metrics.jsonl"
         if resumed_at is not None:
             truncate_metrics(path, resumed_at)
@@ -50,8 +63,12 @@ class MetricsSink:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self._writer.add_scalar(k, v, record["step"])
+        if self._trackers is not None:
+            self._trackers.log(record)
 
     def close(self) -> None:
+        if self._trackers is not None:
+            self._trackers.close()
         if self._writer is not None:
             self._writer.close()
         if self._file is not None:

@@ -1,0 +1,121 @@
+"""Weights & Biases and MLflow beside metrics.jsonl, for real and offline: W&B in its offline mode (its own run
+files, read back record by record), MLflow on a local file store. A resumed run continues the same tracked run."""
+
+from __future__ import annotations
+
+import glob
+import json
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.train.config import from_dict
+from pipeline.train.tracking import Trackers, missing_packages
+
+
+@pytest.fixture
+def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store for such uses
+    return f"file:{tmp_path / 'mlruns'}"
+
+
+def wandb_history(run_dir: Path, runs: int, timeout: float = 30) -> list[dict[str, Any]]:
+    """The history records of W&B's offline run files under `run_dir`, in order, once `runs` files each end with
+    their exit record (W&B's service may finish writing after `finish()` returns)."""
+    deadline = time.time() + timeout
+    while True:
+        records = [_records(Path(p)) for p in sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "*.wandb")))]
+        done = len(records) == runs and all(r and r[-1].WhichOneof("record_type") == "exit" for r in records)
+        if done or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    return [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+        for r in records
+        for rec in r
+        if rec.WhichOneof("record_type") == "history"
+    ]
+
+
+def _records(path: Path) -> list[Any]:
+    """W&B's run file: a LevelDB-style log (a 7-byte header, then 32 KiB blocks of chunks framed by checksum,
+    length and type) of its protobuf records."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    out = []
+    if path.is_file():
+        data, pos, chunk, block = path.read_bytes(), 7, b"", 32768
+        while pos + 7 <= len(data):
+            left = block - pos % block
+            if left < 7:
+                pos += left
+                continue
+            _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            pos += 7
+            if n == 0 and kind == 0:
+                pos += left - 7
+                continue
+            chunk += data[pos : pos + n]
+            pos += n
+            if kind in (1, 4):  # a whole record, or the last chunk of one
+                rec = pb.Record()
+                rec.ParseFromString(chunk)
+                chunk = b""
+                out.append(rec)
+    return out
+
+
+def mlflow_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    import mlflow
+
+    return [(m.step, m.value) for m in mlflow.MlflowClient(tracking_uri=uri).get_metric_history(run_id, key)]
+
+
+def config(uri: str) -> Any:
+    return from_dict(
+        {
+            "run_dir": "runs/tracked",
+            "batch": {"micro_batch_size": 1, "global_batch_size": 2},
+            "train": {"max_steps": 3},
+            "log": {"wandb_project": "pipeline-tests", "mlflow_tracking_uri": uri, "tracking_name": "t1"},
+        }
+    )
+
+
+def test_records_reach_both_trackers_and_a_resume_continues_the_same_runs(tmp_path: Path, offline: str) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = config(offline)
+    first = Trackers(cfg, run_dir)
+    for step in (1, 2):
+        first.log({"step": step, "loss": 5.0 / step, "lr": 1e-3, "grad_norm": None, "note": "text is left out"})
+    first.close()
+    ids = json.loads((run_dir / "tracking.json").read_text())
+    again = Trackers(cfg, run_dir)  # a resumed launch
+    again.log({"step": 3, "loss": 1.0, "lr": 5e-4})
+    again.close()
+    assert json.loads((run_dir / "tracking.json").read_text()) == ids
+    losses = [(h["_step"], h["loss"]) for h in wandb_history(run_dir, runs=2) if "loss" in h]
+    assert losses == [(1, 5.0), (2, 2.5), (3, 1.0)]
+    assert mlflow_history(offline, ids["mlflow"], "loss") == [(1, 5.0), (2, 2.5), (3, 1.0)]
+    import mlflow
+
+    run = mlflow.MlflowClient(tracking_uri=offline).get_run(ids["mlflow"])
+    assert run.data.params["optim.lr"] == str(cfg.optim.lr) and run.info.run_name == "t1"
+
+
+def test_a_tracker_without_its_package_is_refused_before_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
+    problems = missing_packages(config("file:/tmp/x"))
+    assert problems == [
+        "log.wandb_project is set but wandb is not installed here: pip install wandb (or pip install -e "
+        "'.[tracking]'), or unset it"
+    ]
