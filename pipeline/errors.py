@@ -1,4 +1,5 @@
-"""User-facing errors: the CLI prints them as one line and exits with code 2, without a traceback."""
+"""User-facing errors: the CLI prints them as one line and exits with code 2, without a traceback. And the exit
+codes a stopped training uses."""
 
 from __future__ import annotations
 
@@ -14,3 +15,14 @@ class ConfigError(PipelineError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{source} has {len(self.problems)} problem(s):\n{lines}")
+
+
+class SaidOnRankZero(PipelineError):
+    """The same user error on every rank, decided by rank 0 (pipeline.train.dist.on_rank0): rank 0 prints it, the
+    other ranks exit with it silently, so the user reads it once."""
+
+
+EXIT_STOPPED = 143
+"""The exit code of a training stopped before its end by a signal (SIGTERM's 128 + 15), after its ranks saved a
+checkpoint: never 0, so that `pipeline pretrain ... && pipeline export ...` does not export a half-trained run, and
+never relaunched by --max-restarts. `pipeline pretrain` stopped by SIGINT (Ctrl-C) exits 130."""

@@ -4,19 +4,24 @@ second with one message), then the launcher runs, again after a failure a relaun
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import click
+import psutil
 
-from pipeline.errors import PipelineError
+from pipeline.errors import EXIT_STOPPED, PipelineError
 from pipeline.train.ops import use_project_cache
 
 PACKAGE = Path(__file__).resolve().parent
@@ -34,15 +39,28 @@ class Where:
         if self.hostfile and not Path(self.hostfile).is_file():
             raise PipelineError(f"--hostfile {self.hostfile}: no such file (see hostfiles/)")
 
-    def world_size(self) -> tuple[int | None, int | None]:
-        """(ranks, ranks per node) the launcher will start: from the hostfile's slots, or --num-gpus; None when the
-        launcher decides (all local GPUs), since only it knows what it will see."""
+    def world_size(self) -> tuple[int, int]:
+        """(ranks, ranks per node) the launcher will start: from the hostfile's slots, or --num-gpus (after
+        `resolved`, always given for one machine)."""
         if self.hostfile:
             from pipeline.plan.hostfile import hostfile_slots
 
             slots = hostfile_slots(self.hostfile)
             return sum(slots), max(slots)
-        return self.num_gpus, self.num_gpus
+        n = self.num_gpus or 1
+        return n, n
+
+    def resolved(self) -> Where:
+        """With --num-gpus made explicit on one machine: every GPU this process sees, or one CPU rank. DeepSpeed's
+        own default (all GPUs; on a CPU, one rank per NUMA node) would be decided after the checks ran."""
+        if self.hostfile or self.num_gpus:
+            return self
+        from pipeline.train.dist import accelerator_name, visible_gpus
+
+        n = visible_gpus() if accelerator_name() == "cuda" else 1
+        if accelerator_name() != "cuda":
+            click.echo("no --num-gpus: 1 CPU rank (give --num-gpus N for more)", err=True)
+        return replace(self, num_gpus=max(1, n))
 
     def check_local_gpus(self) -> None:
         """Refuse more local ranks than GPUs (on a GPU machine; CPU ranks are processes, any number)."""
@@ -89,36 +107,62 @@ def pretrain(
     exit code."""
     from pipeline.train.config import load
     from pipeline.train.main import describe
+    from pipeline.train.preflight import before_launch
     from pipeline.train.prepare import prepare
 
     cfg = load(config_path, sets)
     where.check_local_gpus()
+    where = where.resolved()
     world, per_node = where.world_size()
-    prepared = None
-    if world is not None:
-        prepared = prepare(cfg, world, per_node)  # the same checks every rank makes, before any process starts
-        check_checkpoint_space(prepared, world, per_node or world)
+    prepared = prepare(cfg, world, per_node)  # the same checks every rank makes, before any process starts
+    for note in before_launch(prepared, world):  # the run folder free, shards whole, the checkpoint it continues
+        click.echo(note, err=True)
+    check_checkpoint_space(prepared, world, per_node)
     quick_doctor(cfg, None if where.hostfile else where.master_port or 29500, skip_doctor)
-    if dry_run and prepared is not None:
+    if dry_run:
         click.echo(describe(prepared))
         return 0
-    cmd = [*where.launcher(bind_cores=prepared is not None and binds_cores(prepared.ds)), str(PACKAGE / "pretrain.py")]
+    build_ops_ahead(prepared.ds, world, per_node)
+    cmd = [*where.launcher(bind_cores=binds_cores(prepared.ds)), str(PACKAGE / "pretrain.py")]
     cmd += ["--config", config_path]
     for s in sets:
         cmd += ["--set", s]
-    if dry_run:
-        cmd.append("--dry-run")
     use_project_cache()  # the ranks of this machine inherit it
     click.echo("+ " + " ".join(cmd), err=True)
-    return run_with_restarts(cmd, max_restarts)
+    return run_with_restarts(cmd, max_restarts, Path(cfg.run_dir))
+
+
+def build_ops_ahead(ds: dict[str, Any], world: int, per_node: int) -> None:
+    """The DeepSpeed ops this run loads and this environment has not built yet, built here before the launch
+    (in parallel, with their times), instead of silently by every rank for a minute or more."""
+    from pipeline.train.dist import accelerator_name
+    from pipeline.train.ops import build, is_built, needed
+
+    todo = [n for n in needed(ds, accelerator_name(), per_node if world > 1 else 1) if not is_built(n)]
+    if not todo:
+        return
+    click.echo(
+        f"building DeepSpeed's {', '.join(todo)} op(s) for this environment (once; about a minute each, in "
+        f"parallel; kept in {use_project_cache()})",
+        err=True,
+    )
+    for name, seconds, error in build(todo, jobs=len(todo)):
+        if error is None:
+            click.echo(f"  built {name} in {seconds:.0f} s", err=True)
+        else:
+            click.echo(f"  {name} not built here ({error}); the ranks will try, and say why if it fails", err=True)
 
 
 def quick_doctor(cfg: Any, master_port: int | None, skip: bool) -> None:
     """`pipeline doctor`'s checks that need no import of torch or deepspeed, on this machine; a FAIL stops the
     launch unless --skip-doctor."""
     from pipeline.doctor.checks import FAIL, WARN, Needs, run_checks
+    from pipeline.train.dist import accelerator_name
 
-    report = run_checks(Needs(run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port), quick=True)
+    needs = Needs(
+        run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port, pins_memory=accelerator_name() == "cuda"
+    )
+    report = run_checks(needs, quick=True)
     for c in report.checks:
         if c.status in (WARN, FAIL):
             click.echo(f"doctor: {c.status} {c.name}: {c.detail}" + (f" ({c.fix})" if c.fix else ""), err=True)
@@ -141,16 +185,24 @@ def check_checkpoint_space(prepared: Any, world: int, per_node: int) -> None:
         raise PipelineError(problem)
 
 
-def run_with_restarts(cmd: list[str], max_restarts: int) -> int:
+NOT_RELAUNCHED = (0, 2, 130, EXIT_STOPPED)
+"""0 done; 2 a mistake in the input or a run stopped on purpose (non-finite loss, full disk): a relaunch would fail
+the same way; 130 and 143 stopped by a signal."""
+
+
+def run_with_restarts(cmd: list[str], max_restarts: int, run_dir: Path | None = None) -> int:
     """Run the launcher; after a failure that a relaunch can fix, run it again (the run resumes from its latest
-    complete checkpoint), up to `max_restarts` times. Exit code 2 is ours for a mistake in the input or a run
-    stopped on purpose (non-finite loss, full disk): a relaunch would fail the same way."""
+    complete checkpoint), up to `max_restarts` times. A SIGTERM or SIGINT to this process stops the run as one:
+    every rank saves at the end of its step and exits (`Supervised`); the exit code is then 143 or 130."""
     restarts = 0
     while True:
         started = time.monotonic()
-        code = subprocess.call(cmd, env=os.environ.copy())
-        if code in (0, 2, 130) or restarts >= max_restarts:
-            if code not in (0, 2, 130) and max_restarts:
+        launch = Supervised(cmd, run_dir)
+        code = launch.wait()
+        if launch.stopped_by is not None:  # done (0), a mistake (2), or stopped by this signal
+            return code if code in (0, 2) else 128 + launch.stopped_by
+        if code in NOT_RELAUNCHED or restarts >= max_restarts:
+            if code not in NOT_RELAUNCHED and max_restarts:
                 click.echo(f"launch failed with exit code {code}; no restarts left ({max_restarts} used)", err=True)
             return code
         restarts += 1
@@ -159,6 +211,167 @@ def run_with_restarts(cmd: list[str], max_restarts: int) -> int:
             f"{restarts} of {max_restarts}, from the latest complete checkpoint",
             err=True,
         )
+
+
+class Supervised:
+    """The `deepspeed` launcher in a session of its own, so that a terminal's Ctrl-C, `kill`, `docker stop` or
+    Slurm reach this process first; it forwards the stop to the training ranks only. DeepSpeed's launcher, if it
+    got the signal itself, would terminate its ranks and SIGKILL them 30 s later, in the middle of saving a large
+    checkpoint; the ranks instead finish their step, agree to stop, save, and exit with EXIT_STOPPED. One rank hearing
+    it is enough: they agree on stopping every step. A second signal ends the whole launch now."""
+
+    def __init__(self, cmd: list[str], run_dir: Path | None = None):
+        self.stopped_by: int | None = None
+        script = str(PACKAGE / "pretrain.py")
+        self.rank_args = cmd[cmd.index(script) :] if script in cmd else [script]
+        self.console = Console(run_dir, " ".join(cmd))
+        self.proc = subprocess.Popen(
+            cmd, env=os.environ.copy(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._reader = threading.Thread(target=self.console.follow, args=(self.proc.stdout,), daemon=True)
+        self._reader.start()
+
+    def wait(self) -> int:
+        try:
+            while True:
+                try:
+                    code = self.proc.wait()
+                    break
+                except InterruptedError:
+                    continue
+            self._reader.join(timeout=10)
+            self.console.close()
+            return code
+        finally:
+            for s, handler in self._previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.stopped_by is not None:
+            click.echo(f"{name} again: ending the launch now (a checkpoint being written stays incomplete)", err=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            return
+        self.stopped_by = signum
+        ranks = training_ranks(self.proc.pid, self.rank_args)
+        if not ranks:
+            click.echo(
+                f"{name}: no training rank runs on this host; asking DeepSpeed's launcher to stop them (it gives "
+                "them 30 s to save)",
+                err=True,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            return
+        click.echo(
+            f"{name}: stopping the run; every rank saves a checkpoint at the end of its step (send it again to end "
+            "it now)",
+            err=True,
+        )
+        for p in ranks:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGTERM)
+
+
+class Console:
+    """The launch's output, every line in RUN_DIR/logs/launch.log (kept in memory until rank 0 makes the folder),
+    and on the terminal without DeepSpeed's INFO lines, each warning once, and a few known lines that say nothing to
+    a user (NOISE): they read their run's lines, not the launcher's bookkeeping (29 of 48 lines of a short run).
+    The first line the terminal leaves out says where the rest is."""
+
+    STAMP = re.compile(rb"^\[\d{4}-\d\d-\d\d [\d:,]+\] ")
+    INFO = re.compile(rb"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[INFO\] ")
+    WARNING = re.compile(rb"Warning: |\[WARNING\]")
+    NOISE = re.compile(
+        rb"Unable to find hostfile, will proceed with training with local resources only"  # a --num-gpus launch
+        rb"|Setting accelerator to CPU"  # DS_ACCELERATOR=cpu, or no GPU: refused before launch when one is unusable
+        rb"|^DeepSpeed deepspeed\.ops\.\S+ built successfully"  # printed at every load of a cached op
+        rb"|FutureWarning: `torch\.distributed\.\w+` is deprecated"  # DeepSpeed's calls, not the user's
+    )
+
+    def __init__(self, run_dir: Path | None, header: str):
+        self.path = run_dir / "logs" / "launch.log" if run_dir is not None else None
+        self.pending: list[bytes] = [f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {header}\n".encode()]
+        self.file: Any = None
+        self.seen: set[bytes] = set()
+        self.told = False
+        self.continuation = False
+
+    def follow(self, stream: Any) -> None:
+        for line in iter(stream.readline, b""):
+            self.keep(line)
+            if self.shown(line):
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+
+    def shown(self, line: bytes) -> bool:
+        if self.continuation and line.startswith(b"  "):  # the source line a Python warning prints under it
+            return False
+        self.continuation = False
+        bare = self.STAMP.sub(b"", line)
+        noise = bool(self.NOISE.search(line))
+        repeated = bool(self.WARNING.search(line)) and bare in self.seen
+        if self.WARNING.search(line):
+            self.seen.add(bare)
+            self.continuation = repeated or noise
+        if not (self.INFO.match(line) or repeated or noise):
+            return True
+        if not self.told and self.path is not None:
+            self.told = True
+            sys.stdout.buffer.write(f"(DeepSpeed's INFO lines and repeated warnings: {self.path})\n".encode())
+        return False
+
+    def keep(self, line: bytes) -> None:
+        if self.path is None:
+            return
+        if self.file is None and self.path.parent.parent.is_dir():
+            self.path.parent.mkdir(exist_ok=True)
+            self.file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+            self.file.writelines(self.pending)
+            self.pending = []
+        if self.file is None:
+            self.pending.append(line)
+        else:
+            self.file.write(line)
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def training_ranks(root: int, rank_args: list[str]) -> list[psutil.Process]:
+    """This launch's training ranks on this host: the launcher's descendants whose command line holds
+    `rank_args` (pipeline/pretrain.py and its arguments) and a --local_rank (which the launcher adds); over pdsh, a
+    hostfile launch's ranks on this host are the ssh daemon's children instead, found the same way."""
+
+    def is_rank(p: psutil.Process) -> bool:
+        with contextlib.suppress(psutil.Error):
+            cmd = p.cmdline()
+            return all(a in cmd for a in rank_args) and any(a.startswith("--local_rank=") for a in cmd)
+        return False
+
+    def rank_not_worker(p: psutil.Process) -> bool:  # a rank's data-loader workers carry its command line
+        with contextlib.suppress(psutil.Error):
+            return is_rank(p) and not is_rank(p.parent())
+        return False
+
+    try:
+        found = [p for p in psutil.Process(root).children(recursive=True) if rank_not_worker(p)]
+    except psutil.Error:
+        found = []
+    if found:
+        return found
+    me = psutil.Process().username()
+    return [p for p in psutil.process_iter() if rank_not_worker(p) and _same_user(p, me)]
+
+
+def _same_user(p: psutil.Process, user: str) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return bool(p.username() == user)
+    return False
 
 
 def evaluate(cfg: Any, where: Where) -> dict[str, Any]:

@@ -45,6 +45,8 @@ class Needs:
     cpu_adam: bool = False
     """The optimizer is offloaded to the CPU: `pipeline pretrain` binds each rank to its cores with numactl."""
     master_port: int | None = None
+    pins_memory: bool = True
+    """The run pins host memory (GPU runs: offload buffers, NCCL); CPU runs do not, and need no memlock limit."""
     peer: str | None = None
     """An address of another host: the interface that routes there is the one collectives will use."""
 
@@ -183,10 +185,12 @@ def network(r: Report, needs: Needs) -> None:
     )
 
 
-def limits(r: Report) -> None:
+def limits(r: Report, needs: Needs | None = None) -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY:
         r.add("ulimit -l", PASS, "locked memory unlimited")
+    elif needs is not None and not needs.pins_memory:
+        r.add("ulimit -l", PASS, f"locked memory limited to {soft / 2**20:.0f} MiB; this run pins none (CPU ranks)")
     else:
         r.add(
             "ulimit -l",
@@ -284,7 +288,8 @@ def master_port(r: Report, port: int | None) -> None:
                 "master port",
                 FAIL,
                 f"{port} in use on the first host (another run?)",
-                "stop it, or pass --master-port with a free port",
+                "stop it, or, for a run in another run folder, pass --master-port with a free port (one folder "
+                "takes one live run: a second launch into it is refused whatever its port)",
             )
 
 
@@ -306,7 +311,7 @@ def run_checks(needs: Needs, *, first: bool = True, quick: bool = False) -> Repo
     """All checks of this host. `quick`: only those that take no import of torch or deepspeed (what `pipeline
     pretrain` runs before every launch)."""
     r = Report(socket.gethostname())
-    limits(r)
+    limits(r, needs)
     memory_and_disk(r, needs, first)
     data(r, needs)
     if first:

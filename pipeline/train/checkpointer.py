@@ -17,14 +17,14 @@ from typing import Any, Protocol
 
 from pipeline.atomic import sha256_file
 from pipeline.errors import PipelineError
-from pipeline.plan.cluster import offload_devices
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import faults
 from pipeline.train.dist import on_rank0, ranks_per_node
 from pipeline.train.ds_config import zero_stage
 from pipeline.train.ds_workarounds import replay_adam_beta_powers
+from pipeline.train.preflight import continuation_problems, resumable, schedule_note
 from pipeline.train.prepare import Run
-from pipeline.train.resume import choose_resume, resume_problems
+from pipeline.train.schedule import max_steps_for
 
 log = logging.getLogger(__name__)
 
@@ -62,25 +62,12 @@ class Checkpointer:
         """Decide what this launch continues (before anything heavy is built), build the engine with
         `build_engine(ds_config)`, load the checkpoint into it. Returns the engine and where the run stands."""
         run, run_dir = self.run, self.run.run_dir
-        found = on_rank0(self._choose)  # rank 0 reads the run folder; every rank takes its answer
+        found = on_rank0(self._choose)  # rank 0 reads the run folder and decides; every rank takes its answer
         ds = run.ds
         if found is None:
             self.engine = build_engine(ds)
             return self.engine, TrainState()
         tag, marker = found
-        problems = resume_problems(
-            marker,
-            data_fingerprint=self.data_fingerprint,
-            model_shape=run.shape.as_dict(),
-            world_size=run.dist.world_size,
-            zero_stage=zero_stage(ds),
-            nvme_optimizer=offload_devices(ds).optimizer == "nvme",
-            optimizer=run.cfg.optim.name,
-        )
-        if problems:
-            raise PipelineError(
-                f"cannot resume {run_dir}/{tag}: " + "; ".join(problems) + " (use a new run_dir to start fresh)"
-            )
         load_tag = tag
         if marker["world_size"] != run.dist.world_size and zero_stage(ds) > 0:
             # Another world size: DeepSpeed's universal checkpoint re-partitions the optimizer states. Rank 0
@@ -114,20 +101,26 @@ class Checkpointer:
 
     def _choose(self) -> tuple[str, ckpt.Marker] | None:
         """Rank 0: the checkpoint to continue (skipping complete ones whose files are damaged, with a warning each)
-        and its marker. Warns when the disk cannot hold `keep_last` checkpoints plus the next (`pipeline pretrain`
-        refuses such a run before launch)."""
+        and its marker, refused when this config cannot continue it (another model, seq_len, data...; `pipeline
+        pretrain` refuses it before launch), with a note when the run's length changed. Warns when the disk cannot
+        hold `keep_last` checkpoints plus the next (`pipeline pretrain` refuses such a run before launch)."""
         run_dir = self.run.run_dir
-        tags = ckpt.complete_tags(run_dir)
-        tag = choose_resume(self.cfg.resume, tags, str(run_dir))
-        if tag is not None and self.cfg.resume == "auto":
-            tag, warnings = ckpt.newest_intact(run_dir, tags, self.cfg.verify)
-            for w in warnings:
-                log.warning("%s", w)
-        elif tag is not None and (problem := ckpt.damage(run_dir, tag, self.cfg.verify)):
-            raise PipelineError(f"checkpoint.resume {tag}: {problem}")
+        found = resumable(run_dir, self.cfg.resume, self.cfg.verify)
+        for w in found[2] if found else []:
+            log.warning("%s", w)
         if self.cfg.enabled and (problem := ckpt.space_problem(run_dir, self.size_hint, self.cfg.keep_last)):
             log.warning("warning: %s", problem)
-        return (tag, ckpt.read_marker(run_dir, tag)) if tag else None
+        if found is None:
+            return None
+        tag, marker, _ = found
+        if problems := continuation_problems(self.run, self.run.dist.world_size, marker):
+            raise PipelineError(
+                f"cannot resume {run_dir}/{tag}: " + "; ".join(problems) + ". Use a new run_dir to start fresh (to "
+                "carry these weights onto new data or another shape: pipeline export, then model.init_from)"
+            )
+        if note := schedule_note(self.run, marker):
+            log.warning("%s", note)
+        return tag, marker
 
     def _universal(self, tag: str) -> str:
         """Rank 0: the universal form of `tag`, converted now unless it is there from an earlier launch."""
@@ -173,6 +166,7 @@ class Checkpointer:
             "tokenizer_sha256": run.manifest["tokenizer"]["sha256"],
             "model_shape": run.shape.as_dict(),
             "world_size": run.dist.world_size,
+            "max_steps": max_steps_for(run.cfg, run.plan),
         }
 
     def _save(self, state: TrainState) -> None:

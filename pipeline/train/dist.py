@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, SaidOnRankZero
 from pipeline.train.ds_workarounds import memoize_cpu_info, release_shm_names
 from pipeline.train.env import apply_env_files, p2p_default, recorded
 from pipeline.train.ops import use_project_cache
@@ -177,7 +177,7 @@ def on_rank0(fn: Callable[[], T], *, heartbeat_s: float | None = None) -> T:
                 break
     tdist.broadcast_object_list(box, src=0)
     if box[1] is not None:
-        raise PipelineError(box[1])
+        raise PipelineError(box[1]) if rank0 else SaidOnRankZero(box[1])
     if caught:
         raise caught[0]
     if box[2] is not None:

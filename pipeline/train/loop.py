@@ -5,17 +5,23 @@ validator, the checkpointer, the non-finite guard, the watchdog). Each part live
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
 import signal
+import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from pipeline.atomic import write_json, write_text
 from pipeline.data.loader import ShardedDataset, build_loader
+from pipeline.errors import EXIT_STOPPED
 from pipeline.plan.cluster import offload_devices
-from pipeline.train import faults
+from pipeline.train import faults, ops
 from pipeline.train.checkpointer import Checkpointer
 from pipeline.train.config import dump
 from pipeline.train.dist import (
@@ -23,6 +29,7 @@ from pipeline.train.dist import (
     environment,
     init_distributed,
     make_deterministic_on_cpu,
+    on_rank0,
     rank_facts,
     ranks_per_node,
     share_cpu_cores,
@@ -30,12 +37,36 @@ from pipeline.train.dist import (
 from pipeline.train.engine import build_engine
 from pipeline.train.guards import NonFinite, Watchdog
 from pipeline.train.metrics import MetricsSink, StepLogger
+from pipeline.train.preflight import verify_shards
 from pipeline.train.prepare import Prepared, Run
+from pipeline.train.runlock import LOCK_NAME, RunLock
 from pipeline.train.schedule import lr_at, max_steps_for
 from pipeline.train.step import train_step
+from pipeline.train.tracking import Trackers
 from pipeline.train.validate import Validator
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def announced_op_builds(run: Run) -> Iterator[None]:
+    """DeepSpeed JIT-compiles an op its engine needs the first time it loads in an environment, for a minute or
+    more, printing nothing; the first rank of each node says so, and for how long it took. (`pipeline pretrain`
+    builds them ahead on the launching node.)"""
+    local = ranks_per_node(run.dist.world_size)
+    accelerator = "cpu" if run.dist.device.type == "cpu" else "cuda"
+    todo = [n for n in ops.needed(run.ds, accelerator, local) if not ops.is_built(n)]
+    speak = bool(todo) and int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if speak:
+        log.info(
+            "%s: building DeepSpeed's %s op(s) for this environment (once; about a minute each)",
+            socket.gethostname(),
+            ", ".join(todo),
+        )
+    started = time.monotonic()
+    yield
+    if speak:
+        log.info("%s: built %s in %.0f s", socket.gethostname(), ", ".join(todo), time.monotonic() - started)
 
 
 class StopFlag:
@@ -67,7 +98,7 @@ def train(prepared: Prepared) -> int:
         trainer.close()
     if tdist.is_initialized():
         tdist.destroy_process_group()
-    return 0
+    return EXIT_STOPPED if trainer.stopped_early else 0
 
 
 class Trainer:
@@ -75,26 +106,58 @@ class Trainer:
     the parts the loop calls."""
 
     def __init__(self, run: Run):
-        import deepspeed.comm as dist
-        import torch.distributed as tdist
-
         self.run = run
+        self.stopped_early = False
         cfg, rank = run.cfg, run.dist.rank
         self.train_data = ShardedDataset(cfg.data.path, "train")
-        if cfg.data.verify and rank == 0:
-            self.train_data.verify()
         has_val = run.manifest["splits"]["val"]["samples"]
         self.val_data = ShardedDataset(cfg.data.path, "val") if has_val else None
-        if rank == 0:
+        if cfg.data.verify:
+            splits = [self.train_data] + ([self.val_data] if self.val_data is not None else [])
+            here = run.run_dir if run.run_dir.is_dir() else None
+            on_rank0(lambda: verify_shards(splits, here))  # every rank exits with rank 0's answer
+        if not has_val and cfg.eval.interval and cfg.eval.batches and rank == 0:
+            log.warning(
+                "warning: %s has no val split (sharded with --split %s): this run trains without a validation loss",
+                cfg.data.path,
+                ",".join(f"{x:g}" for x in run.manifest.get("split_ratios", [])),
+            )
+        self.lock = RunLock(run.run_dir)
+        self._created = False
+
+        def own_the_run_folder() -> None:
+            self._created = not run.run_dir.exists()
             run.run_dir.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
+            self.lock.acquire()  # one live training per run folder, until rank 0's process ends
+
+        on_rank0(own_the_run_folder)
+        try:
+            self._start()
+        except BaseException:
+            self._leave_nothing()
+            raise
+
+    def _leave_nothing(self) -> None:
+        """A launch that fails before it trained leaves no run folder it created (only its lock would be there)."""
+        self.lock.release()
+        run_dir = self.run.run_dir
+        if self._created and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {LOCK_NAME, "logs"}:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _start(self) -> None:
+        """The engine, built and resumed; what the run ran on; the metrics sink."""
+        import torch.distributed as tdist
+
+        run = self.run
+        cfg, rank = run.cfg, run.dist.rank
         if offload_devices(run.ds).optimizer != "none":
             share_cpu_cores(ranks_per_node(run.dist.world_size))
         self.watchdog = Watchdog(cfg.train.comm_timeout_minutes * 60, rank)
         self.checkpointer = Checkpointer(run, data_fingerprint=self.train_data.fingerprint, watchdog=self.watchdog)
-        self.engine, self.state = self.checkpointer.resume(
-            lambda ds: build_engine(cfg, ds, run.shape, run.manifest["tokenizer"], rank)
-        )
+        with announced_op_builds(run):
+            self.engine, self.state = self.checkpointer.resume(
+                lambda ds: build_engine(cfg, ds, run.shape, run.manifest["tokenizer"], rank)
+            )
         ranks: list[Any] = [None] * run.dist.world_size
         tdist.all_gather_object(ranks, rank_facts(run.dist))
         if rank == 0:
@@ -111,6 +174,9 @@ class Trainer:
             rank=rank,
             tensorboard=cfg.log.tensorboard,
             resumed_at=self.state.step if self.state.resumed else None,
+            trackers=(lambda: Trackers(cfg, run.run_dir))
+            if cfg.log.wandb_project or cfg.log.mlflow_tracking_uri
+            else None,
         )
 
     def fit(self) -> None:
@@ -165,8 +231,13 @@ class Trainer:
             if rank == 0 and faults.armed("KILL_AT_STEP", state.step):
                 faults.kill_self()
             if stopping:
+                self.stopped_early = state.step < self.max_steps
                 if rank == 0:
-                    log.info("stopped by signal at step %d; checkpoint saved, resume with the same command", state.step)
+                    log.info(
+                        "stopped by signal at step %d of %d; checkpoint saved, resume with the same command",
+                        state.step,
+                        self.max_steps,
+                    )
                 break
         self.checkpointer.finish(state)
         dist.barrier()
@@ -187,3 +258,4 @@ class Trainer:
     def close(self) -> None:
         self.watchdog.stop()
         self.sink.close()
+        self.lock.release()

@@ -9,7 +9,7 @@ import os
 import sys
 import traceback
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, SaidOnRankZero
 from pipeline.train.config import dump, load
 from pipeline.train.prepare import Prepared, prepare
 
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return train(prepared)
+    except SaidOnRankZero:
+        return 2  # rank 0 printed it
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,8 +33,10 @@ def resume_problems(
     zero_stage: int,
     nvme_optimizer: bool = False,
     optimizer: str = "adamw",
+    seq_len: int | None = None,
 ) -> list[str]:
-    """Why this launch cannot continue the checkpoint described by `marker` (empty: it can)."""
+    """Why this launch cannot continue the checkpoint described by `marker` (empty: it can), each naming the
+    field and both values."""
     problems = []
     if nvme_optimizer:
         # Measured (tests/multiproc/test_pretrain.py): DeepSpeed 0.19.8 saves the NVMe swap files into the
@@ -46,13 +48,22 @@ def resume_problems(
             "refused until that is fixed upstream (start a new run_dir, or train with "
             "ds_configs/zero3_offload.json, whose checkpoints resume exactly)"
         )
-    if marker["data_fingerprint"] != data_fingerprint:
+    if seq_len is not None and "seq_len" in marker and marker["seq_len"] != seq_len:
+        problems.append(f"seq_len {seq_len} (the shards of data.path) vs the checkpoint's {marker['seq_len']}")
+    elif marker["data_fingerprint"] != data_fingerprint:
         problems.append(
-            f"data fingerprint {data_fingerprint} differs from the checkpoint's "
-            f"{marker['data_fingerprint']} (other shards, seq_len or seed)"
+            f"data.path holds other shards than the checkpoint was trained on (fingerprint {data_fingerprint[:12]} "
+            f"vs {marker['data_fingerprint'][:12]}: other inputs, blend, split or shard seed)"
         )
     if marker["model_shape"] != model_shape:
-        problems.append(f"model shape {model_shape} differs from the checkpoint's {marker['model_shape']}")
+        theirs = marker["model_shape"]
+        diff = [
+            f"{k} {model_shape.get(k)} vs the checkpoint's {theirs.get(k)}"
+            for k in model_shape
+            if model_shape.get(k) != theirs.get(k)
+        ]
+        diff += [f"{k}: the checkpoint's {theirs[k]}, not in this model" for k in theirs if k not in model_shape]
+        problems.append("model " + ", ".join(diff))
     if marker["world_size"] != world_size and nvme_optimizer:
         problems.append(
             f"world size {world_size} differs from the checkpoint's {marker['world_size']} and the "

@@ -3,6 +3,9 @@ left behind. Table-driven: one row per mistake."""
 
 from __future__ import annotations
 
+import gzip
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,13 @@ def work(tmp_path: Path, tokenized: Path, shards: Path) -> dict[str, str]:
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     (tmp_path / "mixed").write_text("node1 slots=4\nnode2 slots=2\n")
     (tmp_path / "zero").write_text("node1 slots=0\n")
+    good = "".join(json.dumps({"text": f"document {i} of plain words"}) + "\n" for i in range(3))
+    (tmp_path / "mixeddir").mkdir()
+    (tmp_path / "mixeddir" / "good.jsonl").write_text(good)
+    (tmp_path / "mixeddir" / "data.csv").write_text("text\nsome words\n")
+    (tmp_path / "good.jsonl").write_text(good)
+    (tmp_path / "wrongkey.jsonl").write_text('{"content": "words", "id": 1}\n{"content": "more", "id": 2}\n')
+    (tmp_path / "packed.jsonl").write_bytes(gzip.compress(good.encode()))
     (tmp_path / "badtype.yaml").write_text(
         f"data: {{path: {shards}}}\nbatch: {{micro_batch_size: two, global_batch_size: 8}}\ntrain: {{max_steps: 3}}\n"
     )
@@ -40,6 +50,17 @@ CASES = [
     ("tokenize {CORPUS} --tokenizer {MODEL} --output-prefix {T}/a_file/o", "a_file is not a folder"),
     ("tokenize {CORPUS} --tokenizer {MODEL} --output-prefix {T}/o --max-record-bytes lots", "--max-record-bytes"),
     ("tokenize {CORPUS} --tokenizer {MODEL} --output-prefix {T}/o --max-record-bytes 0", "--max-record-bytes"),
+    (
+        "tokenize {T}/mixeddir --tokenizer {MODEL} --output-prefix {T}/o",
+        "type tokenize does not read would be left out",
+    ),
+    (
+        "tokenize {T}/good.jsonl {T}/wrongkey.jsonl --tokenizer {MODEL} --output-prefix {T}/o",
+        "wrongkey.jsonl: every record was skipped (missing_field 2; first: line 1: missing field 'text' (the record "
+        "has content, id; set --text-key))",
+    ),
+    ("tokenize {T}/wrongkey.jsonl --tokenizer {MODEL} --output-prefix {T}/o", "the record has content, id"),
+    ("tokenize {T}/packed.jsonl --tokenizer {MODEL} --output-prefix {T}/o", "gz-compressed but its name does not"),
     # shard
     ("shard {PREFIX} --output {T}/a_file --seq-len 64", "a_file is a file"),
     ("shard {PREFIX} --output {T}/s --seq-len 100000000", "'--seq-len'"),
@@ -89,6 +110,9 @@ CASES = [
     ("plan --from-run {T}", "not a run folder"),
     ("plan --micro-batch-size -1", "'--micro-batch-size'"),
     ("plan --gpu voodoo2", "unknown GPU 'voodoo2'"),
+    ("plan --gpu 4090ti", "'4090ti' is not the RTX 4090"),  # not planned as the card its name starts with
+    ("plan --gpu 3090ti", "'3090ti' is not the RTX 3090"),
+    ("plan --tokens 100GB", "expected a number of tokens such as 1B, 100bn"),
 ]
 
 
@@ -115,3 +139,89 @@ def test_internal_errors_say_they_are_bugs(work: dict[str, str], monkeypatch: py
     r = CliRunner().invoke(main, ["shard", work["PREFIX"], "--output", work["T"] + "/s", "--seq-len", "64"])
     assert r.exit_code == 1
     assert "bug in pipeline" in r.output
+
+
+@pytest.fixture
+def launch_work(tmp_path: Path, shards: Path) -> dict[str, Path]:
+    """Run configs whose launch `pipeline pretrain` must refuse before the launcher starts: shards damaged three
+    ways, a run folder whose checkpoint is of another model or seq_len, init_from without weights."""
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.config import load
+    from pipeline.train.prepare import prepare
+
+    def config(name: str, data: Path, run_dir: Path, model: str = "{preset: tiny}") -> Path:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(
+            f"run_dir: {run_dir}\nmodel: {model}\ndata: {{path: {data}, verify: true}}\n"
+            "batch: {micro_batch_size: 2, global_batch_size: 8}\n"
+            "train: {max_steps: 20, precision: fp32, deepspeed_config: ds_configs/zero2.json}\n"
+        )
+        return path
+
+    out: dict[str, Path] = {"T": tmp_path}
+    for damage in ("missing", "truncated", "altered"):
+        copy = tmp_path / f"shards-{damage}"
+        shutil.copytree(shards, copy)
+        shard = copy / "train-00000.bin"
+        data = bytearray(shard.read_bytes())
+        if damage == "missing":
+            shard.unlink()
+        elif damage == "truncated":
+            shard.write_bytes(bytes(data[:-10]))
+        else:
+            data[100] ^= 0xFF
+            shard.write_bytes(bytes(data))
+        out[damage] = config(damage, copy, tmp_path / f"runs/{damage}")
+    prepared = prepare(load(config("ok", shards, tmp_path / "runs/x")), 2)
+    for name, change in (("shape", {"hidden_size": 128}), ("seq", {})):
+        run_dir = tmp_path / f"runs/{name}"
+        (run_dir / "step00000010").mkdir(parents=True)
+        marker = {
+            "step": 10,
+            "consumed_samples": 80,
+            "data_fingerprint": prepared.manifest["fingerprint"] if name == "shape" else "0" * 64,
+            "seq_len": 64 if name == "shape" else 32,
+            "tokenizer_sha256": prepared.manifest["tokenizer"]["sha256"],
+            "model_shape": {**prepared.shape.as_dict(), **change},
+            "world_size": 2,
+        }
+        ckpt.mark_complete(run_dir, "step00000010", marker)  # type: ignore[arg-type]
+        out[name] = config(name, shards, run_dir)
+    (tmp_path / "empty-model").mkdir()
+    out["noweights"] = config(
+        "noweights", shards, tmp_path / "runs/nw", f"{{preset: tiny, init_from: {tmp_path}/empty-model}}"
+    )
+    out["busy"] = config("busy", shards, tmp_path / "runs/busy")
+    (tmp_path / "runs/busy").mkdir(parents=True)
+    (tmp_path / "ok.yaml").unlink()
+    return out
+
+
+LAUNCH_CASES = [
+    ("missing", "train-00000.bin: missing but the manifest says"),
+    ("truncated", "bytes but the manifest says"),
+    ("altered", "train-00000.bin: checksum differs from the manifest"),
+    ("shape", "model hidden_size 64 vs the checkpoint's 128"),
+    ("seq", "seq_len 64 (the shards of data.path) vs the checkpoint's 32"),
+    ("noweights", "empty-model: no .safetensors file there (it is empty)"),
+    ("busy", "is in use by another training (pid"),
+]
+
+
+@pytest.mark.parametrize("case, expected", LAUNCH_CASES, ids=[c[0] for c in LAUNCH_CASES])
+def test_pretrain_refuses_before_the_launcher_starts(launch_work: dict[str, Path], case: str, expected: str) -> None:
+    """One line naming the field and both values, exit 2, nothing written, and no launcher started (the command
+    it would run is printed as `+ deepspeed ...` only when it launches)."""
+    from pipeline.train.runlock import RunLock
+
+    lock = RunLock(launch_work["T"] / "runs/busy")
+    lock.acquire()  # another live training holds that folder
+    try:
+        before = sorted(p.relative_to(launch_work["T"]) for p in launch_work["T"].rglob("*"))
+        r = CliRunner().invoke(main, ["pretrain", "--config", str(launch_work[case]), "--num-gpus", "2"])
+        after = sorted(p.relative_to(launch_work["T"]) for p in launch_work["T"].rglob("*"))
+    finally:
+        lock.release()
+    assert r.exit_code == 2 and expected in r.output, r.output
+    assert "+ " not in r.output and "Traceback" not in r.output
+    assert after == before, f"left behind: {set(after) - set(before)}"

@@ -39,3 +39,35 @@ def test_a_gpu_machine_whose_torch_cannot_use_the_gpu_is_refused_unless_the_cpu_
     assert "Traceback" not in out.stderr
     out = subprocess.run(cmd, env={**env, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "deepspeed config" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_terminal_shows_the_runs_lines_and_the_log_file_keeps_every_line(tmp_path) -> None:
+    """DeepSpeed's INFO lines, a warning's repeats (whatever their timestamps) and a few known lines that say
+    nothing to a user stay out of the terminal; RUN_DIR/logs/launch.log keeps everything, from before rank 0 made
+    the folder too."""
+    from pipeline.launch import Console
+
+    lines = [
+        b"[2026-12-02 02:33:44,014] [WARNING] [runner.py:214:fetch_hostfile] Unable to find hostfile, will proceed "
+        b"with training with local resources only.\n",
+        b"[2026-12-02 02:33:44,840] [INFO] [launch.py:152:main] WORLD INFO DICT: {'localhost': [0, 1]}\n",
+        b"DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\n",
+        b"/x/c10d_logger.py:83: FutureWarning: `torch.distributed.all_gather_into_tensor` is deprecated.\n",
+        b"  return func(*args, **kwargs)\n",
+        b"[2026-12-02 02:33:45,000] [WARNING] [engine.py:1:f] a warning that matters\n",
+        b"[2026-12-02 02:33:46,000] [WARNING] [engine.py:1:f] a warning that matters\n",
+        b"step 3/3 | loss 6.2992 | lr 4.50e-04\n",
+    ]
+    run_dir = tmp_path / "run"
+    console = Console(run_dir, "deepspeed ...")
+    shown = []
+    for i, line in enumerate(lines):
+        if i == 3:
+            run_dir.mkdir()  # rank 0 made the run folder
+        console.keep(line)
+        if console.shown(line):
+            shown.append(line)
+    console.close()
+    assert shown == [lines[5], lines[7]]
+    kept = (run_dir / "logs" / "launch.log").read_bytes()
+    assert kept.startswith(b"=== ") and kept.endswith(b"".join(lines))

@@ -16,3 +16,27 @@ def test_auto_plan_uses_the_memory_cap() -> None:
     assert capped.memory_gib == 24.0 and capped.bf16_tflops == 989.0
     with pytest.raises(PipelineError, match="no planner data for GPU 'NVIDIA Voodoo2'"):
         planning_card("NVIDIA Voodoo2", h200, None)
+
+
+def test_a_resumed_run_of_another_length_says_its_schedule_is_re_stretched(shards) -> None:
+    """An 80-step run resumed with train.max_steps 140: the cosine schedule is stretched to 140 steps, which moves
+    the learning rate at the resume step; the launcher and rank 0 say so, with both rates."""
+    from pipeline.train.config import from_dict
+    from pipeline.train.preflight import schedule_note
+    from pipeline.train.prepare import prepare
+    from pipeline.train.schedule import lr_at
+
+    raw = {
+        "data": {"path": str(shards)},
+        "batch": {"micro_batch_size": 2, "global_batch_size": 4},
+        "optim": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 5},
+        "train": {"max_steps": 140, "deepspeed_config": "ds_configs/zero1.json"},
+    }
+    prepared = prepare(from_dict(raw), 2)
+    marker = {"step": 60, "max_steps": 80}
+    note = schedule_note(prepared, marker)  # type: ignore[arg-type]
+    before, now = lr_at(60, prepared.cfg, 80), lr_at(60, prepared.cfg, 140)
+    assert note is not None and before < now
+    assert "from 80 to 140 steps since 60" in note and f"lr at step 60: {before:.3g} before, {now:.3g} now" in note
+    assert schedule_note(prepared, {"step": 60, "max_steps": 140}) is None  # type: ignore[arg-type]
+    assert schedule_note(prepared, {"step": 60}) is None  # type: ignore[arg-type]  # checkpoints from before

@@ -40,8 +40,13 @@ def test_resume_policy_auto_never_and_tag() -> None:
 def test_resume_refuses_other_data_shape_or_zero_world() -> None:
     same = dict(data_fingerprint="abc", model_shape=SHAPE, world_size=2, zero_stage=1)
     assert resume_problems(marker(), **same) == []  # type: ignore[arg-type]
-    assert "data fingerprint xyz differs" in resume_problems(marker(), **{**same, "data_fingerprint": "xyz"})[0]  # type: ignore[arg-type]
-    assert "model shape" in resume_problems(marker(), **{**same, "model_shape": {"hidden_size": 32}})[0]  # type: ignore[arg-type]
+    other_data = resume_problems(marker(), **{**same, "data_fingerprint": "xyz"})[0]  # type: ignore[arg-type]
+    assert "data.path holds other shards than the checkpoint was trained on (fingerprint xyz vs abc" in other_data
+    # Each differing field by name with both values, not two dicts.
+    wider = resume_problems(marker(), **{**same, "model_shape": {**SHAPE, "hidden_size": 192}})[0]  # type: ignore[arg-type]
+    assert wider == f"model hidden_size 192 vs the checkpoint's {SHAPE['hidden_size']}"
+    longer = resume_problems(marker(), **{**same, "data_fingerprint": "xyz", "seq_len": 128})  # type: ignore[arg-type]
+    assert longer == ["seq_len 128 (the shards of data.path) vs the checkpoint's 64"]
     # Another world size resumes (through a universal checkpoint; tests/multiproc/test_resume_world_size.py), except
     # with the optimizer on NVMe, whose swap files the universal checkpoint does not cover.
     assert resume_problems(marker(), **{**same, "world_size": 4}) == []  # type: ignore[arg-type]
