@@ -13,8 +13,10 @@
      1b_compile         the first case with train.compile
      plain_eager        the same model and batch in a plain PyTorch loop (bf16 autocast, fused AdamW): our overhead
      7b_2layers_offload the 7B geometry, 2 layers, micro 8, seq 4096, ZeRO-3 + CPU offload, capped (the fits-table plan)
-     7b_*               the offload features of DeepSpeed 0.19 on the same 7B slice (bf16 optimizer states, ZenFlow,
-                        activation offload), each beside the plain offload case and the planner
+     70b_4layers_actoffload  activation offload (activation_checkpointing.cpu_checkpointing) at micro 4: the
+                        planner's 70B choice, beside 70b_4layers at micro 2
+     7b_2layers_bf16states, 7b_2layers_zenflow   the opt-in features on the 7B slice (bf16 master weights and
+                        optimizer states; ZenFlow on ZeRO-2), each beside 7b_2layers_offload and the planner
 
 Each result lands in OUT/results.json as its case ends, with the planner's prediction beside it, and each case's
 whole log in OUT/logs/. MFU is given by the PaLM count the trainer logs (6N + 12*L*h*s FLOPs per token, as TinyLlama
@@ -78,6 +80,60 @@ def cases(smoke: bool) -> list[Case]:
         Case("1b_compile", "pipeline", "1b", 2048, 8, 14, compile=True, timeout_s=110),
         Case("plain_eager", "plain", "1b", 2048, 8, 14, timeout_s=50),
         Case("7b_2layers_offload", "pipeline", "7b", 4096, 8, 6, layers=2, timeout_s=100, **offload),
+        # DeepSpeed 0.19's offload features, each beside its plain case above and the planner
+        Case(
+            "70b_4layers_actoffload",
+            "pipeline",
+            "70b",
+            4096,
+            4,
+            6,
+            layers=4,
+            timeout_s=150,
+            ds_overrides={"activation_checkpointing": {"cpu_checkpointing": True}},
+            note="the planner's 70B choice: activation offload lets micro 4 fit (70b_4layers: micro 2)",
+            **offload,
+        ),
+        Case(
+            "7b_2layers_bf16states",
+            "pipeline",
+            "7b",
+            4096,
+            8,
+            6,
+            layers=2,
+            timeout_s=100,
+            ds_overrides={"bf16": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+            note="opt-in: bf16 master weights and Adam moments in host memory",
+            **offload,
+        ),
+        Case(
+            "7b_2layers_zenflow",
+            "pipeline",
+            "7b",
+            4096,
+            8,
+            6,
+            layers=2,
+            ds_config="zero2.json",
+            activation_checkpointing=True,
+            memory_cap_gib=CAP_GIB,
+            timeout_s=120,
+            ds_overrides={
+                "zero_optimization": {
+                    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                    "zenflow": {
+                        "topk_ratio": 0.1,
+                        "select_strategy": "step",
+                        "select_interval": 4,
+                        "update_interval": 4,
+                        "overlap_step": True,
+                        "full_warm_up_rounds": 0,
+                    },
+                }
+            },
+            note="opt-in: ZenFlow on ZeRO-2, CPU Adam every 4 steps behind the GPU's work",
+        ),
     ]
     if not smoke:
         return full
@@ -321,7 +377,7 @@ def run_pipeline(case: Case, shards: Path, work: Path, logs: Path, smoke: bool, 
         "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2},
         "train": {
             "max_steps": case.steps,
-            "precision": "fp32" if smoke else "bf16",
+            "precision": "bf16" if not smoke or "bf16" in case.ds_overrides else "fp32",
             "compile": case.compile,
             "activation_checkpointing": case.activation_checkpointing,
             "deepspeed_config": str(ds_json(case, work)),

@@ -593,6 +593,14 @@ def doctor(
 )
 @click.option("--tokens", default="1B", show_default=True, help="Token budget for the time estimate.")
 @click.option("--write-ds-config", default=None, help="Write the chosen DeepSpeed JSON here.")
+@click.option(
+    "--opt-in",
+    "opt_in",
+    multiple=True,
+    type=click.Choice(["bf16-master", "bf16-states", "zenflow"]),
+    help="Let the choice use a DeepSpeed 0.19 offload feature that changes the numerics (repeatable); without it "
+    "each is priced and shown beside the choice. Activation offload, which does not, is always considered.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--fits-table", is_flag=True, help="Print the README's table: presets 1b-70b on each reference hostfile.")
 @_user_errors
@@ -620,6 +628,7 @@ def plan(
     mfu: float | None,
     tokens: str,
     write_ds_config: str | None,
+    opt_in: tuple[str, ...],
     as_json: bool,
     fits_table: bool,
 ) -> None:
@@ -627,93 +636,43 @@ def plan(
     peak allocated (what torch.cuda.max_memory_allocated reports) and reserved (what the card must hold), with a
     margin; time as a point and a low-high range beside the physical ceiling. A hostfile's `# cluster:` line
     (see hostfiles/) gives the nodes' GPU, RAM, cores, memory bandwidth, disk and network; flags override it."""
-    from pipeline.plan import report as plan_report
-    from pipeline.plan import search as planner
-    from pipeline.plan.cluster import cluster_from_flags
+    from pipeline.plan import command
 
-    budget, gbt = _token_amounts(tokens, global_batch_tokens)
-    flags = {
-        "gpu": gpu,
-        "gpu_mem": gpu_mem,
-        "cpu_mem": cpu_mem,
-        "cpu_cores": None if cpu_cores is None else str(cpu_cores),
-        "cpu_mem_bw": cpu_mem_bw,
-        "disk": disk,
-        "nvme": nvme,
-        "network": network,
-    }
-    if fits_table:
-        click.echo(plan_report.reference_fits_table(flags, vocab_size, seq_len or 4096, gbt, mfu, budget))
-        return
-    cluster, source = cluster_from_flags(hostfile, nodes, gpus_per_node, flags)
     ctx = click.get_current_context()
     given = {k for k in ctx.params if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
-    rates = None
-    if from_run:
-        from pipeline.train import forecast
-
-        cluster_given = bool(given & {"hostfile", "nodes", "gpus_per_node", "gpu", "gpu_mem", "cpu_mem"})
-        if not (config_path or "preset" in given):
-            click.echo(forecast.run_report(from_run, cluster if cluster_given else None, mfu=mfu, as_json=as_json))
-            return
-        if mfu is not None:
-            raise PipelineError("give one of --mfu and --from-run: both set the compute efficiency")
-        rates, cluster, notes = forecast.calibration(from_run, cluster if cluster_given else None)
-        source = f"rates and cluster measured by --from-run {from_run}" + ("; " + "; ".join(notes) if notes else "")
-    if source and not as_json:
-        click.echo(source)
-    if config_path:
-        from pipeline.train import forecast
-
-        text, fits = forecast.config_report(
-            config_path,
-            list(sets),
-            cluster,
-            seq_len=seq_len,
-            layers=layers,
-            vocab_size=vocab_size,
-            mfu=mfu,
-            budget=budget,
-            as_json=as_json,
-            rates=rates,
-        )
-        click.echo(text)
-        sys.exit(0 if fits else 3)
-    shape, note = planner.planned_shape(preset, layers, vocab_size, seq_len or 4096)
-    if note:
-        click.echo(note, err=True)
-    if shape.hf_config and not as_json:
-        click.echo(shape.describe())
-    p = planner.search(shape, seq_len or 4096, cluster, gbt, mfu, fixed_micro=micro_batch_size, rates=rates)
-    if write_ds_config and p.best is not None:
-        planner.write_ds_config(p.best, write_ds_config, nvme)
-    click.echo(
-        json.dumps(p.to_dict() | {"cluster_facts": source}, indent=2) if as_json else plan_report.render(p, budget)
+    cores = None if cpu_cores is None else str(cpu_cores)
+    facts = {"gpu": gpu, "gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "cpu_cores": cores, "cpu_mem_bw": cpu_mem_bw}
+    req = command.PlanRequest(
+        model=preset,
+        config=config_path,
+        sets=sets,
+        from_run=from_run,
+        layers=layers,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        hostfile=hostfile,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        flags=facts | {"disk": disk, "nvme": nvme, "network": network},
+        global_batch_tokens=global_batch_tokens,
+        micro_batch_size=micro_batch_size,
+        mfu=mfu,
+        tokens=tokens,
+        write_ds_config=write_ds_config,
+        opt_in=frozenset(opt_in),
+        as_json=as_json,
+        fits_table=fits_table,
+        model_given="preset" in given,
+        cluster_given=bool(given & {"hostfile", "nodes", "gpus_per_node", "gpu", "gpu_mem", "cpu_mem"}),
     )
-    if write_ds_config and p.best is not None and not as_json:
-        b = p.best.candidate
-        click.echo(
-            f"\nwrote {write_ds_config}; in the pretrain config set batch.micro_batch_size: "
-            f"{b.micro_batch_size}, batch.global_batch_size: {b.micro_batch_size * b.grad_accum * cluster.world}"
-            f", train.activation_checkpointing: {str(b.activation_checkpointing).lower()}"
-        )
-    if p.best is None:
-        sys.exit(3)
+    if (config_path or from_run) and not fits_table:
+        from pipeline.train import forecast
 
-
-def _token_amounts(tokens: str, global_batch_tokens: str) -> tuple[float, int]:
-    """--tokens (1B, 100bn, 500M) and --global-batch-tokens (4M, 512K) as numbers of tokens."""
-    from pipeline.units import parse_count
-
-    try:
-        budget = parse_count(tokens)
-        gbt = int(parse_count(global_batch_tokens))
-    except ValueError as e:
-        raise PipelineError(str(e)) from None
-    for flag, value in (("--global-batch-tokens", gbt), ("--tokens", budget)):
-        if not value > 0:
-            raise PipelineError(f"{flag} {value:g}: expected a positive amount")
-    return budget, gbt
+        code = forecast.plan(req, click.echo)
+    else:
+        code = command.plan(req, click.echo)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

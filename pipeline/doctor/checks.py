@@ -229,7 +229,8 @@ def memory_and_disk(r: Report, needs: Needs, first: bool) -> None:
             "" if ok else "free memory, or offload less (pipeline plan --config ... shows what fits)",
         )
     else:
-        r.add("host RAM", PASS, f"{(avail or 0) / 1e9:,.0f} GB available (give --config to compare with the plan)")
+        why = "no plan of the config to compare with" if needs.run_dir else "give --config to compare with the plan"
+        r.add("host RAM", PASS, f"{(avail or 0) / 1e9:,.0f} GB available ({why})")
     if needs.run_dir:
         folder = _existing(Path(needs.run_dir))
         free = shutil.disk_usage(folder).free

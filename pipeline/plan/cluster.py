@@ -79,17 +79,54 @@ class Candidate:
     bf16_master: bool = False  # bf16.bf16_master_weights_and_grads: master weights and gradients kept in bf16
     bf16_optimizer_states: bool = False  # bf16.bf16_optimizer_states: Adam's moments in bf16 too
     pin_memory: bool = True  # offload_*.pin_memory (DeepSpeed's default since 0.19.5; false before)
+    offload_activations: bool = False
+    """activation_checkpointing.cpu_checkpointing: the checkpointed layer inputs kept in pinned host memory
+    between the forward and the backward (DeepSpeed's CheckpointHiddenStatesOffload, 0.19.8)."""
+    zenflow_interval: int = 0
+    """zero_optimization.zenflow.update_interval (0: no ZenFlow). ZenFlow updates the top-k gradient columns on
+    the GPU at every step and the rest on the CPU every `zenflow_interval` steps, overlapped with the next steps:
+    it takes the place of gradient accumulation (grad_accum is 1)."""
 
     @property
     def fp32_grad_accum(self) -> bool:
         return fp32_grad_accumulation(self.stage, self.grad_accum, self.grad_accum_dtype)
+
+    def features(self) -> frozenset[str]:
+        """The DeepSpeed 0.19 offload features this configuration uses (FEATURES' names)."""
+        on = {
+            "activation-offload": self.offload_activations,
+            "bf16-master": self.bf16_master and not self.bf16_optimizer_states,
+            "bf16-states": self.bf16_optimizer_states,
+            "zenflow": self.zenflow_interval > 0,
+        }
+        return frozenset(k for k, v in on.items() if v)
 
     def label(self) -> str:
         off = "" if self.offload_optimizer == "none" else f" + {self.offload_optimizer} offload (opt"
         if off:
             off += ", params)" if self.offload_param != "none" else ")"
         ck = " + ckpt" if self.activation_checkpointing else ""
-        return f"ZeRO-{self.stage}{off}{ck}, micro {self.micro_batch_size} x GA {self.grad_accum}"
+        ck += " (offloaded)" if self.offload_activations else ""
+        extra = {
+            "bf16-master": " + bf16 master",
+            "bf16-states": " + bf16 master/states",
+            "zenflow": f" + ZenFlow (CPU update every {self.zenflow_interval})",
+        }
+        more = "".join(v for k, v in extra.items() if k in self.features())
+        return f"ZeRO-{self.stage}{off}{ck}{more}, micro {self.micro_batch_size} x GA {self.grad_accum}"
+
+
+FEATURES: dict[str, str] = {
+    "activation-offload": "exact: the same numbers, moved to host memory and back",
+    "bf16-master": "changes the numerics: master weights and gradients in bf16",
+    "bf16-states": "changes the numerics: master weights, gradients and Adam moments in bf16",
+    "zenflow": "changes the numerics: most gradient columns applied up to update_interval steps late",
+}
+"""DeepSpeed 0.19's offload features the planner prices. Exact ones are chosen where they pay; the others only when
+the user opts in (`pipeline plan --opt-in NAME`), and are otherwise shown beside the choice with their gain."""
+OPT_IN = frozenset(k for k, v in FEATURES.items() if not v.startswith("exact"))
+ZENFLOW_TOPK = 0.1
+"""zenflow.topk_ratio the planner writes (DeepSpeed's default): the share of gradient columns updated on the GPU."""
 
 
 @dataclass(frozen=True, slots=True)

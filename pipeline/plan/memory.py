@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from pipeline.model import ModelShape
-from pipeline.plan.cluster import Candidate, Cluster, Stack
+from pipeline.plan.cluster import ZENFLOW_TOPK, Candidate, Cluster, Stack
 
 GiB = 2**30
 CUDA_CONTEXT = int(0.8 * GiB)  # CUDA context, cuBLAS/NCCL workspaces: outside max_memory_allocated
@@ -41,6 +41,15 @@ FUSED_PER_H, FUSED_PER_F = 10, 4
 EAGER_SCORE_KEPT_BYTES = 4
 # The plain loss over full logits: bf16 logits, their fp32 copy, fp32 log-softmax and the fp32 gradient.
 LOGIT_BYTES = 14
+ACT_OFFLOAD_KEPT = 4
+"""Checkpointed layer inputs that stay on the GPU under activation offload (DeepSpeed 0.19.8's
+CheckpointHiddenStatesOffload): the last one (its backward needs it first), two whose copies out are in flight
+(max_fwd_stash_count), and the one restored for the layer being recomputed."""
+ZENFLOW_STATE_BYTES = 4
+"""ZenFlow's selective Adam on the GPU: m and v of the top-k columns of every matrix, in the parameters' dtype
+(bf16), for the whole matrix on every rank (measured on a real engine: 4 x topk x parameters per rank, ZeRO-2,
+2 ranks; tests/multiproc/test_offload_features.py); its selected gradients add 2 x topk x parameters while the
+step runs."""
 
 
 def layer_activation_bytes_per_token(shape: ModelShape, stack: Stack | None = None, seq_len: int = 0) -> int:
@@ -64,13 +73,16 @@ def activation_bytes(
     checkpointing: bool,
     loss_chunk_tokens: int | None = None,
     stack: Stack | None = None,
+    offloaded: bool = False,
 ) -> dict[str, float]:
     """Activation memory of one micro-batch (bf16): `layers` at the end of the forward (full recompute keeps each
-    layer's bf16 input plus one layer's activations while it is recomputed), `one_layer`, `logits` (the loss's
-    peak: full logits, or one chunk of `loss_chunk_tokens` as our trainer computes it) and `embeddings`."""
+    layer's bf16 input plus one layer's activations while it is recomputed; `offloaded`: only ACT_OFFLOAD_KEPT of
+    those inputs stay on the GPU), `one_layer`, `logits` (the loss's peak: full logits, or one chunk of
+    `loss_chunk_tokens` as our trainer computes it) and `embeddings`."""
     sb = seq_len * micro
     one = float(sb * layer_activation_bytes_per_token(shape, stack, seq_len))
-    layers = shape.num_layers * 2 * sb * shape.hidden_size + one if checkpointing else shape.num_layers * one
+    kept = min(shape.num_layers, ACT_OFFLOAD_KEPT) if offloaded else shape.num_layers
+    layers = kept * 2 * sb * shape.hidden_size + one if checkpointing else shape.num_layers * one
     logit_tokens = sb if loss_chunk_tokens is None else min(sb, loss_chunk_tokens)
     return {
         "layers": float(layers),
@@ -159,11 +171,21 @@ def gpu_memory(
     if cand.bf16_master and cand.stage == 3 and not off_opt:  # bf16 master and gradient partitions on the GPU
         split["grads"] -= 2 * psi / g
         split["optimizer"] -= (2 + (4 if cand.bf16_optimizer_states else 0)) * psi / g
+    zenflow_grads = 0.0
+    if cand.zenflow_interval:
+        split["optimizer"] += ZENFLOW_STATE_BYTES * ZENFLOW_TOPK * psi
+        zenflow_grads = 2 * ZENFLOW_TOPK * psi
     if stack.kernels == "fused":  # a fused linear cross-entropy (Liger's) computes ~tokens x h / V tokens at a time
         tokens = cand.micro_batch_size * seq_len
         loss_chunk_tokens = max(256, tokens * shape.hidden_size // shape.vocab_size)
     act = activation_bytes(
-        shape, seq_len, cand.micro_batch_size, cand.activation_checkpointing, loss_chunk_tokens, stack
+        shape,
+        seq_len,
+        cand.micro_batch_size,
+        cand.activation_checkpointing,
+        loss_chunk_tokens,
+        stack,
+        cand.offload_activations,
     )
     largest = shape.largest_layer_params()
     if cand.stage == 3:
@@ -178,7 +200,7 @@ def gpu_memory(
     else:
         buffers = 4.5 * 2 * cand.reduce_bucket if cand.stage in (1, 2) else 2 * 2.5e7
         # bf16 gradients exist from the backward until the step; stage 0/1 keep them whole, stage 2 in buckets.
-        transient_grads = 2.0 * psi if cand.stage in (0, 1) else 0.0
+        transient_grads = (2.0 * psi if cand.stage in (0, 1) else 0.0) + zenflow_grads
     static = sum(split.values()) - transient_grads
     forward_act = act["layers"] + act["embeddings"] + act["logits"]  # the loss's backward starts with all of it
     zero3_buffers = buffers if cand.stage == 3 else 0.0  # ZeRO-3's live through the forward as well
@@ -215,11 +237,12 @@ def pinned(nbytes: float, pieces: int = 1) -> float:
     return pieces * float(2 ** math.ceil(math.log2(piece)))
 
 
-def host_memory(shape: ModelShape, c: Cluster, cand: Candidate) -> dict[str, float]:
+def host_memory(shape: ModelShape, c: Cluster, cand: Candidate, seq_len: int = 0) -> dict[str, float]:
     """Host RAM per node, buffer by buffer as DeepSpeed 0.19 allocates them per rank (ZeRO-3: one pinned
     gradient-accumulation buffer, pinned bf16 parameter partitions per param group, a pinned gradient buffer per
-    optimizer sub-group; pageable master weights and Adam moments, fp32 unless the JSON asks for bf16), plus each
-    rank's process."""
+    optimizer sub-group; pageable master weights and Adam moments, fp32 unless the JSON asks for bf16; under
+    activation offload a pinned buffer per offloaded layer input of a micro-batch of `seq_len`), plus each rank's
+    process."""
     psi, g, gpn = shape.num_params(), c.world, c.gpus_per_node
     part = psi / g  # parameters one rank owns
     pin, pageable = 0.0, 0.0
@@ -243,6 +266,10 @@ def host_memory(shape: ModelShape, c: Cluster, cand: Candidate) -> dict[str, flo
         pin += pinned(2 * part)  # bf16 partitions (the decay group)
     elif cand.offload_param == "nvme":
         pin += pinned(5 * 1e8 * 2, 5)
+    if cand.offload_activations and cand.activation_checkpointing:
+        layer_input = 2.0 * cand.micro_batch_size * seq_len * shape.hidden_size
+        moved = max(0, shape.num_layers - 1)  # all but the last (kept on the GPU)
+        pin += pinned(layer_input * moved, moved) if moved else 0.0
     per_node_pinned, per_node_pageable = pin * gpn, pageable * gpn + RANK_HOST_OVERHEAD * gpn
     out = {
         "pinned": per_node_pinned,

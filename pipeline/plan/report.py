@@ -53,15 +53,19 @@ def render(p: Plan, token_budget: float | None = None) -> str:
         return "\n".join(lines)
     e = p.best
     lines += describe_estimate(p, e, token_budget)
+    if notes := p.feature_notes():
+        lines.append("\nDeepSpeed 0.19 offload features (each against the choice; planned, not measured):")
+        lines += [f"  {n}" for n in notes]
     if p.ranked[1:]:
-        lines.append(f"\n{'runners-up':76s} {'tok/s':>7s} {'GPU GiB':>8s} {'host GB':>8s}")
+        w = max([74] + [len(row_label(r.candidate)) for r in p.ranked[1:8]])
+        lines.append(f"\n{'runners-up':{w + 2}s} {'tok/s':>7s} {'GPU GiB':>8s} {'host GB':>8s}")
         seen = {row_label(e.candidate)}
         for r in p.ranked[1:]:
             if row_label(r.candidate) in seen:
                 continue
             seen.add(row_label(r.candidate))
             lines.append(
-                f"  {row_label(r.candidate):74s} {r.tokens_per_s:7,.0f} {r.gpu['reserved'] / GiB:8.1f} "
+                f"  {row_label(r.candidate):{w}s} {r.tokens_per_s:7,.0f} {r.gpu['reserved'] / GiB:8.1f} "
                 f"{r.host['total'] / 1e9:8.0f}"
             )
             if len(seen) > 5:

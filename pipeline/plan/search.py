@@ -19,7 +19,16 @@ from typing import Any
 
 from pipeline.atomic import write_json
 from pipeline.model import PRESETS, ModelShape, families, loss_chunk_tokens, resolve_shape, with_seq_len
-from pipeline.plan.cluster import Candidate, Cluster, OffloadDevice, Stack, offload_devices
+from pipeline.plan.cluster import (
+    FEATURES,
+    OPT_IN,
+    ZENFLOW_TOPK,
+    Candidate,
+    Cluster,
+    OffloadDevice,
+    Stack,
+    offload_devices,
+)
 from pipeline.plan.memory import GiB, checkpoint_bytes, gpu_memory, host_memory
 from pipeline.plan.timing import Rates, cpu_adam_rate, offload_rate, step_time_range
 
@@ -72,7 +81,7 @@ def estimate(
     if mfu_assumed is not None:
         rates = replace(rates, efficiency=mfu_assumed, sources=(*rates.sources, ("compute efficiency", "given: --mfu")))
     gpu = gpu_memory(shape, seq_len, c, cand, loss_chunk_tokens, stack)
-    host = host_memory(shape, c, cand)
+    host = host_memory(shape, c, cand, seq_len)
     psi = shape.num_params()
     nvme = 0.0
     if cand.offload_optimizer == "nvme":
@@ -191,6 +200,8 @@ def candidate_from_ds(
 
     offload = offload_devices(ds)
     stage = zero.get("stage", 0)
+    zenflow = zero.get("zenflow") or {}
+    interval = zenflow.get("update_interval", 0) if isinstance(zenflow, dict) else 0
     return Candidate(
         int(stage) if isinstance(stage, int) else 0,
         offload.optimizer,
@@ -209,6 +220,8 @@ def candidate_from_ds(
         pin_memory=all(
             (zero.get(k) or {}).get("pin_memory", True) is not False for k in ("offload_param", "offload_optimizer")
         ),
+        offload_activations=(ds.get("activation_checkpointing") or {}).get("cpu_checkpointing") is True,
+        zenflow_interval=(interval if isinstance(interval, int) else grad_accum) if zenflow else 0,
     )
 
 
@@ -240,7 +253,25 @@ def candidates(
                 buckets = BUCKETS_ZERO3 if stage == 3 else [(5e8, 5e7, 1e9)]
                 for rb, pb, ml in buckets:
                     sub = 1e8 if oo != "none" else 1e9
-                    out.append(Candidate(stage, oo, op, ckpt, micro, ga, rb, pb, ml, sub))
+                    base = Candidate(stage, oo, op, ckpt, micro, ga, rb, pb, ml, sub)
+                    out += feature_variants(base)
+    return out
+
+
+def feature_variants(base: Candidate) -> list[Candidate]:
+    """`base` and what DeepSpeed 0.19's offload features make of it (pipeline.plan.cluster.FEATURES): activation
+    offload where activations are checkpointed; under CPU optimizer offload bf16 master weights (and states), and
+    ZenFlow on ZeRO-1/2 (ZeRO-3 with ZenFlow does not run in DeepSpeed 0.19.8: pipeline.train.ds_config), whose
+    CPU update every `grad_accum` steps replaces accumulation, so the same tokens reach each full update."""
+    out = [base]
+    if base.activation_checkpointing:
+        out.append(replace(base, offload_activations=True))
+    if base.offload_optimizer == "cpu":
+        for c in list(out):
+            out.append(replace(c, bf16_master=True))
+            out.append(replace(c, bf16_master=True, bf16_optimizer_states=True))
+            if base.stage in (1, 2) and base.grad_accum > 1:
+                out.append(replace(c, grad_accum=1, zenflow_interval=base.grad_accum))
     return out
 
 
@@ -257,6 +288,41 @@ class Plan:
     """A fixed compute efficiency (--mfu); None: the fitted curve."""
     global_batch_tokens: int = 0
     """What was asked; the chosen configuration's own global batch may differ (rounded to whole micro-batches)."""
+    opt_in: frozenset[str] = frozenset()
+    """The features that change the numerics which the user allowed (`--opt-in`)."""
+    by_feature: dict[str, tuple[Estimate | None, Estimate | None]] = field(default_factory=dict)
+    """For each DeepSpeed 0.19 offload feature (pipeline.plan.cluster.FEATURES): the fastest fitting configuration
+    that uses it (the other features as allowed), or None; and when none fits, the closest that does not."""
+
+    def feature_notes(self) -> list[str]:
+        """What each DeepSpeed 0.19 offload feature brings here, against the choice: the gain of the ones it uses
+        (over the fastest fitting configuration without that one), what each one left out would give, and why a
+        feature has no configuration that fits."""
+        if self.best is None:
+            return []
+        best, notes = self.best, []
+        for name, (e, unfit) in self.by_feature.items():
+            how = FEATURES[name]
+            if name in best.candidate.features():
+                without = [r for r in self.ranked if name not in r.candidate.features()]
+                gain = (
+                    f"{best.tokens_per_s / without[0].tokens_per_s - 1:+.0%} over {without[0].candidate.label()}"
+                    if without
+                    else "needed to fit"
+                )
+                notes.append(f"{name}: used, {gain} ({how})")
+            elif e is None:
+                why = f" (closest: {unfit.candidate.label()}: {'; '.join(unfit.why_not)})" if unfit else ""
+                notes.append(f"{name}: no configuration with it fits{why}")
+            else:
+                lo, hi = e.tokens_per_s_range
+                ask = f"not chosen; --opt-in {name} allows it" if name in OPT_IN - self.opt_in else "not chosen"
+                notes.append(
+                    f"{name}: {ask}: {e.candidate.label()} at {e.tokens_per_s:,.0f} tokens/s ({lo:,.0f}-{hi:,.0f}), "
+                    f"{e.tokens_per_s / best.tokens_per_s - 1:+.0%}; GPU {e.gpu['reserved'] / GiB:.1f} GiB, host "
+                    f"{e.host['total'] / 1e9:.0f} GB ({how})"
+                )
+        return notes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -270,6 +336,9 @@ class Plan:
             "mfu_assumed": self.mfu_assumed,
             "mfu_convention": MFU_CONVENTION,
             "global_batch_tokens_requested": self.global_batch_tokens,
+            "opt_in": sorted(self.opt_in),
+            "features": self.feature_notes(),
+            "by_feature": {k: estimate_dict(e) if e else None for k, (e, _) in self.by_feature.items()},
         }
 
 
@@ -327,18 +396,39 @@ def search(
     loss_chunk_tokens: int | None = -1,
     stack: Stack | None = None,
     rates: Rates | None = None,
+    opt_in: frozenset[str] = frozenset(),
 ) -> Plan:
-    """All candidate configurations, fitting ones ranked. `loss_chunk_tokens` -1: the trainer's default chunk."""
+    """All candidate configurations, fitting ones ranked. `loss_chunk_tokens` -1: the trainer's default chunk.
+    `opt_in`: the features that change the numerics (pipeline.plan.cluster.OPT_IN) the choice may use; the others
+    are priced too, and the fastest fitting configuration with each feature comes back in `by_feature`."""
     chunk = trainer_loss_chunk(shape) if loss_chunk_tokens == -1 else loss_chunk_tokens
     ests = [
         estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates)
         for cand in candidates(c, seq_len, global_batch_tokens, fixed_micro=fixed_micro)
     ]
-    fitting = choose([e for e in ests if e.fits])
-    rejected = sorted((e for e in ests if not e.fits), key=lambda e: -e.tokens_per_s)
+    allowed = [e for e in ests if not (e.candidate.features() & OPT_IN) - opt_in]
+    fitting = choose([e for e in allowed if e.fits])
+    rejected = sorted((e for e in allowed if not e.fits), key=lambda e: -e.tokens_per_s)
+    by_feature: dict[str, tuple[Estimate | None, Estimate | None]] = {}
+    for name in FEATURES:  # the fastest configuration with each feature, the others as allowed
+        with_it = [e for e in ests if name in e.candidate.features()]
+        with_it = [e for e in with_it if not (e.candidate.features() & OPT_IN) - opt_in - {name}]
+        fit = choose([e for e in with_it if e.fits])
+        closest = min((e for e in with_it if not e.fits), key=lambda e: e.gpu["reserved"], default=None)
+        by_feature[name] = (fit[0] if fit else None, closest)
     advice = [] if fitting else _advice(shape, seq_len, c, global_batch_tokens, mfu_assumed)
     return Plan(
-        shape, seq_len, c, fitting[0] if fitting else None, fitting, rejected, advice, mfu_assumed, global_batch_tokens
+        shape,
+        seq_len,
+        c,
+        fitting[0] if fitting else None,
+        fitting,
+        rejected,
+        advice,
+        mfu_assumed,
+        global_batch_tokens,
+        opt_in,
+        by_feature,
     )
 
 
@@ -403,12 +493,23 @@ def ds_config(e: Estimate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
             zero[key] = {"device": dev, "pin_memory": True}
             if dev == "nvme":
                 zero[key]["nvme_path"] = nvme_path
+    if cand.zenflow_interval:
+        zero["zenflow"] = {
+            "topk_ratio": ZENFLOW_TOPK,
+            "select_strategy": "step",
+            "select_interval": cand.zenflow_interval,
+            "update_interval": cand.zenflow_interval,
+            "overlap_step": True,
+            "full_warm_up_rounds": 0,
+        }
     ds: dict[str, Any] = {
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
+        "bf16": {"enabled": "auto"}
+        | ({"bf16_master_weights_and_grads": True} if cand.bf16_master else {})
+        | ({"bf16_optimizer_states": True} if cand.bf16_optimizer_states else {}),
         "fp16": {"enabled": "auto", "loss_scale": 0},
         "optimizer": {
             "type": "AdamW",
@@ -417,6 +518,8 @@ def ds_config(e: Estimate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
+    if cand.offload_activations:
+        ds["activation_checkpointing"] = {"cpu_checkpointing": True}
     if "nvme" in (cand.offload_optimizer, cand.offload_param):
         ds["aio"] = {
             "block_size": 1048576,

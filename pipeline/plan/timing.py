@@ -10,9 +10,13 @@ Per micro-step the parts run side by side and overlap imperfectly (the largest, 
                   inter-node traffic staged there without GPUDirect RDMA, all sharing the node's host bandwidth;
   param fetch     ZeRO-3 parameter offload: every gather copies the partitions in from host memory, at a rate per
                   node that DeepSpeed's offload reaches whatever the GPU count (#3901, #6695: "one DIMM's worth");
-  grad offload    the gradient partition copied out to the host each micro-step under optimizer offload.
+  grad offload    the gradient partition copied out to the host each micro-step under optimizer offload;
+  act offload     activation offload: every checkpointed layer input but the last copied out in the forward and
+                  back in the backward, on a side stream (host copies).
 Per step: the optimizer (CPU Adam at a node-level rate under offload: the node's cores and memory bandwidth, the
-bytes it touches per parameter), ZeRO-0-2's step collectives, a fixed engine overhead.
+bytes it touches per parameter), ZeRO-0-2's step collectives, a fixed engine overhead. Under ZenFlow a step is one
+micro-step whose top-k gradient columns are updated on the GPU; CPU Adam runs every `zenflow_interval` steps in a
+process of its own while the GPU goes on (overlap_step), so only what it does not hide is paid, spread over them.
 
 `Rates` says what every figure ran at and where it came from, and carries a run's measured rates (`plan
 --from-run`) into the next plan."""
@@ -24,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pipeline.model import ModelShape
-from pipeline.plan.cluster import Candidate, Cluster, Stack
+from pipeline.plan.cluster import ZENFLOW_TOPK, Candidate, Cluster, Stack
 
 # ---- fitted to published runs (bench/plan_calibration.py) ------------------------------------------------------
 EFFICIENCY_KNEE_S = 2.0e-4
@@ -164,8 +168,12 @@ def step_time(
     # Inter-node traffic without GPUDirect RDMA is staged through host memory: one more copy each way per GPU.
     staged = c.nodes > 1 and not c.gpu.gpudirect
     accum = 4 if cand.fp32_grad_accum and not cand.bf16_master else 2  # bytes of a gradient sent to the host
-    d2h = (accum * psi / g if off_opt else 0.0) + (net_micro / 2 if staged else 0.0)
-    h2d = net_micro / 2 if staged else 0.0
+    grad_out = accum * psi / g * ((1 - ZENFLOW_TOPK) if cand.zenflow_interval else 1.0) if off_opt else 0.0
+    acts = 0.0
+    if cand.offload_activations and cand.activation_checkpointing:  # out in the forward, back in the backward
+        acts = max(0, shape.num_layers - 1) * 2.0 * tokens_micro * shape.hidden_size
+    d2h = grad_out + (net_micro / 2 if staged else 0.0) + acts
+    h2d = (net_micro / 2 if staged else 0.0) + acts
     copies_t = gpn * max(h2d, d2h) / node_pcie if max(h2d, d2h) else 0.0
     fetch_t = gathers * 2 * psi / g * gpn / (offload_rate(c, rates, cand.pin_memory) * f) if off_par else 0.0
     parts = [compute, net_t, copies_t, fetch_t]
@@ -179,9 +187,14 @@ def step_time(
             opt_t += 2 * psi / g * gpn / node_pcie
         if cand.offload_optimizer == "nvme":
             opt_t += 2 * 16 * psi / c.nodes / (c.nvme_gbs * 1e9)
+        if cand.zenflow_interval:  # once per interval, behind the interval's micro-steps but for a residue
+            hidden = cand.zenflow_interval * micro_t
+            opt_t = (max(0.0, opt_t - hidden) + OVERLAP_RESIDUE * min(opt_t, hidden)) / cand.zenflow_interval
     else:
         opt_t = (psi / g if cand.stage else psi) * ADAM_BYTES["fp32"] / (c.gpu.mem_bw_gbs * 1e9)
     step_net_t = net_step / coll_bw if net_step else 0.0
+    if cand.zenflow_interval:  # the updated partitions are gathered after the CPU update, once per interval
+        step_net_t /= cand.zenflow_interval
     total = cand.grad_accum * micro_t + opt_t + step_net_t + STEP_OVERHEAD_S
     return {
         "total": total,

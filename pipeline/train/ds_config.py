@@ -64,6 +64,9 @@ SUPPORTED_MATRIX = """supported combinations:
   optimizer adamw     : ZeRO 0-3, with or without CPU/NVMe offload, bf16/fp16/fp32 (fp16 needs a GPU)
   optimizer adamw8bit : ZeRO 0-2 without any offload (bitsandbytes; GPU, and CPU for tests)
   train.compile       : ZeRO 0-2
+  bf16 master/states  : bf16 precision, ZeRO 1-3 (bf16_optimizer_states needs bf16_master_weights_and_grads)
+  zenflow             : ZeRO 1-2 with offload_optimizer cpu, grad_accum 1, integer update/select intervals
+  cpu_checkpointing   : with train.activation_checkpointing (activation_checkpointing.cpu_checkpointing)
   pipeline parallelism: not supported (ZeRO-2/3 cannot be combined with it)"""
 
 
@@ -91,6 +94,7 @@ def resolve(
     _fill_batch_and_precision(ds, cfg, plan, p)
     _fill_optimizer(ds, cfg, p)
     p += unsupported(ds, cfg, accelerator)
+    p += offload_feature_problems(ds, cfg, plan)
     if p:
         raise ConfigError(p + [SUPPORTED_MATRIX], source)
     explicit = (ds.get("data_types") or {}).get("grad_accum_dtype")
@@ -171,6 +175,85 @@ def unsupported(ds: dict[str, Any], cfg: PretrainConfig, accelerator: str) -> li
         p.append("pipeline parallelism is not supported by this pipeline")
     if "scheduler" in ds:
         p.append("scheduler: remove it; the learning rate comes from optim.* (warmup + cosine)")
+    return p
+
+
+def offload_feature_problems(ds: dict[str, Any], cfg: PretrainConfig, plan: BatchPlan) -> list[str]:
+    """DeepSpeed 0.19's offload features (bf16 master weights and optimizer states, ZenFlow, activation offload)
+    in combinations that cannot run, or would not do what the config says, each with the fix."""
+    p = []
+    stage, offload = zero_stage(ds), offload_devices(ds)
+    bf16 = ds.get("bf16") or {}
+    master, states = bf16.get("bf16_master_weights_and_grads") is True, bf16.get("bf16_optimizer_states") is True
+    if states and not master:
+        p.append("bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads: true as well")
+    if (master or states) and cfg.train.precision != "bf16":
+        p.append(
+            f"bf16.bf16_master_weights_and_grads / bf16_optimizer_states need train.precision bf16, not "
+            f"{cfg.train.precision}"
+        )
+    if (master or states) and stage == 0:
+        p.append("bf16.bf16_master_weights_and_grads / bf16_optimizer_states need ZeRO 1-3")
+    zenflow = (ds.get("zero_optimization") or {}).get("zenflow")
+    if zenflow is not None:
+        every = cfg.checkpoint.interval if cfg.checkpoint.enabled else 0
+        p += _zenflow_problems(zenflow, stage, offload.optimizer, plan, every)
+    if (ds.get("activation_checkpointing") or {}).get("cpu_checkpointing") is True and not (
+        cfg.train.activation_checkpointing
+    ):
+        p.append(
+            "activation_checkpointing.cpu_checkpointing moves the checkpointed layer inputs to host memory: it "
+            "needs train.activation_checkpointing: true"
+        )
+    return p
+
+
+def _zenflow_problems(
+    zenflow: Any, stage: int, optimizer_device: str, plan: BatchPlan, checkpoint_interval: int
+) -> list[str]:
+    if not isinstance(zenflow, dict):
+        return ['zero_optimization.zenflow: expected an object such as {"topk_ratio": 0.1, "update_interval": 4}']
+    p = []
+    if optimizer_device != "cpu":
+        p.append(
+            "zero_optimization.zenflow needs offload_optimizer.device cpu: ZenFlow splits the optimizer between "
+            "the GPU (the top-k gradient columns) and CPU Adam (the rest)"
+        )
+    if stage == 3:
+        # Measured: DeepSpeed 0.19.8's ZeRO-3 ZenFlow never gathers the embedding for the first forward here
+        # (IndexError in F.embedding on every rank; DeepSpeed #7796 is another open ZeRO-3 ZenFlow crash).
+        p.append(
+            "zero_optimization.zenflow with ZeRO-3 does not run in DeepSpeed 0.19.8 (its first forward fails); "
+            "use ZeRO-2 with offload_optimizer cpu"
+        )
+    interval, select = zenflow.get("update_interval", "auto"), zenflow.get("select_interval", "auto")
+    strategy = zenflow.get("select_strategy", "auto")
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        p.append(
+            f"zero_optimization.zenflow.update_interval {interval!r}: give a whole number of steps (the CPU update of "
+            "the other columns comes every that many steps; checkpoints then fall on its boundaries)"
+        )
+    if strategy != "step" or not isinstance(select, int) or isinstance(select, bool):
+        p.append(
+            f"zero_optimization.zenflow: select_strategy {strategy!r} / select_interval {select!r}: use "
+            '"select_strategy": "step" with a whole select_interval (the pipeline hands DeepSpeed no dataloader, so '
+            "its epoch-based choices never reselect the columns)"
+        )
+    elif isinstance(interval, int) and interval >= 1 and select < interval:
+        p.append(f"zero_optimization.zenflow.select_interval {select} is below update_interval {interval}")
+    if plan.grad_accum != 1:
+        per_step = plan.micro_batch_size * plan.data_parallel_size
+        p.append(
+            f"zero_optimization.zenflow with {plan.grad_accum} micro-steps per step: ZenFlow updates the top-k "
+            "columns at every micro-step and accumulates the rest over update_interval steps, so it takes the place "
+            f"of gradient accumulation. Set batch.global_batch_size {per_step} (micro_batch_size x ranks) and "
+            f"zenflow.update_interval {plan.grad_accum} to keep {plan.global_batch_size} sequences per full update"
+        )
+    elif isinstance(interval, int) and interval >= 1 and checkpoint_interval and checkpoint_interval % interval:
+        p.append(
+            f"checkpoint.interval {checkpoint_interval} is not a multiple of zenflow.update_interval {interval}: a "
+            "checkpoint between two CPU updates leaves out the gradients gathered since the last one"
+        )
     return p
 
 

@@ -37,6 +37,21 @@ def build_for(shape: ModelShape, ds: dict[str, Any], tok: TokenizerInfo) -> Any:
         return build_model(shape, skip_init=True, **model_token_ids(tok))  # the caller fills every weight
 
 
+def activation_offload(ds: dict[str, Any], device: torch.device) -> Any | None:
+    """DeepSpeed's offload of checkpointed layer inputs to pinned host memory (0.19.8's
+    CheckpointHiddenStatesOffload, for transformers' checkpointed layers), when the DeepSpeed JSON asks for it with
+    `activation_checkpointing.cpu_checkpointing`: one reusable context each micro-step's forward and backward run
+    in (its `stats` count what moved). None when off. On the CPU accelerator it moves nothing (no streams, and
+    the tensors are already in host memory)."""
+    if (ds.get("activation_checkpointing") or {}).get("cpu_checkpointing") is not True:
+        return None
+    from deepspeed.runtime.activation_checkpointing.offload_activations import (
+        get_checkpoint_hidden_states_offloading_ctx_manager,
+    )
+
+    return get_checkpoint_hidden_states_offloading_ctx_manager(use_pin_memory=device.type == "cuda")
+
+
 def build_training_model(
     shape: ModelShape, ds: dict[str, Any], cfg: PretrainConfig, tok: TokenizerInfo, rank: int
 ) -> torch.nn.Module:

@@ -14,7 +14,9 @@ from pipeline.data.manifest import read_shard_manifest
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, loss_chunk_tokens
 from pipeline.model.families import model_shape
-from pipeline.plan.cluster import Cluster, Stack
+from pipeline.plan import command as plan_command
+from pipeline.plan.cluster import Cluster, Stack, cluster_from_flags
+from pipeline.plan.command import Echo, PlanRequest, token_amounts
 from pipeline.plan.gpus import capped, lookup
 from pipeline.plan.report import describe_estimate, header
 from pipeline.plan.search import Estimate, Plan, candidate_from_ds, estimate, estimate_dict, search
@@ -361,3 +363,38 @@ def calibration(run_dir: str, cluster: Cluster | None) -> tuple[Rates, Cluster, 
             "over to another card. Plan without --from-run, or from a run on these cards"
         )
     return rates, cluster or f.cluster, notes
+
+
+def plan(req: PlanRequest, echo: Echo) -> int:
+    """`pipeline plan --from-run RUN` (the run's plan beside what it measured; with --model or --config, that
+    planned at the run's rates on its cluster) and `pipeline plan --config FILE`; the exit code."""
+    budget, _ = token_amounts(req.tokens, req.global_batch_tokens)
+    cluster, source = cluster_from_flags(req.hostfile, req.nodes, req.gpus_per_node, req.flags)
+    rates = None
+    if req.from_run:
+        asked = cluster if req.cluster_given else None
+        if not (req.config or req.model_given):
+            echo(run_report(req.from_run, asked, mfu=req.mfu, as_json=req.as_json))
+            return 0
+        if req.mfu is not None:
+            raise PipelineError("give one of --mfu and --from-run: both set the compute efficiency")
+        rates, cluster, notes = calibration(req.from_run, asked)
+        source = f"rates and cluster measured by --from-run {req.from_run}" + ("; " + "; ".join(notes) if notes else "")
+    if source and not req.as_json:
+        echo(source)
+    if not req.config:
+        return plan_command.plan(req, echo, cluster, rates)
+    text, fits = config_report(
+        req.config,
+        list(req.sets),
+        cluster,
+        seq_len=req.seq_len,
+        layers=req.layers,
+        vocab_size=req.vocab_size,
+        mfu=req.mfu,
+        budget=budget,
+        as_json=req.as_json,
+        rates=rates,
+    )
+    echo(text)
+    return 0 if fits else 3

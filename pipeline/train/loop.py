@@ -34,7 +34,7 @@ from pipeline.train.dist import (
     ranks_per_node,
     share_cpu_cores,
 )
-from pipeline.train.engine import build_engine
+from pipeline.train.engine import activation_offload, build_engine
 from pipeline.train.guards import NonFinite, Watchdog
 from pipeline.train.metrics import MetricsSink, StepLogger
 from pipeline.train.preflight import verify_shards
@@ -67,6 +67,18 @@ def announced_op_builds(run: Run) -> Iterator[None]:
     yield
     if speak:
         log.info("%s: built %s in %.0f s", socket.gethostname(), ", ".join(todo), time.monotonic() - started)
+
+
+def say_activation_offload(stats: Any, device: torch.device) -> None:
+    """After the first step: what activation offload moved in its last micro-step (it says nothing itself)."""
+    where = " (none: the CPU accelerator has no streams and nothing to move)" if device.type == "cpu" else ""
+    log.info(
+        "activation offload: %d of %d checkpointed layer inputs moved to host memory per micro-step (%.0f MiB)%s",
+        stats.offloaded_tensors,
+        stats.marked_tensors,
+        stats.offloaded_bytes / 2**20,
+        where,
+    )
 
 
 class StopFlag:
@@ -183,68 +195,86 @@ class Trainer:
         """Step until `max_steps` or a stop signal; each part decides for itself whether its interval is due."""
         import deepspeed.comm as dist
 
-        run, state, engine, plan = self.run, self.state, self.engine, self.run.plan
-        rank, device = run.dist.rank, run.dist.device
-        batches = iter(
-            build_loader(
-                self.train_data,
-                seed=run.cfg.train.seed,
-                micro_batch_size=plan.micro_batch_size,
-                data_parallel_size=run.dist.world_size,
-                rank=rank,
-                consumed_samples=state.consumed_samples,
-                num_workers=run.cfg.data.num_workers,
-            )
-        )
-        stop = StopFlag()
+        run, state, engine = self.run, self.state, self.engine
+        batches, stop, start = self._batches(), StopFlag(), state.step
         logger = StepLogger(run, engine, self.sink, state.step, self.max_steps)
         validator = Validator(run, self.val_data, self.sink, self.max_steps, progress=self.watchdog.beat)
-        nonfinite = NonFinite(run.cfg, plan, rank, len(self.train_data), int(engine.skipped_steps))
+        nonfinite = NonFinite(run.cfg, run.plan, run.dist.rank, len(self.train_data), int(engine.skipped_steps))
+        offload = activation_offload(run.ds, run.dist.device)
         self.watchdog.start()
         engine.train()
-        trained, loss = False, float("nan")
+        loss = float("nan")
         while state.step < self.max_steps:
             lr = lr_at(state.step, run.cfg, self.max_steps)
-            poison = rank == 0 and faults.armed("NONFINITE_AT_STEP", state.step + 1)
-            timings: dict[str, float] = {}
-            t0 = time.perf_counter()
-            step_loss = train_step(
-                engine,
-                batches,
-                plan.grad_accum,
-                lr,
-                device,
-                poison=poison,
-                progress=self.watchdog.beat,
-                timings=timings,
-            )
-            state.step += 1
-            state.consumed_samples += plan.global_batch_size
-            loss, stopping = self._agree(step_loss, stop.requested)
-            timings["step_s"] = time.perf_counter() - t0  # _agree waited for the step's last kernel
+            loss, stopping, timings = self._step(batches, lr, stop.requested, offload, first=state.step == start)
             self.watchdog.beat()
             nonfinite.check(loss, int(engine.skipped_steps), state, run.run_dir)
-            trained = True
             logger.maybe_log(state, loss=loss, lr=lr, timings=timings)
             validator.maybe_run(engine, state)
             self.checkpointer.maybe_save(state, stopping=stopping)
-            if rank == 0 and faults.armed("KILL_AT_STEP", state.step):
+            if run.dist.rank == 0 and faults.armed("KILL_AT_STEP", state.step):
                 faults.kill_self()
             if stopping:
-                self.stopped_early = state.step < self.max_steps
-                if rank == 0:
-                    log.info(
-                        "stopped by signal at step %d of %d; checkpoint saved, resume with the same command",
-                        state.step,
-                        self.max_steps,
-                    )
+                self._stopped()
                 break
         self.checkpointer.finish(state)
         dist.barrier()
-        if rank == 0 and not trained:
+        if run.dist.rank == 0 and state.step == start:
             log.info("done: the run was already at step %d of %d; nothing to train", state.step, self.max_steps)
-        elif rank == 0:
+        elif run.dist.rank == 0:
             log.info("done: step %d, final loss %.4f", state.step, loss)
+
+    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's micro-batches from where the run stands (the same samples whatever the world size)."""
+        run = self.run
+        loader = build_loader(
+            self.train_data,
+            seed=run.cfg.train.seed,
+            micro_batch_size=run.plan.micro_batch_size,
+            data_parallel_size=run.dist.world_size,
+            rank=run.dist.rank,
+            consumed_samples=self.state.consumed_samples,
+            num_workers=run.cfg.data.num_workers,
+        )
+        return iter(loader)
+
+    def _step(
+        self, batches: Iterator[dict[str, torch.Tensor]], lr: float, stop_requested: bool, offload: Any, first: bool
+    ) -> tuple[float, bool, dict[str, float]]:
+        """One optimizer step, the state moved past it; (the mean loss over ranks, whether any rank was asked to
+        stop, the step's timings)."""
+        run, state = self.run, self.state
+        rank, device = run.dist.rank, run.dist.device
+        poison = rank == 0 and faults.armed("NONFINITE_AT_STEP", state.step + 1)
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        step_loss = train_step(
+            self.engine,
+            batches,
+            run.plan.grad_accum,
+            lr,
+            device,
+            poison=poison,
+            progress=self.watchdog.beat,
+            timings=timings,
+            around=offload,
+        )
+        if offload is not None and first and rank == 0:
+            say_activation_offload(offload.stats, device)
+        state.step += 1
+        state.consumed_samples += run.plan.global_batch_size
+        loss, stopping = self._agree(step_loss, stop_requested)
+        timings["step_s"] = time.perf_counter() - t0  # _agree waited for the step's last kernel
+        return loss, stopping, timings
+
+    def _stopped(self) -> None:
+        self.stopped_early = self.state.step < self.max_steps
+        if self.run.dist.rank == 0:
+            log.info(
+                "stopped by signal at step %d of %d; checkpoint saved, resume with the same command",
+                self.state.step,
+                self.max_steps,
+            )
 
     def _agree(self, step_loss: torch.Tensor, stop_requested: bool) -> tuple[float, bool]:
         """The one host sync of a step: the mean loss over ranks, and whether any rank was asked to stop."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,12 +53,14 @@ def train_step(
     poison: bool = False,
     progress: Callable[[], None] | None = None,
     timings: dict[str, float] | None = None,
+    around: Any | None = None,
 ) -> torch.Tensor:
     """Set the learning rate, run `grad_accum` micro-steps (forward, backward, DeepSpeed's step, which applies
     the update at the accumulation boundary) and return the mean per-token loss as a float64 device tensor.
     `poison` (tests only, pipeline.train.faults) makes the first micro-step's loss NaN. `timings` gets
     "optimizer_s": the boundary's engine.step from a synchronised start to a synchronised end (the optimizer, CPU
-    Adam under offload, and what it waits for), which `pipeline plan --from-run` calibrates on."""
+    Adam under offload, and what it waits for), which `pipeline plan --from-run` calibrates on. `around`: a context
+    each micro-step's forward and backward run in (activation offload, pipeline.train.engine)."""
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -65,10 +68,11 @@ def train_step(
     for i in range(grad_accum):
         if slow:
             time.sleep(slow)
-        loss, total, tokens = micro_step_loss(engine, next(batches), device)
-        if poison and i == 0:
-            loss, total = loss * float("nan"), total * float("nan")
-        engine.backward(loss)
+        with around if around is not None else contextlib.nullcontext():
+            loss, total, tokens = micro_step_loss(engine, next(batches), device)
+            if poison and i == 0:
+                loss, total = loss * float("nan"), total * float("nan")
+            engine.backward(loss)
         if timings is not None and i == grad_accum - 1:
             synchronize(device)
             t0 = time.perf_counter()

@@ -63,6 +63,11 @@ def main() -> int:
         "grads": grads16_bytes + sum(t.numel() for t in fp32) * 4,
         "optimizer": _bytes(fp32) + _bytes(states),
     }
+    if hasattr(zero, "selective_optimizer"):  # ZenFlow: the top-k columns' Adam moments, kept on the GPU
+        selective = zero.selective_optimizer.state.values()
+        result["zenflow_selective"] = _bytes(
+            v for s in selective for v in s.values() if torch.is_tensor(v) and v.numel() > 1
+        )
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

@@ -89,6 +89,13 @@ def run(config: Path, timeout: int = 900, extra_env: dict[str, str] | None = Non
     )
 
 
+def run_script(script: Path, config: Path, out: Path, *sets: str, num_gpus: int = 2) -> subprocess.CompletedProcess:
+    """A test's own rank script (e.g. engine_memory.py) under the real launcher: SCRIPT CONFIG OUT [SET ...]."""
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(num_gpus), "--master_port"]
+    cmd += [str(free_port()), str(script), str(config), str(out), *sets]
+    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
 def start(config: Path, log: Path, extra_env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
     f = open(log, "w")
     return subprocess.Popen(

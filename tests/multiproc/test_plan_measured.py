@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,19 +25,9 @@ def test_model_state_bytes_match_a_real_engine(shards: Path, tmp_path: Path, pre
         global_batch=2,
     )
     out = tmp_path / "mem.json"
-    cmd = [
-        str(Path(sys.executable).parent / "deepspeed"),
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(launch.free_port()),
-        str(ROOT / "tests/multiproc/engine_memory.py"),
-        str(cfg),
-        str(out),
-        f"model.preset={preset}",
-        "train.precision=bf16",
-    ]
-    res = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    res = launch.run_script(
+        ROOT / "tests/multiproc/engine_memory.py", cfg, out, f"model.preset={preset}", "train.precision=bf16"
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     measured = json.loads(out.read_text())
     planned = state_split(stage, measured["psi"], 2, False, False)

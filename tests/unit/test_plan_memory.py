@@ -4,6 +4,7 @@ host RAM buffer by buffer, the margin, the network and PCIe per node, time as a 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -283,7 +284,7 @@ def test_reference_hostfiles_carry_their_clusters() -> None:
     assert "cpu_mem=120GB" not in r.output.splitlines()[0] and "512 GB RAM and 10 cores/node" in r.output  # flag wins
     # The 8 x 1 cluster's answer is the same with its facts as with the flags it had before.
     a = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", "hostfiles/8node", "--json"]).output
-    assert json.loads(a)["best"]["label"] == "ZeRO-3 + cpu offload (opt, params) + ckpt, micro 2 x GA 61"
+    assert json.loads(a)["best"]["label"] == "ZeRO-3 + cpu offload (opt, params) + ckpt (offloaded), micro 4 x GA 31"
 
 
 def test_a_hostfile_without_facts_plans_with_named_defaults(tmp_path) -> None:
@@ -338,3 +339,38 @@ def test_distributed_evaluation_of_70b_picks_a_batch_that_fits_24_gib() -> None:
     batch, need = evaluation_batch(shape, 4096, 8, 8, 23.6 * GiB, chunk)
     assert batch == 2 and need / GiB < 23.6 - 1.5
     assert evaluation_batch(shape, 4096, 8, 2, 23.6 * GiB, chunk)[0] == 0  # 2 ranks: 64 GiB of partitions each
+
+
+def test_activation_offload_keeps_four_layer_inputs_on_the_gpu_and_pins_the_rest() -> None:
+    """DeepSpeed's CheckpointHiddenStatesOffload keeps the last checkpointed input, two whose copies are in flight
+    and the one restored for the layer being recomputed; every other layer input waits in pinned host memory (one
+    buffer each, rounded up to a power of two as torch's host allocator does)."""
+    from pipeline.plan.memory import ACT_OFFLOAD_KEPT, host_memory
+
+    shape = PRESETS["70b"]
+    plain = activation_bytes(shape, 4096, 4, True)
+    moved = activation_bytes(shape, 4096, 4, True, offloaded=True)
+    layer_input = 2 * 4 * 4096 * shape.hidden_size
+    assert plain["layers"] - moved["layers"] == (shape.num_layers - ACT_OFFLOAD_KEPT) * layer_input
+    assert moved["one_layer"] == plain["one_layer"]
+    c = Cluster(8, 1, GPUS["4090d"], 512 * 10**9)
+    cand = Candidate(3, "cpu", "cpu", True, 4, 31, 1e8, 1e8, 3e8, 1e8)
+    more = host_memory(shape, c, replace(cand, offload_activations=True), 4096)["pinned"]
+    assert more - host_memory(shape, c, cand, 4096)["pinned"] == 79 * 2 ** math.ceil(math.log2(layer_input))
+
+
+def test_bf16_master_weights_and_states_shrink_the_host_state() -> None:
+    """With CPU offload DeepSpeed keeps per parameter (ZeRO-3, fp32 accumulation): a 4-byte accumulation buffer,
+    the optimizer's gradient, the master weight and two moments. bf16 master weights and gradients take 2 bytes off
+    each of two; bf16 optimizer states 2 off each moment."""
+    from pipeline.plan.memory import host_memory
+
+    shape = PRESETS["7b"]
+    c = Cluster(1, 1, GPUS["4090d"], 512 * 10**9)
+    cand = Candidate(3, "cpu", "cpu", True, 1, 8, 1e8, 1e8, 3e8, 1e8)
+    fp32, master, states = (
+        host_memory(shape, c, replace(cand, bf16_master=m, bf16_optimizer_states=s))["pageable"]
+        for m, s in ((False, False), (True, False), (True, True))
+    )
+    psi = shape.num_params()
+    assert (fp32 - master) == pytest.approx(2 * psi) and (master - states) == pytest.approx(4 * psi)

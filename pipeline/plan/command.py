@@ -1,0 +1,102 @@
+"""`pipeline plan` as one call: what the options ask (`PlanRequest`) -> the report, printed through `echo`, and the
+exit code (0 fits, 3 nothing fits). The CLI only parses. Here: a model's plan and the README's fits table; the
+modes that read a run or a config (`--from-run`, `--config`) are pipeline.train.forecast.plan, which ends here."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeline.errors import PipelineError
+from pipeline.plan import report as plan_report
+from pipeline.plan import search as planner
+from pipeline.plan.cluster import Cluster, cluster_from_flags
+from pipeline.plan.timing import Rates
+from pipeline.units import parse_count
+
+Echo = Callable[..., None]
+"""click.echo's shape: echo(text, err=False)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanRequest:
+    model: str
+    config: str | None = None
+    sets: tuple[str, ...] = ()
+    from_run: str | None = None
+    layers: int | None = None
+    vocab_size: int = 32000
+    seq_len: int | None = None
+    hostfile: str | None = None
+    nodes: int = 1
+    gpus_per_node: int = 1
+    flags: dict[str, str | None] = field(default_factory=dict)
+    """Each node's facts as given (keys of pipeline.plan.cluster.CLUSTER_DEFAULTS; None: not given)."""
+    global_batch_tokens: str = "4M"
+    micro_batch_size: int | None = None
+    mfu: float | None = None
+    tokens: str = "1B"
+    write_ds_config: str | None = None
+    opt_in: frozenset[str] = frozenset()
+    as_json: bool = False
+    fits_table: bool = False
+    model_given: bool = False
+    """--model was given (with --from-run: plan that model at the run's rates, not the run itself)."""
+    cluster_given: bool = False
+    """Any of --hostfile, --nodes, --gpus-per-node, --gpu, --gpu-mem, --cpu-mem was given."""
+
+
+def token_amounts(tokens: str, global_batch_tokens: str) -> tuple[float, int]:
+    """--tokens (1B, 100bn, 500M) and --global-batch-tokens (4M, 512K) as numbers of tokens."""
+    try:
+        budget = parse_count(tokens)
+        gbt = int(parse_count(global_batch_tokens))
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
+    for flag, value in (("--global-batch-tokens", gbt), ("--tokens", budget)):
+        if not value > 0:
+            raise PipelineError(f"{flag} {value:g}: expected a positive amount")
+    return budget, gbt
+
+
+def plan(req: PlanRequest, echo: Echo, cluster: Cluster | None = None, rates: Rates | None = None) -> int:
+    """`pipeline plan` for a model (a preset or a Hugging Face config), or the README's fits table; the exit code.
+    `cluster` and `rates`: measured by a run (pipeline.train.forecast.plan, for --from-run and --config)."""
+    budget, gbt = token_amounts(req.tokens, req.global_batch_tokens)
+    if req.fits_table:
+        echo(plan_report.reference_fits_table(req.flags, req.vocab_size, req.seq_len or 4096, gbt, req.mfu, budget))
+        return 0
+    source = ""
+    if cluster is None:
+        cluster, source = cluster_from_flags(req.hostfile, req.nodes, req.gpus_per_node, req.flags)
+        if source and not req.as_json:
+            echo(source)
+    return plan_model(req, cluster, rates, budget, gbt, source, echo)
+
+
+def plan_model(
+    req: PlanRequest, cluster: Cluster, rates: Rates | None, budget: float, gbt: int, source: str, echo: Echo
+) -> int:
+    seq_len = req.seq_len or 4096
+    shape, note = planner.planned_shape(req.model, req.layers, req.vocab_size, seq_len)
+    if note:
+        echo(note, err=True)
+    if shape.hf_config and not req.as_json:
+        echo(shape.describe())
+    p = planner.search(
+        shape, seq_len, cluster, gbt, req.mfu, fixed_micro=req.micro_batch_size, rates=rates, opt_in=req.opt_in
+    )
+    if req.write_ds_config and p.best is not None:
+        planner.write_ds_config(p.best, req.write_ds_config, req.flags.get("nvme"))
+    echo(
+        json.dumps(p.to_dict() | {"cluster_facts": source}, indent=2) if req.as_json else plan_report.render(p, budget)
+    )
+    if req.write_ds_config and p.best is not None and not req.as_json:
+        b = p.best.candidate
+        echo(
+            f"\nwrote {req.write_ds_config}; in the pretrain config set batch.micro_batch_size: "
+            f"{b.micro_batch_size}, batch.global_batch_size: {b.micro_batch_size * b.grad_accum * cluster.world}"
+            f", train.activation_checkpointing: {str(b.activation_checkpointing).lower()}"
+        )
+    return 0 if p.best is not None else 3
