@@ -113,7 +113,7 @@ class Checkpointer:
         if found is None:
             return None
         tag, marker, _ = found
-        if problems := continuation_problems(self.run, self.run.dist.world_size, marker):
+        if problems := continuation_problems(self.run, self.run.dist.world_size, marker, self.data_fingerprint):
             raise PipelineError(
                 f"cannot resume {run_dir}/{tag}: " + "; ".join(problems) + ". Use a new run_dir to start fresh (to "
                 "carry these weights onto new data or another shape: pipeline export, then model.init_from)"

@@ -74,13 +74,16 @@ def resumable(run_dir: Path, policy: str, verify: bool) -> tuple[str, ckpt.Marke
     return (tag, ckpt.read_marker(run_dir, tag), warnings) if tag else None
 
 
-def continuation_problems(prepared: Prepared, world: int, marker: ckpt.Marker) -> list[str]:
-    """Why this config cannot continue `marker`'s checkpoint (pipeline.train.resume.resume_problems)."""
+def continuation_problems(
+    prepared: Prepared, world: int, marker: ckpt.Marker, data_fingerprint: str | None = None
+) -> list[str]:
+    """Why this config cannot continue `marker`'s checkpoint (pipeline.train.resume.resume_problems); the data's
+    fingerprint is its shards' manifest's unless given (the trainer's, as its checkpoints record it)."""
     from pipeline.plan.cluster import offload_devices
 
     return resume_problems(
         marker,
-        data_fingerprint=prepared.manifest["fingerprint"],
+        data_fingerprint=data_fingerprint or prepared.manifest["fingerprint"],
         model_shape=prepared.shape.as_dict(),
         world_size=world,
         zero_stage=zero_stage(prepared.ds),
