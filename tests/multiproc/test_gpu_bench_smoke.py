@@ -23,7 +23,17 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
     doc = json.loads((tmp_path / "results.json").read_text())
     assert not doc["preflight"]["missing"] and doc["warm_up"]["matmul"]["tflops"] > 0
     names = [c["name"] for c in doc["cases"]]
-    assert names == ["1b_zero2", "70b_2layers", "70b_4layers", "1b_compile", "plain_eager", "7b_2layers_offload"]
+    assert names == [
+        "1b_zero2",
+        "70b_2layers",
+        "70b_4layers",
+        "1b_compile",
+        "plain_eager",
+        "7b_2layers_offload",
+        "70b_4layers_actoffload",
+        "7b_2layers_bf16states",
+        "7b_2layers_zenflow",
+    ]
     for case in doc["cases"]:
         assert "error" not in case and case["tokens_per_s"] > 0, case
         assert (tmp_path / "logs" / f"{case['name']}.log").stat().st_size > 0
