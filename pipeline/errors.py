@@ -11,10 +11,10 @@ class PipelineError(Exception):
 class ConfigError(PipelineError):
     """One or more invalid configuration fields; the message lists every problem at once."""
 
-    def __init__(self, problems: list[str], source: str = "config"):
+    def __init__(self, problems: list[str], source: str = "config", footer: str = ""):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{source} has {len(self.problems)} problem(s):\n{lines}")
+        super().__init__(f"{source} has {len(self.problems)} problem(s):\n{lines}" + (f"\n{footer}" if footer else ""))
 
 
 class SaidOnRankZero(PipelineError):

@@ -96,7 +96,7 @@ def resolve(
     p += unsupported(ds, cfg, accelerator)
     p += offload_feature_problems(ds, cfg, plan)
     if p:
-        raise ConfigError(p + [SUPPORTED_MATRIX], source)
+        raise ConfigError(p, source, footer=SUPPORTED_MATRIX)
     explicit = (ds.get("data_types") or {}).get("grad_accum_dtype")
     if cfg.train.precision != "fp32" and fp32_grad_accumulation(zero_stage(ds), plan.grad_accum, explicit):
         ds.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"

@@ -263,12 +263,18 @@ def test_planner_written_configs_train(shards: Path, tmp_path: Path) -> None:
         ],
     )
     assert r.exit_code == 0, r.output
-    for name, ds_config in (("auto", "auto"), ("written", str(written))):
+    # the written file with what the command says to set beside it (its choice offloads checkpointed activations)
+    assert "train.activation_checkpointing: true" in r.output
+    checkpointing = "train.activation_checkpointing=true"
+    for name, sets in (
+        ("auto", ["train.deepspeed_config=auto"]),
+        ("written", [f"train.deepspeed_config={written}", checkpointing]),
+    ):
         run_dir = tmp_path / name
         cfg = launch.write_config(
             tmp_path / f"{name}.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json", steps=3, ckpt_interval=3
         )
-        out = launch.run(cfg, sets=(f"train.deepspeed_config={ds_config}",))
+        out = launch.run(cfg, sets=tuple(sets))
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert ckpt.latest_complete(run_dir) == "step00000003"
         assert json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] == 8
