@@ -289,6 +289,7 @@ class Console:
         rb"|Setting accelerator to CPU"  # DS_ACCELERATOR=cpu, or no GPU: refused before launch when one is unusable
         rb"|^DeepSpeed deepspeed\.ops\.\S+ built successfully"  # printed at every load of a cached op
         rb"|FutureWarning: `torch\.distributed\.\w+` is deprecated"  # DeepSpeed's calls, not the user's
+        rb"|sigkill_handler\] .* exits with return code = 143$"  # a rank that saved and stopped on a signal
     )
 
     def __init__(self, run_dir: Path | None, header: str):

@@ -37,6 +37,8 @@ from pipeline.errors import PipelineError
 from pipeline.progress import Progress
 
 log = logging.getLogger(__name__)
+FEW_HELD_OUT = 32
+"""A val or test split with fewer samples than this is too small to compare checkpoints on: shard warns."""
 SPLITS = ("train", "val", "test")
 _GATHER_ROWS = 8192
 
@@ -255,13 +257,23 @@ def _pack_sources(
             ",".join(f"{x:g}" for x in cfg.split),
         )
     for split, ratio in zip(SPLITS[1:], cfg.split[1:], strict=True):
-        if ratio > 0 and sum(split_stats[split]["per_source_samples"]) == 0:
+        samples = sum(split_stats[split]["per_source_samples"])
+        if ratio > 0 and samples == 0:
             log.warning(
                 "warning: the %s split has 0 samples (%d documents of %s tokens); validation needs more "
                 "documents there: raise its --split ratio or use a shorter --seq-len",
                 split,
                 split_stats[split]["documents"],
                 f"{split_stats[split]['tokens_in']:,}",
+            )
+        elif 0 < samples < FEW_HELD_OUT:
+            log.warning(
+                "warning: the %s split has only %d samples (%d documents): its loss will move with which documents "
+                "fell there more than with the model; give it a larger --split share (e.g. 90,5,5) on a corpus "
+                "this small",
+                split,
+                samples,
+                split_stats[split]["documents"],
             )
     return packed, split_stats
 

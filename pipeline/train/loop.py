@@ -221,7 +221,7 @@ class Trainer:
         dist.barrier()
         if run.dist.rank == 0 and state.step == start:
             log.info("done: the run was already at step %d of %d; nothing to train", state.step, self.max_steps)
-        elif run.dist.rank == 0:
+        elif run.dist.rank == 0 and not self.stopped_early:
             log.info("done: step %d, final loss %.4f", state.step, loss)
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:

@@ -71,3 +71,17 @@ def test_the_terminal_shows_the_runs_lines_and_the_log_file_keeps_every_line(tmp
     assert shown == [lines[5], lines[7]]
     kept = (run_dir / "logs" / "launch.log").read_bytes()
     assert kept.startswith(b"=== ") and kept.endswith(b"".join(lines))
+
+
+def test_the_launchers_report_of_a_rank_that_stopped_on_a_signal_stays_in_the_log_file(tmp_path) -> None:
+    """A rank stopped by SIGTERM/SIGINT saves and exits 143; DeepSpeed's launcher reports that as an ERROR line,
+    which on the terminal reads like a crash after the run said it saved and stopped. Other exit codes stay."""
+    from pipeline.launch import Console
+
+    stopped = (
+        b"[2026-12-02 07:05:20,415] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u', 'pretrain.py', "
+        b"'--local_rank=1'] exits with return code = 143\n"
+    )
+    crashed = stopped.replace(b"= 143", b"= 1")
+    console = Console(tmp_path / "run", "deepspeed ...")
+    assert not console.shown(stopped) and console.shown(crashed)

@@ -234,3 +234,13 @@ def test_outputs_are_readable_by_the_group_as_the_umask_says(tokenized: Path, tm
     assert made and all(p.stat().st_mode & (stat.S_IRGRP | stat.S_IROTH) for p in made), [
         (p.name, oct(p.stat().st_mode)) for p in made
     ]
+
+
+def test_a_held_out_split_too_small_to_compare_checkpoints_is_said(
+    tokenized: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING"):
+        res = _shard([(tokenized, 1.0)], tmp_path / "s", seq_len=512, split=(98.0, 1.0, 1.0))
+    val = res.manifest["splits"]["val"]["samples"]
+    assert 0 < val < 32 and f"the val split has only {val} samples" in caplog.text
+    assert "larger --split share (e.g. 90,5,5)" in caplog.text
