@@ -69,13 +69,14 @@ def forecast_config(
     vocab_size: int,
     mfu: float | None,
     rates: Rates | None = None,
+    opt_in: frozenset[str] = frozenset(),
 ) -> Forecast:
     cfg = load(config_path, sets)
     shape, seq, source, _ = shape_and_seq(cfg, seq_len, layers, vocab_size)
     cluster = replace(cluster, gpu=capped(cluster.gpu, cfg.train.gpu_memory_cap_gib))
     bp = batch_plan(cfg, cluster.world, seq)
     chunk = cfg.train.loss_chunk_tokens or loss_chunk_tokens(shape.vocab_size)
-    found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk, rates=rates)
+    found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk, rates=rates, opt_in=opt_in)
     if cfg.train.deepspeed_config == "auto":
         if found.best is None:
             raise PipelineError("train.deepspeed_config auto: nothing fits this cluster; " + "; ".join(found.advice))
@@ -227,6 +228,9 @@ def render_config(f: Forecast, token_budget: float | None = None) -> str:
             f"{best.tokens_per_s:,.0f} tokens/s ({best.tokens_per_s / e.tokens_per_s:.2f}x yours), "
             f"{best.gpu['reserved'] / 2**30:.1f} GiB reserved; --write-ds-config writes it"
         )
+    if notes := f.search.feature_notes():
+        lines.append("DeepSpeed 0.19 offload features (each against the search's choice; planned, not measured):")
+        lines += [f"  {n}" for n in notes]
     return "\n".join(lines)
 
 
@@ -289,12 +293,21 @@ def config_report(
     budget: float,
     as_json: bool,
     rates: Rates | None = None,
+    opt_in: frozenset[str] = frozenset(),
 ) -> tuple[str, bool]:
     """`plan --config`: that run's plan beside what the search would choose, for people or as JSON; and whether
     it fits. `rates`: measured by a run (`--from-run`)."""
 
     fc = forecast_config(
-        config_path, sets, cluster, seq_len=seq_len, layers=layers, vocab_size=vocab_size, mfu=mfu, rates=rates
+        config_path,
+        sets,
+        cluster,
+        seq_len=seq_len,
+        layers=layers,
+        vocab_size=vocab_size,
+        mfu=mfu,
+        rates=rates,
+        opt_in=opt_in,
     )
     if not as_json:
         return render_config(fc, budget), fc.yours.fits
@@ -395,6 +408,7 @@ def plan(req: PlanRequest, echo: Echo) -> int:
         budget=budget,
         as_json=req.as_json,
         rates=rates,
+        opt_in=req.opt_in,
     )
     echo(text)
     return 0 if fits else 3

@@ -375,3 +375,17 @@ def test_plan_opt_in_flag() -> None:
     d = json.loads(r.output)
     assert d["opt_in"] == ["bf16-states"] and "bf16 master/states" in d["best"]["label"]
     assert CliRunner().invoke(main, [*args, "--opt-in", "fp8"]).exit_code == 2
+
+
+def test_a_configs_plan_says_what_each_offload_feature_would_bring_and_takes_opt_in() -> None:
+    """`plan --config` on the Qwen recipe for the rented 4 x 4 cluster: the feature lines stand under the search's
+    choice, and --opt-in lets that choice use bf16 states."""
+    args = ["plan", "--config", str(ROOT / "configs/continue_qwen2.5-7b.yaml"), "--set"]
+    args += ["model.init_from=" + str(ROOT / "configs/hf/qwen2.5-7b.json"), "--set", "batch.micro_batch_size=2"]
+    args += ["--seq-len", "4096", "--hostfile", str(ROOT / "hostfiles/4node4gpu")]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0 and "bf16-states: not chosen; --opt-in bf16-states allows it" in r.output
+    r = CliRunner().invoke(main, [*args, "--opt-in", "bf16-states"])
+    assert "the search would choose: ZeRO-3 + cpu offload (opt, params) + ckpt (offloaded) + bf16 master/states" in (
+        r.output
+    )
