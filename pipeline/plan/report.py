@@ -81,9 +81,9 @@ def render(p: Plan, token_budget: float | None = None) -> str:
         )
         if key not in best_of or r.gpu["reserved"] < best_of[key].gpu["reserved"]:
             best_of[key] = r
-    shown = sorted(best_of.values(), key=lambda r: r.gpu["reserved"])[:8]
-    w = max([74] + [len(row_label(r.candidate)) for r in shown])
-    for r in shown:
+    rejected = sorted(best_of.values(), key=lambda r: r.gpu["reserved"])[:8]
+    w = max([74] + [len(row_label(r.candidate)) for r in rejected])
+    for r in rejected:
         lines.append(f"  {row_label(r.candidate):{w}s} {'; '.join(r.why_not)}")
     return "\n".join(lines)
 
