@@ -49,7 +49,7 @@ ops: install
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not slow and not dist" tests
 
-# In-process multi-rank tests over gloo (tests/distributed): barriers, broadcasts, resume decisions; about 30 s.
+# In-process multi-rank tests over gloo (tests/distributed): barriers, broadcasts, resume decisions; about a minute.
 test-dist: install
 	$(BIN)/python -m pytest -q -ra -m dist tests
 
