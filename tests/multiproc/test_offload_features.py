@@ -1,8 +1,9 @@
 """DeepSpeed 0.19's offload features through the real launcher, on CPU ranks: bf16 master weights and optimizer
 states (train, resume exactly, resume on another world size, the states really bf16 on disk), ZenFlow on ZeRO-2
-(trains, resumes from a checkpoint on its update boundary; its GPU-side states measured against the planner) and
-activation offload (wired in, and exact: on the CPU accelerator it moves nothing, so the losses are those of the
-run without it). What only a GPU can show (their speed) is in bench/gpu_bench.py."""
+(trains, resumes from a checkpoint on its update boundary on the same or another world size; its GPU-side states
+measured against the planner) and activation offload (wired in, and exact: on the CPU accelerator it moves
+nothing, so the losses are those of the run without it). What only a GPU can show (their speed) is in
+bench/gpu_bench.py."""
 
 from __future__ import annotations
 
@@ -102,9 +103,9 @@ def test_bf16_master_weights_and_optimizer_states_train_resume_and_change_world_
 
 def test_zenflow_trains_resumes_and_holds_what_the_planner_counts(shards: Path, tmp_path: Path) -> None:
     """ZeRO-2 ZenFlow: 4 sequences per step (grad_accum 1), the other columns applied every 2 steps. A resume from
-    a checkpoint on that boundary continues within 2% (the GPU-side selective moments are not in DeepSpeed's
-    checkpoint, and ZenFlow clears them at each reselection anyway). On a real bf16 engine its selective Adam holds
-    what the planner counts: ZENFLOW_STATE_BYTES x topk_ratio x parameters, per rank."""
+    a checkpoint on that boundary, by 2 ranks or by 1, continues within 2% (the GPU-side selective moments are not
+    in DeepSpeed's checkpoint, and ZenFlow clears them at each reselection anyway). On a real bf16 engine its
+    selective Adam holds what the planner counts: ZENFLOW_STATE_BYTES x topk_ratio x parameters, per rank."""
     ds = ds_file(
         tmp_path, "zero2.json", "zenflow", zero_optimization={"offload_optimizer": {"device": "cpu"}, **ZENFLOW}
     )
@@ -117,6 +118,17 @@ def test_zenflow_trains_resumes_and_holds_what_the_planner_counts(shards: Path, 
     copy, _ = resume_from(tmp_path / "zenflow", "step00000008", tmp_path, cfg)
     again = launch.losses(copy)
     assert all(abs(again[s] - got[s]) < 0.02 * got[s] for s in range(9, 13)), [(again[s], got[s]) for s in range(9, 13)]
+    # On another world size through the universal checkpoint: one rank of micro-batch 4 keeps 4 sequences a step
+    # without gradient accumulation (which ZenFlow replaces).
+    shutil.rmtree(copy)
+    shutil.copytree(tmp_path / "zenflow", copy)
+    shutil.rmtree(copy / "step00000012")
+    one = cfg.with_name("one.yaml")
+    one.write_text(cfg.read_text().replace(f"run_dir: {tmp_path / 'zenflow'}", f"run_dir: {copy}"))
+    out = launch.run(one, num_gpus=1, sets=("batch.micro_batch_size=4",))
+    assert out.returncode == 0 and "now 1: through the universal checkpoint" in out.stdout + out.stderr
+    alone = launch.losses(copy)
+    assert all(abs(alone[s] - got[s]) < 0.02 * got[s] for s in range(9, 13)), [(alone[s], got[s]) for s in range(9, 13)]
 
     bf16 = config(tmp_path, "zenflow-bf16", shards, ds, precision="bf16", steps=2, global_batch=4, ckpt_interval=2)
     result = tmp_path / "memory.json"
