@@ -60,6 +60,52 @@ class Estimate:
     """(figure, value, where it came from): the rates the time ran at."""
 
 
+def _limits(
+    gpu: dict[str, float],
+    host: dict[str, float],
+    nvme: float,
+    ckpt: dict[str, float],
+    c: Cluster,
+    cand: Candidate,
+    keep_last: int,
+) -> tuple[list[str], list[str]]:
+    """(why the configuration does not fit: GPU memory, host RAM, NVMe, the checkpoint disk; what to know although
+    it fits: a disk that holds one checkpoint but not a safe save, an NVMe optimizer that cannot resume)."""
+    why: list[str] = []
+    warnings: list[str] = []
+    limit = c.gpu.memory_gib * GiB
+    if gpu["reserved"] + gpu["margin"] > limit:
+        why.append(
+            f"GPU memory {gpu['reserved'] / GiB:.1f} GiB + {gpu['margin'] / GiB:.1f} GiB margin > "
+            f"{c.gpu.memory_gib:.1f} GiB"
+        )
+    if host["total"] > HOST_RAM_LIMIT * c.cpu_mem_bytes:
+        why.append(f"host RAM {host['total'] / 1e9:.0f} GB per node > 80% of {c.cpu_mem_bytes / 1e9:.0f} GB")
+    if nvme > c.nvme_bytes:
+        why.append(f"NVMe {nvme / 1e12:.2f} TB per node needed, {c.nvme_bytes / 1e12:.2f} TB given")
+    if c.disk_bytes:
+        safe = (keep_last + 1) * ckpt["per_node"]
+        ways_out = "put run_dir on a larger disk or a shared mount, train a smaller model, or spread it over more nodes"
+        if ckpt["per_node"] > c.disk_bytes:
+            why.append(
+                f"checkpoint {ckpt['per_node'] / 1e9:.0f} GB per node (model and optimizer shards) > disk "
+                f"{c.disk_bytes / 1e9:.0f} GB: no checkpoint can be saved; {ways_out}"
+            )
+        elif safe > c.disk_bytes:
+            warnings.append(
+                f"checkpoint disk: a safe save keeps {keep_last} checkpoint(s) while writing the next: "
+                f"{safe / 1e9:.0f} GB per node > disk {c.disk_bytes / 1e9:.0f} GB; the first save that "
+                f"does not fit fails the run; {ways_out}"
+            )
+    if cand.offload_optimizer == "nvme":
+        warnings.append(
+            "NVMe optimizer offload: DeepSpeed 0.19 resumes such checkpoints with fresh weights, so `pipeline "
+            "pretrain` refuses to resume them; this run cannot continue after a stop or a crash (plan more host "
+            "RAM or nodes for CPU offload if it must)"
+        )
+    return why, warnings
+
+
 def estimate(
     shape: ModelShape,
     seq_len: int,
@@ -94,39 +140,8 @@ def estimate(
     fpt = shape.flops_per_token(seq_len)
     peak = c.gpu.bf16_tflops * 1e12
     tps = tokens_step / t["total"]
-    why: list[str] = []
-    warnings: list[str] = []
-    limit = c.gpu.memory_gib * GiB
-    if gpu["reserved"] + gpu["margin"] > limit:
-        why.append(
-            f"GPU memory {gpu['reserved'] / GiB:.1f} GiB + {gpu['margin'] / GiB:.1f} GiB margin > "
-            f"{c.gpu.memory_gib:.1f} GiB"
-        )
-    if host["total"] > HOST_RAM_LIMIT * c.cpu_mem_bytes:
-        why.append(f"host RAM {host['total'] / 1e9:.0f} GB per node > 80% of {c.cpu_mem_bytes / 1e9:.0f} GB")
-    if nvme > c.nvme_bytes:
-        why.append(f"NVMe {nvme / 1e12:.2f} TB per node needed, {c.nvme_bytes / 1e12:.2f} TB given")
     ckpt = checkpoint_bytes(shape, cand.stage, c.world, c.gpus_per_node)
-    if c.disk_bytes:
-        safe = (keep_last + 1) * ckpt["per_node"]
-        ways_out = "put run_dir on a larger disk or a shared mount, train a smaller model, or spread it over more nodes"
-        if ckpt["per_node"] > c.disk_bytes:
-            why.append(
-                f"checkpoint {ckpt['per_node'] / 1e9:.0f} GB per node (model and optimizer shards) > disk "
-                f"{c.disk_bytes / 1e9:.0f} GB: no checkpoint can be saved; {ways_out}"
-            )
-        elif safe > c.disk_bytes:
-            warnings.append(
-                f"checkpoint disk: a safe save keeps {keep_last} checkpoint(s) while writing the next: "
-                f"{safe / 1e9:.0f} GB per node > disk {c.disk_bytes / 1e9:.0f} GB; the first save that "
-                f"does not fit fails the run; {ways_out}"
-            )
-    if cand.offload_optimizer == "nvme":
-        warnings.append(
-            "NVMe optimizer offload: DeepSpeed 0.19 resumes such checkpoints with fresh weights, so `pipeline "
-            "pretrain` refuses to resume them; this run cannot continue after a stop or a crash (plan more host "
-            "RAM or nodes for CPU offload if it must)"
-        )
+    why, warnings = _limits(gpu, host, nvme, ckpt, c, cand, keep_last)
     # No clamp to the ceiling: with 0 < MFU <= 1 the compute time alone keeps tokens/s below it, and a figure
     # above it would be a planner bug to see, not to hide.
     return Estimate(

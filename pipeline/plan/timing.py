@@ -120,14 +120,11 @@ def net_efficiency(c: Cluster) -> tuple[float, float, float]:
     return NET_EFFICIENCY_RDMA if c.gpu.gpudirect else NET_EFFICIENCY_SOCKETS
 
 
-def step_time(
-    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates, net_eff: float
-) -> dict[str, float]:
-    """Seconds per optimizer step, by part (see the module's docstring)."""
-    psi, g, gpn, f = shape.num_params(), c.world, c.gpus_per_node, rates.factor
-    off_opt, off_par = cand.offload_optimizer != "none", cand.offload_param != "none"
-    pcie = c.gpu.pcie_gbs * 1e9
-    host_bw = c.cpu_mem_bw_gbs * 1e9 * HOST_COPY_FRACTION * f  # what host-staged copies of the node share
+def _links(c: Cluster, rates: Rates, net_eff: float) -> tuple[float, float]:
+    """Bytes per second of (the node's PCIe to host memory, one GPU's collective bandwidth: inside the node, or
+    the network's share when there are several nodes)."""
+    gpn, pcie = c.gpus_per_node, c.gpu.pcie_gbs * 1e9
+    host_bw = c.cpu_mem_bw_gbs * 1e9 * HOST_COPY_FRACTION * rates.factor  # what host-staged copies share
     node_pcie = min(gpn * pcie, host_bw) if gpn > 1 else pcie
     if gpn == 1:
         intra = math.inf  # no hop inside a node (inter-node staging through the host is in host copies)
@@ -138,7 +135,13 @@ def step_time(
     else:  # through host memory: each GPU's bytes go out and back in, all of the node's at once
         intra = min(pcie, host_bw / (2 * gpn))
     coll_bw = intra if c.nodes == 1 else min(intra, c.network_gbps / 8 * 1e9 * net_eff)
+    return node_pcie, coll_bw
 
+
+def _compute(
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates
+) -> tuple[float, float]:
+    """(seconds of one micro-step's forward and backward at the compute efficiency, that efficiency)."""
     tokens_micro = cand.micro_batch_size * seq_len
     peak = c.gpu.bf16_tflops * 1e12
     eff = (
@@ -146,13 +149,19 @@ def step_time(
         if rates.efficiency is not None
         else efficiency(shape, tokens_micro, c) * rates.efficiency_scale
     )
-    eff = min(eff * f, 1.0)  # the fast end never above the card's peak
+    eff = min(eff * rates.factor, 1.0)  # the fast end never above the card's peak
     hw_fpt = shape.flops_per_token(seq_len) * (4 / 3 if cand.activation_checkpointing else 1)
     compute = tokens_micro * hw_fpt / (peak * eff)
     if stack.attention == "eager":
         scores = cand.micro_batch_size * shape.num_heads * seq_len**2 * shape.num_layers
         compute += scores * EAGER_SCORE_BYTES / (c.gpu.mem_bw_gbs * 1e9)
+    return compute, eff
 
+
+def _traffic(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate) -> tuple[int, float, float, float]:
+    """Bytes one GPU moves: (ZeRO-3's all-gathers of every parameter per micro-step, collective bytes per
+    micro-step, collective bytes once per step, the larger direction of its host copies per micro-step)."""
+    psi, g = shape.num_params(), c.world
     share = (g - 1) / g if g > 1 else 0.0
     gathers = 0
     if cand.stage == 3:
@@ -164,34 +173,56 @@ def step_time(
     else:
         net_micro = 2 * psi * share if cand.stage == 2 else 0.0
     net_step = {0: 4 * psi * share, 1: 6 * psi * share, 2: 2 * psi * share, 3: 0.0}[cand.stage]
-    net_t = net_micro / coll_bw if net_micro else 0.0
     # Inter-node traffic without GPUDirect RDMA is staged through host memory: one more copy each way per GPU.
-    staged = c.nodes > 1 and not c.gpu.gpudirect
+    staged = net_micro / 2 if c.nodes > 1 and not c.gpu.gpudirect else 0.0
     accum = 4 if cand.fp32_grad_accum and not cand.bf16_master else 2  # bytes of a gradient sent to the host
-    grad_out = accum * psi / g * ((1 - ZENFLOW_TOPK) if cand.zenflow_interval else 1.0) if off_opt else 0.0
+    grad_out = 0.0
+    if cand.offload_optimizer != "none":
+        grad_out = accum * psi / g * ((1 - ZENFLOW_TOPK) if cand.zenflow_interval else 1.0)
     acts = 0.0
     if cand.offload_activations and cand.activation_checkpointing:  # out in the forward, back in the backward
+        tokens_micro = cand.micro_batch_size * seq_len
         acts = max(0, shape.num_layers - 1) * 2.0 * tokens_micro * shape.hidden_size
-    d2h = grad_out + (net_micro / 2 if staged else 0.0) + acts
-    h2d = (net_micro / 2 if staged else 0.0) + acts
-    copies_t = gpn * max(h2d, d2h) / node_pcie if max(h2d, d2h) else 0.0
+    return gathers, net_micro, net_step, max(staged + acts, grad_out + staged + acts)
+
+
+def _optimizer(
+    shape: ModelShape, c: Cluster, cand: Candidate, stack: Stack, rates: Rates, node_pcie: float, micro_t: float
+) -> float:
+    """Seconds of the optimizer step: CPU Adam over the node's share (and its copies back, its NVMe traffic;
+    ZenFlow's once per interval, behind the interval's micro-steps), or Adam on the GPU."""
+    psi, g, gpn = shape.num_params(), c.world, c.gpus_per_node
+    if cand.offload_optimizer == "none":
+        return (psi / g if cand.stage else psi) * ADAM_BYTES["fp32"] / (c.gpu.mem_bw_gbs * 1e9)
+    adam_rate = (rates.cpu_adam_params_per_s or cpu_adam_rate(c, cand, stack)) * rates.factor
+    opt_t = psi / c.nodes / adam_rate
+    if cand.offload_param == "none":  # the updated 16-bit partitions go back to the GPUs
+        opt_t += 2 * psi / g * gpn / node_pcie
+    if cand.offload_optimizer == "nvme":
+        opt_t += 2 * 16 * psi / c.nodes / (c.nvme_gbs * 1e9)
+    if cand.zenflow_interval:  # once per interval, behind the interval's micro-steps but for a residue
+        hidden = cand.zenflow_interval * micro_t
+        opt_t = (max(0.0, opt_t - hidden) + OVERLAP_RESIDUE * min(opt_t, hidden)) / cand.zenflow_interval
+    return opt_t
+
+
+def step_time(
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates, net_eff: float
+) -> dict[str, float]:
+    """Seconds per optimizer step, by part (see the module's docstring)."""
+    psi, g, gpn, f = shape.num_params(), c.world, c.gpus_per_node, rates.factor
+    node_pcie, coll_bw = _links(c, rates, net_eff)
+    compute, eff = _compute(shape, seq_len, c, cand, stack, rates)
+    gathers, net_micro, net_step, host_bytes = _traffic(shape, seq_len, c, cand)
+    net_t = net_micro / coll_bw if net_micro else 0.0
+    copies_t = gpn * host_bytes / node_pcie if host_bytes else 0.0
+    off_par = cand.offload_param != "none"
     fetch_t = gathers * 2 * psi / g * gpn / (offload_rate(c, rates, cand.pin_memory) * f) if off_par else 0.0
     parts = [compute, net_t, copies_t, fetch_t]
     n_coll = (3 * psi / cand.reduce_bucket) if cand.stage == 3 else 0.0
     micro_t = max(parts) + OVERLAP_RESIDUE * (sum(parts) - max(parts)) + n_coll * COLLECTIVE_LATENCY_S
 
-    if off_opt:
-        adam_rate = (rates.cpu_adam_params_per_s or cpu_adam_rate(c, cand, stack)) * f
-        opt_t = psi / c.nodes / adam_rate
-        if not off_par:  # the updated 16-bit partitions go back to the GPUs
-            opt_t += 2 * psi / g * gpn / node_pcie
-        if cand.offload_optimizer == "nvme":
-            opt_t += 2 * 16 * psi / c.nodes / (c.nvme_gbs * 1e9)
-        if cand.zenflow_interval:  # once per interval, behind the interval's micro-steps but for a residue
-            hidden = cand.zenflow_interval * micro_t
-            opt_t = (max(0.0, opt_t - hidden) + OVERLAP_RESIDUE * min(opt_t, hidden)) / cand.zenflow_interval
-    else:
-        opt_t = (psi / g if cand.stage else psi) * ADAM_BYTES["fp32"] / (c.gpu.mem_bw_gbs * 1e9)
+    opt_t = _optimizer(shape, c, cand, stack, rates, node_pcie, micro_t)
     step_net_t = net_step / coll_bw if net_step else 0.0
     if cand.zenflow_interval:  # the updated partitions are gathered after the CPU update, once per interval
         step_net_t /= cand.zenflow_interval
