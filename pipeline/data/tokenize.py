@@ -15,7 +15,7 @@ import os
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -287,6 +287,50 @@ def _manifest(
     return manifest
 
 
+def _encode_all(
+    chunks: Iterator[tuple[int, list[tuple[str, bool]], int]],
+    tok: Tokenizer,
+    eos_id: int | None,
+    dtype: np.dtype,
+    pool: Any,
+    workers: int,
+    consume: Callable[..., None],
+) -> None:
+    """Each chunk encoded, here or by the `workers` of `pool` (at most two chunks per worker in flight, in input
+    order), and handed to `consume(source index, bytes read, lengths, lasts, tokens)`."""
+    if pool is None:
+        for i, items, nbytes in chunks:
+            consume(i, nbytes, *encode_chunk(tok, items, eos_id, dtype))
+        return
+    pending: deque = deque()
+    for i, items, nbytes in chunks:
+        pending.append((i, nbytes, pool.apply_async(_worker_encode, (items, eos_id, dtype.str))))
+        while len(pending) > 2 * workers:
+            j, nb, res = pending.popleft()
+            consume(j, nb, *res.get())
+    while pending:
+        j, nb, res = pending.popleft()
+        consume(j, nb, *res.get())
+
+
+def _refuse_lost_input(documents: int, stats: list[FileStats], sink: _ErrorSink) -> None:
+    """Nothing is written when no document was kept, or when every record of a file was skipped: a file of records
+    lost whole is a mistake (a wrong --text-key, another format), not noise."""
+    first = f"; first: {sink.listed[0]}" if sink.listed else ""
+    if documents == 0:
+        raise PipelineError(
+            "no valid documents in the input; nothing written "
+            f"({', '.join(f'{k} {v}' for k, v in sink.by_reason.items()) or 'inputs are empty'}){first}"
+        )
+    for st in stats:
+        if st.documents == 0 and st.skipped and st.kind != "txt":  # (a .txt file is one document)
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(st.skipped.items()))
+            raise PipelineError(
+                f"{st.path}: every record was skipped ({reasons}; first: {st.first_error}); nothing written. "
+                "Fix the file or leave it out"
+            )
+
+
 def run(cfg: TokenizeConfig) -> TokenizeResult:
     t0 = time.perf_counter()
     prefix = Path(cfg.output_prefix)
@@ -315,34 +359,13 @@ def run(cfg: TokenizeConfig) -> TokenizeResult:
     cut_stats: Counter = Counter()
     pool = None
     try:
-        if cfg.workers == 1:
-            for i, items, nbytes in _chunks(sources, cfg, stats, sink, rules, cut_stats):
-                consume(i, nbytes, *encode_chunk(tok, items, eos_id, dtype))
-        else:
+        if cfg.workers > 1:
             pool = mp.get_context("spawn").Pool(cfg.workers, initializer=_worker_init, initargs=(str(tok_path),))
-            pending: deque = deque()
-            for i, items, nbytes in _chunks(sources, cfg, stats, sink, rules, cut_stats):
-                pending.append((i, nbytes, pool.apply_async(_worker_encode, (items, eos_id, dtype.str))))
-                while len(pending) > 2 * cfg.workers:
-                    j, nb, res = pending.popleft()
-                    consume(j, nb, *res.get())
-            while pending:
-                j, nb, res = pending.popleft()
-                consume(j, nb, *res.get())
+        _encode_all(
+            _chunks(sources, cfg, stats, sink, rules, cut_stats), tok, eos_id, dtype, pool, cfg.workers, consume
+        )
         writer.finish(idx_tmp)
-        first = f"; first: {sink.listed[0]}" if sink.listed else ""
-        if writer.documents == 0:
-            raise PipelineError(
-                "no valid documents in the input; nothing written "
-                f"({', '.join(f'{k} {v}' for k, v in sink.by_reason.items()) or 'inputs are empty'}){first}"
-            )
-        for st in stats:  # a file of records lost whole is a mistake (a wrong --text-key, another format), not noise
-            if st.documents == 0 and st.skipped and st.kind != "txt":  # (a .txt file is one document)
-                reasons = ", ".join(f"{k} {v}" for k, v in sorted(st.skipped.items()))
-                raise PipelineError(
-                    f"{st.path}: every record was skipped ({reasons}; first: {st.first_error}); nothing written. "
-                    "Fix the file or leave it out"
-                )
+        _refuse_lost_input(writer.documents, stats, sink)
         manifest_path = prefix.with_name(prefix.name + ".manifest.json")
         manifest_path.unlink(missing_ok=True)  # an old manifest must not vouch for half-replaced files
         os.replace(bin_tmp, prefix.with_name(prefix.name + ".bin"))
