@@ -116,12 +116,14 @@ class Candidate:
         return f"ZeRO-{self.stage}{off}{ck}{more}, micro {self.micro_batch_size} x GA {self.grad_accum}"
 
 
+_BF16_MASTER_COST = (
+    "changes the numerics: bf16 master weights drop updates below half a bf16 step, measured +0.008 nats at a "
+    "continued run's lr 2e-5, none from scratch"
+)
 FEATURES: dict[str, str] = {
     "activation-offload": "exact: the same numbers, moved to host memory and back",
-    "bf16-master": "changes the numerics: bf16 master weights drop updates below half a bf16 step, measured "
-    "+0.008 nats at a continued run's lr 2e-5, none from scratch (bench/offload_quality.py)",
-    "bf16-states": "changes the numerics: bf16 master weights drop updates below half a bf16 step, measured "
-    "+0.008 nats at a continued run's lr 2e-5, none from scratch; bf16 moments add nothing to it",
+    "bf16-master": _BF16_MASTER_COST + " (bench/offload_quality.py)",
+    "bf16-states": _BF16_MASTER_COST + "; bf16 moments add nothing to it",
     "zenflow": "changes the numerics: most gradient columns applied up to update_interval steps late; measured "
     "+1.06 nats on the demo model (bench/offload_quality.py)",
 }

@@ -57,7 +57,7 @@ def render(p: Plan, token_budget: float | None = None) -> str:
         lines.append("\nDeepSpeed 0.19 offload features (each against the choice; planned, not measured):")
         lines += [f"  {n}" for n in notes]
     if p.ranked[1:]:
-        w = max([74] + [len(row_label(r.candidate)) for r in p.ranked[1:8]])
+        w = label_width(p.ranked[1:8])
         lines.append(f"\n{'runners-up':{w + 2}s} {'tok/s':>7s} {'GPU GiB':>8s} {'host GB':>8s}")
         seen = {row_label(e.candidate)}
         for r in p.ranked[1:]:
@@ -82,10 +82,15 @@ def render(p: Plan, token_budget: float | None = None) -> str:
         if key not in best_of or r.gpu["reserved"] < best_of[key].gpu["reserved"]:
             best_of[key] = r
     rejected = sorted(best_of.values(), key=lambda r: r.gpu["reserved"])[:8]
-    w = max([74] + [len(row_label(r.candidate)) for r in rejected])
+    w = label_width(rejected)
     for r in rejected:
         lines.append(f"  {row_label(r.candidate):{w}s} {'; '.join(r.why_not)}")
     return "\n".join(lines)
+
+
+def label_width(rows: list[Estimate]) -> int:
+    """The column the rows' labels fill: 74 characters, or the longest label (with the offload-feature names)."""
+    return max([74] + [len(row_label(r.candidate)) for r in rows])
 
 
 def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, title: str = "chosen") -> list[str]:
