@@ -496,8 +496,9 @@ def planned(case: Case, vocab: int, card: Any, work: Path) -> dict[str, Any]:
 
     from pipeline.model import loss_chunk_tokens
     from pipeline.plan.cluster import Cluster
+    from pipeline.plan.ds_json import candidate_from_ds
+    from pipeline.plan.estimate import estimate
     from pipeline.plan.gpus import capped
-    from pipeline.plan.search import candidate_from_ds, estimate
 
     if case.kind != "pipeline":
         return {}

@@ -34,7 +34,7 @@ KNOBS = {
 
 
 def anchor_errors() -> list[float]:
-    from pipeline.plan.search import estimate
+    from pipeline.plan.estimate import estimate
 
     out = []
     for _, shape, seq, cluster, cand, seconds, _ in ANCHORS:
@@ -74,7 +74,7 @@ def report() -> None:
             f"{r.id:5s} {r.published:10,.2f} {point:10,.2f} {lo:10,.2f}-{hi:10,.2f} {r.speed_ratio():6.2f} "
             f"{'yes' if fits else 'NO':>5s}  {r.setup} [{r.unit}]"
         )
-    from pipeline.plan.search import estimate
+    from pipeline.plan.estimate import estimate
 
     refused = [f.id for f in RAN if not estimate(f.shape, f.seq_len, f.cluster, f.cand, stack=f.stack).fits]
     print("\nruns that ran, refused:", refused or "none")

@@ -12,6 +12,7 @@ from pipeline.errors import PipelineError
 from pipeline.plan import report as plan_report
 from pipeline.plan import search as planner
 from pipeline.plan.cluster import Cluster, cluster_from_flags
+from pipeline.plan.ds_json import write_ds_config
 from pipeline.plan.timing import Rates
 from pipeline.units import parse_count
 
@@ -88,7 +89,7 @@ def plan_model(
         shape, seq_len, cluster, gbt, req.mfu, fixed_micro=req.micro_batch_size, rates=rates, opt_in=req.opt_in
     )
     if req.write_ds_config and p.best is not None:
-        planner.write_ds_config(p.best, req.write_ds_config, req.flags.get("nvme"))
+        write_ds_config(p.best, req.write_ds_config, req.flags.get("nvme"))
     echo(
         json.dumps(p.to_dict() | {"cluster_facts": source}, indent=2) if req.as_json else plan_report.render(p, budget)
     )

@@ -7,8 +7,9 @@ from pathlib import Path
 import pipeline
 from pipeline.model import resolve_shape
 from pipeline.plan.cluster import Candidate, cluster_from_flags
+from pipeline.plan.estimate import Estimate
 from pipeline.plan.memory import GiB
-from pipeline.plan.search import Estimate, Plan, search
+from pipeline.plan.search import Plan, search
 from pipeline.plan.timing import RANGE
 
 

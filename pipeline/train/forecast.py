@@ -17,9 +17,11 @@ from pipeline.model.families import model_shape
 from pipeline.plan import command as plan_command
 from pipeline.plan.cluster import Cluster, Stack, cluster_from_flags
 from pipeline.plan.command import Echo, PlanRequest, token_amounts
+from pipeline.plan.ds_json import candidate_from_ds
+from pipeline.plan.estimate import Estimate, estimate, estimate_dict
 from pipeline.plan.gpus import capped, lookup
 from pipeline.plan.report import describe_estimate, header
-from pipeline.plan.search import Estimate, Plan, candidate_from_ds, estimate, estimate_dict, search
+from pipeline.plan.search import Plan, search
 from pipeline.plan.timing import Measured, Rates, rates_from_run
 from pipeline.train.config import PretrainConfig, load
 from pipeline.train.ds_config import BatchPlan, batch_plan, load_ds_config

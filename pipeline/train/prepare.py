@@ -98,6 +98,8 @@ def auto_ds_config(
     `gpu_memory_cap_gib`; a CPU run counts host RAM shared by its ranks), host RAM from the OS; the config's
     micro-batch is kept. `local_size` (ranks per node) defaults to the launcher's LOCAL_SIZE."""
     from pipeline.plan import search as planner
+    from pipeline.plan.cluster import Cluster
+    from pipeline.plan.ds_json import ds_config
 
     local = local_size or ranks_per_node(world_size)
     ram = host_ram_bytes()
@@ -108,11 +110,11 @@ def auto_ds_config(
         )
     else:
         card = cpu_card(ram, local)
-    cluster = planner.Cluster(max(1, world_size // local), local, card, ram)
+    cluster = Cluster(max(1, world_size // local), local, card, ram)
     result = planner.search(shape, plan.seq_len, cluster, plan.tokens_per_step, fixed_micro=plan.micro_batch_size)
     if result.best is None:
         raise PipelineError(
             "train.deepspeed_config auto: nothing fits this machine; see `pipeline plan` for what would: "
             + "; ".join(result.advice)
         )
-    return planner.ds_config(result.best), result.best.candidate.activation_checkpointing
+    return ds_config(result.best), result.best.candidate.activation_checkpointing

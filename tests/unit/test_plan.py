@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from pipeline.cli import main
 from pipeline.model import PRESETS, ModelShape
 from pipeline.plan.cluster import Candidate, Cluster
+from pipeline.plan.estimate import estimate
 from pipeline.plan.gpus import GPUS, lookup, peak_tflops_for_device
 from pipeline.plan.memory import CUDA_CONTEXT, deepspeed_model_states
-from pipeline.plan.search import estimate, search
+from pipeline.plan.search import search
 from pipeline.train.config import from_dict
 from pipeline.train.ds_config import batch_plan, resolve
 
@@ -338,7 +339,7 @@ def resolve_1b() -> ModelShape:
 
 
 def test_the_written_deepspeed_json_carries_the_features_and_reads_back() -> None:
-    from pipeline.plan.search import candidate_from_ds, ds_config
+    from pipeline.plan.ds_json import candidate_from_ds, ds_config
 
     cand = replace(
         Candidate(2, "cpu", "none", True, 4, 1),

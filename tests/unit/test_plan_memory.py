@@ -14,9 +14,10 @@ from click.testing import CliRunner
 from pipeline.cli import main
 from pipeline.model import PRESETS, ModelShape
 from pipeline.plan.cluster import Candidate, Cluster, Stack
+from pipeline.plan.estimate import estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.memory import activation_bytes, layer_activation_bytes_per_token, pinned, state_split
-from pipeline.plan.search import choose, estimate, search
+from pipeline.plan.search import choose, search
 from pipeline.plan.timing import (
     ADAM_BYTES,
     CPU_ADAM_BW_FRACTION,

@@ -23,9 +23,9 @@ import pytest
 
 from pipeline.model import ModelShape, families
 from pipeline.plan.cluster import Candidate, Cluster, Stack
+from pipeline.plan.estimate import Estimate, estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.memory import GiB
-from pipeline.plan.search import Estimate, estimate
 
 ROOT = Path(__file__).resolve().parents[2]
 
