@@ -64,7 +64,12 @@ class Case:
     """Merged into the zero_optimization / bf16 sections of ds_config (the offload features)."""
     activation_checkpointing: bool = False
     memory_cap_gib: float | None = None
-    compile: bool = False
+    compile: bool | None = False
+    """train.compile: None is the trainer's default (auto)."""
+    attention: str = "torch"
+    """train.attention (pipeline.model.kernels.ATTENTION); torch: torch's own SDPA choice, as before the switch."""
+    kernels: str = "torch"
+    """train.kernels (pipeline.model.kernels.KERNELS)."""
     timeout_s: int = 150
     """What the deadline reserves for the case."""
     note: str = ""
@@ -73,13 +78,45 @@ class Case:
 def cases(smoke: bool) -> list[Case]:
     """The cases in order of value (the order they run in); smoke: the same code paths at CPU size."""
     offload = dict(ds_config="zero3_offload.json", activation_checkpointing=True, memory_cap_gib=CAP_GIB)
+    default = dict(compile=None, attention="auto", kernels="auto")  # what pretrain.py does unless told otherwise
+    liger = dict(compile=None, attention="auto", kernels="liger")
     full = [
-        Case("1b_zero2", "pipeline", "1b", 2048, 8, 14, timeout_s=110, note="headline"),
+        Case("1b_zero2", "pipeline", "1b", 2048, 8, 14, timeout_s=80, note="the 2026-12-04 baseline: all eager"),
+        Case("plain_eager", "plain", "1b", 2048, 8, 14, timeout_s=50, note="the reference loop"),
+        Case("1b_default", "pipeline", "1b", 2048, 8, 14, timeout_s=90, note="pretrain.py's GPU default", **default),
+        Case("1b_liger", "pipeline", "1b", 2048, 8, 14, timeout_s=90, note="+ Liger kernels, fused loss", **liger),
+        Case("7b_2layers_offload", "pipeline", "7b", 4096, 8, 6, layers=2, timeout_s=80, **offload),
+        Case(
+            "7b_2layers_offload_liger",
+            "pipeline",
+            "7b",
+            4096,
+            8,
+            6,
+            layers=2,
+            timeout_s=80,
+            note="offload with the measured attention and Liger's module kernels (ZeRO-3 keeps the chunked loss)",
+            attention="auto",
+            kernels="liger",
+            **offload,
+        ),
+        Case(
+            "1b_stage4",
+            "stage4",
+            "1b",
+            2048,
+            8,
+            4,
+            timeout_s=150,
+            note="tokenize, shard, train 4 steps and save, evaluate, export, reload in transformers, on the GPU",
+            **default,
+        ),
+        Case("1b_liger_micro16", "pipeline", "1b", 2048, 16, 12, timeout_s=90, note="fused loss's memory", **liger),
+        Case("1b_liger_eager", "pipeline", "1b", 2048, 8, 14, timeout_s=75, attention="auto", kernels="liger"),
+        Case("1b_compile", "pipeline", "1b", 2048, 8, 14, compile=True, timeout_s=80, note="compile alone"),
+        Case("1b_default_zero1", "pipeline", "1b", 2048, 8, 14, ds_config="zero1.json", timeout_s=90, **default),
         Case("70b_2layers", "pipeline", "70b", 4096, 2, 6, layers=2, timeout_s=110, **offload),
         Case("70b_4layers", "pipeline", "70b", 4096, 2, 6, layers=4, timeout_s=140, **offload),
-        Case("1b_compile", "pipeline", "1b", 2048, 8, 14, compile=True, timeout_s=110),
-        Case("plain_eager", "plain", "1b", 2048, 8, 14, timeout_s=50),
-        Case("7b_2layers_offload", "pipeline", "7b", 4096, 8, 6, layers=2, timeout_s=100, **offload),
         # DeepSpeed 0.19's offload features, each beside its plain case above and the planner
         Case(
             "70b_4layers_actoffload",
@@ -113,12 +150,12 @@ def cases(smoke: bool) -> list[Case]:
             "7b",
             4096,
             8,
-            6,
+            16,  # four update periods of 4: a steady state, not the first full update alone
             layers=2,
             ds_config="zero2.json",
             activation_checkpointing=True,
             memory_cap_gib=CAP_GIB,
-            timeout_s=120,
+            timeout_s=150,
             ds_overrides={
                 "zero_optimization": {
                     "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -144,7 +181,7 @@ def cases(smoke: bool) -> list[Case]:
             preset=small[c.preset],
             seq_len=128,
             micro_batch_size=min(c.micro_batch_size, 4),
-            steps=4,
+            steps=max(4, c.steps // 4) if c.name == "7b_2layers_zenflow" else 4,
             memory_cap_gib=None,
             timeout_s=240,
         )
@@ -181,6 +218,12 @@ def preflight(out: Path) -> dict[str, Any]:
             versions[name] = str(getattr(importlib.import_module(name), "__version__", "?"))
         except Exception as e:  # noqa: BLE001 - reported, then the run stops
             missing.append(f"{name} ({type(e).__name__}: {e})")
+    for name in ("liger_kernel", "triton"):  # optional: the cases that need them fail alone, and say so
+        try:
+            module = importlib.import_module(name)
+            versions[name] = str(getattr(module, "__version__", "installed"))
+        except Exception as e:  # noqa: BLE001
+            versions[name] = f"missing ({type(e).__name__})"
     from pipeline.model import transformers_helper
 
     for module, helper in (
@@ -201,14 +244,20 @@ def preflight(out: Path) -> dict[str, Any]:
 
 
 def warm_up(smoke: bool) -> dict[str, Any]:
+    from pipeline.plan.probe import gemm_rates, probe_host
     from pipeline.train.ops import build
 
     built: list[Any] = []
     builder = threading.Thread(target=lambda: built.extend(build(["fused_adam", "cpu_adam"], jobs=2)), daemon=True)
     builder.start()
     doc: dict[str, Any] = {"matmul": matmul_ceiling(smoke), "sdpa": sdpa_backend(smoke), "init": init_speed(smoke)}
+    doc["gemm_1b"] = gemm_rates(2048, 5632, 16384)  # the 1b preset's projections at micro 8 x seq 2048
     builder.join()
     doc["op_builds"] = {name: {"seconds": round(s, 1), "error": err} for name, s, err in built}
+    try:  # the host rates the planner otherwise assumes (pipeline.plan.probe): CPU Adam needs its op, built above
+        doc["host"] = probe_host(smoke)
+    except Exception as e:  # noqa: BLE001 - a probe that fails is reported; the cases still run
+        doc["host"] = {"error": f"{type(e).__name__}: {e}"}
     return doc
 
 
@@ -367,7 +416,10 @@ def run_group(cmd: list[str], env: dict[str, str], timeout: float, log: Path) ->
     return code, time.perf_counter() - t0
 
 
-def run_pipeline(case: Case, shards: Path, work: Path, logs: Path, smoke: bool, timeout: float) -> dict[str, Any]:
+def run_pipeline(
+    case: Case, shards: Path, work: Path, logs: Path, smoke: bool, timeout: float, save: bool = False
+) -> dict[str, Any]:
+    """The case through pipeline/pretrain.py and the real launcher; `save`: a checkpoint at the end (stage 4)."""
     run_dir = work / case.name
     config = {
         "run_dir": str(run_dir),
@@ -379,12 +431,14 @@ def run_pipeline(case: Case, shards: Path, work: Path, logs: Path, smoke: bool, 
             "max_steps": case.steps,
             "precision": "bf16" if not smoke or "bf16" in case.ds_overrides else "fp32",
             "compile": case.compile,
+            "attention": case.attention,
+            "kernels": case.kernels,
             "activation_checkpointing": case.activation_checkpointing,
             "deepspeed_config": str(ds_json(case, work)),
             "gpu_memory_cap_gib": case.memory_cap_gib,
         },
         "eval": {"interval": 10**6, "batches": 0},
-        "checkpoint": {"enabled": False},
+        "checkpoint": {"enabled": save, "interval": 10**6, "keep_last": 1},
         "log": {"interval": 1, "tensorboard": False},
     }
     cfg_path = work / f"{case.name}.yaml"
@@ -410,10 +464,14 @@ def run_pipeline(case: Case, shards: Path, work: Path, logs: Path, smoke: bool, 
         return {"error": failure(code, timeout, log)}
     steady = rows[len(rows) // 2 :]  # the first steps hold warm-up and compilation
     tps = len(steady) / sum(1 / r["tokens_per_s"] for r in steady)
+    environment = run_dir / "environment.json"
     return {
         "tokens_per_s": tps,
         "step_time_s": case.micro_batch_size * case.seq_len / tps,
+        "first_step_s": case.micro_batch_size * case.seq_len / rows[0]["tokens_per_s"],
         "peak_allocated_gib": max(r["mem_gib"] for r in rows) if not smoke else None,
+        "losses": [round(r["loss"], 4) for r in rows[:6]],  # beside the eager case's: what a lever did to numerics
+        "speed": json.loads(environment.read_text()).get("speed") if environment.exists() else None,
         "wall_s": wall,
     }
 
@@ -474,6 +532,105 @@ def run_plain(case: Case, shards: Path, work: Path, logs: Path, vocab: int, smok
     if code != 0 or not result_path.exists():
         return {"error": failure(code, timeout, log)}
     return {**json.loads(result_path.read_text()), "wall_s": wall}
+
+
+def stage4_shards(work: Path, seq_len: int, smoke: bool) -> Path:
+    """Stages 1-2 on this machine: a generated corpus (a few thousand documents of words drawn from a fixed
+    vocabulary with a Zipf law, so a tokenizer has something to learn), a sentencepiece tokenizer trained on it,
+    shards split 90/5/5."""
+    import numpy as np
+
+    from pipeline.data import shard as shard_stage
+    from pipeline.data import tokenize as tokenize_stage
+    from pipeline.data.config import ShardConfig, TokenizeConfig
+
+    out = work / f"stage4-shards{seq_len}"
+    if (out / "manifest.json").exists():
+        return out
+    rng = np.random.default_rng(0)
+    syllables = ["ka", "to", "ri", "men", "sal", "or", "un", "the", "as", "pe", "lo", "dra", "vi", "qu", "est"]
+    words = ["".join(rng.choice(syllables, size=rng.integers(1, 4))) for _ in range(3000)]
+    weights = 1.0 / np.arange(1, len(words) + 1)
+    docs = 300 if smoke else 3000
+    corpus = work / "stage4-corpus.jsonl"
+    with open(corpus, "w") as f:
+        for _ in range(docs):
+            text = " ".join(rng.choice(words, size=int(rng.integers(100, 400)), p=weights / weights.sum()))
+            f.write(json.dumps({"text": text.capitalize() + "."}) + "\n")
+    prefix = work / "stage4"
+    tokenize_stage.run(
+        TokenizeConfig(
+            inputs=(str(corpus),),
+            output_prefix=str(prefix),
+            train_tokenizer=True,
+            vocab_size=1000 if smoke else 4096,
+            workers=2 if smoke else 8,
+            progress=False,
+        )
+    )
+    shard_stage.run(
+        ShardConfig(
+            sources=((str(prefix), 1.0),), output=str(out), seq_len=seq_len, split=(90.0, 5.0, 5.0), progress=False
+        )
+    )
+    return out
+
+
+def run_stage4(case: Case, work: Path, logs: Path, smoke: bool, timeout: float) -> dict[str, Any]:
+    """The whole path on this machine: stages 1-2 (stage4_shards), the case trained through the launcher with a
+    checkpoint saved at its end, then `pipeline evaluate` and `pipeline export` of that checkpoint, and the
+    export loaded back by transformers' own AutoModelForCausalLM, which generates from it."""
+    started = time.monotonic()
+    shards = stage4_shards(work, case.seq_len, smoke)
+    prepared_s = time.monotonic() - started
+    trained = run_pipeline(case, shards, work, logs, smoke, timeout - prepared_s, save=True)
+    if "error" in trained:
+        return trained
+    run_dir, export_dir = work / case.name, work / f"{case.name}-export"
+    cli = [sys.executable, "-c", "from pipeline.cli import main; main()"]
+    steps: list[tuple[str, list[str]]] = [
+        (
+            "evaluate",
+            [
+                *cli,
+                "evaluate",
+                "--checkpoint",
+                str(run_dir),
+                "--max-batches",
+                "4",
+                "--max-new-tokens",
+                "16",
+                "--output",
+                str(work / "stage4-eval.json"),
+            ],
+        ),
+        ("export", [*cli, "export", "--checkpoint", str(run_dir), "--output", str(export_dir)]),
+        (
+            "reload",
+            [
+                sys.executable,
+                "-c",
+                "import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer; "
+                "d = sys.argv[1]; dev = 'cuda' if torch.cuda.is_available() else 'cpu'; "
+                "m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to(dev); "
+                "t = AutoTokenizer.from_pretrained(d); ids = t('Kato rimen', return_tensors='pt').input_ids.to(dev); "
+                "print(type(m).__name__, sum(p.numel() for p in m.parameters()), "
+                "repr(t.decode(m.generate(ids, max_new_tokens=8, do_sample=False)[0])))",
+                str(export_dir),
+            ],
+        ),
+    ]
+    result: dict[str, Any] = {**trained, "stage12_s": prepared_s}
+    for name, cmd in steps:
+        log = logs / f"{case.name}_{name}.log"
+        code, seconds = run_group(cmd, child_env(smoke), max(10.0, timeout - (time.monotonic() - started)), log)
+        result[f"{name}_s"] = seconds
+        if code != 0:
+            return {**result, "error": f"{name}: " + failure(code, timeout, log)}
+    evaluation = json.loads((work / "stage4-eval.json").read_text())
+    result["eval_loss"] = evaluation.get("loss")
+    result["reload"] = (logs / f"{case.name}_reload.log").read_text().strip().splitlines()[-1][:200]
+    return result
 
 
 def free_port() -> int:
@@ -557,17 +714,24 @@ def table(results: list[dict[str, Any]]) -> str:
     def f(v: Any, fmt: str) -> str:
         return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
 
+    def speed(r: dict[str, Any]) -> str:
+        s = r.get("speed") or {}
+        if not s:
+            return ""
+        return f"{'compile, ' if s.get('compile') else ''}{s.get('attention')}, {s.get('kernels')}"
+
     head = (
-        "| case | tokens/s | step s | planned step s | peak alloc GiB | planned peak GiB | MFU (PaLM) | MFU (causal) |"
+        "| case | switches used | tokens/s | step s | planned step s | peak alloc GiB | planned peak GiB | MFU (PaLM) "
+        "| MFU (causal) |"
     )
-    rows = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r or "skipped" in r:
             why = r.get("skipped") or r["error"][:60]
-            rows.append(f"| {r['name']} | {'skipped' if 'skipped' in r else 'failed'}: {why!r} | | | | | | |")
+            rows.append(f"| {r['name']} | | {'skipped' if 'skipped' in r else 'failed'}: {why!r} | | | | | | |")
             continue
         rows.append(
-            f"| {r['name']} | {f(r['tokens_per_s'], ',.0f')} | {f(r['step_time_s'], '.3f')} | "
+            f"| {r['name']} | {speed(r)} | {f(r['tokens_per_s'], ',.0f')} | {f(r['step_time_s'], '.3f')} | "
             f"{f(r.get('plan_step_time_s'), '.3f')} | {f(r.get('peak_allocated_gib'), '.2f')} | "
             f"{f(r.get('plan_peak_allocated_gib'), '.2f')} | {f(r.get('mfu_palm'), '.1%')} | "
             f"{f(r.get('mfu_causal'), '.1%')} |"
@@ -584,6 +748,7 @@ def main() -> None:
         help="Folder for results.json, results.md and logs/ (default: $OUT, else bench/results/GPU-DATE)",
     )
     ap.add_argument("--budget", type=float, default=540.0, help="Seconds for everything; later cases are skipped.")
+    ap.add_argument("--logs", default=None, help="Folder for each case's log (default: OUT/logs).")
     ap.add_argument("--only", nargs="*", default=None, help="Run only these cases.")
     ap.add_argument("--child-plain", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -595,8 +760,9 @@ def main() -> None:
     out_dir = Path(
         args.out or ROOT / "bench" / "results" / f"{'cpu-smoke' if args.smoke else 'gpu'}-{time.strftime('%Y-%m-%d')}"
     )
-    logs = out_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = Path(args.logs) if args.logs else out_dir / "logs"
+    for folder in (out_dir, logs):
+        folder.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "smoke": args.smoke,
@@ -642,11 +808,12 @@ def main() -> None:
                 continue
             shards = synthetic_shards(work, case.seq_len, vocab)
             timeout = min(case.timeout_s, max(30.0, left))
-            result = (
-                run_plain(case, shards, work, logs, vocab, args.smoke, timeout)
-                if case.kind == "plain"
-                else run_pipeline(case, shards, work, logs, args.smoke, timeout)
-            )
+            if case.kind == "plain":
+                result = run_plain(case, shards, work, logs, vocab, args.smoke, timeout)
+            elif case.kind == "stage4":
+                result = run_stage4(case, work, logs, args.smoke, timeout)
+            else:
+                result = run_pipeline(case, shards, work, logs, args.smoke, timeout)
             result = {
                 "name": case.name,
                 "note": case.note,

@@ -242,7 +242,8 @@ def pretraining_class(shape: ModelShape | None = None) -> Any:
     import checks). The full fp32 logits of a micro-batch (B*T*V*4 bytes: 2 GiB
     at micro-batch 8, seq 2048, vocab 32k, kept for the backward) are never built: the loss runs over chunks of
     `loss_chunk_tokens` tokens, each recomputed in the backward (activation checkpointing of lm_head + loss), so
-    one chunk's logits are alive at a time. lm_head is called as a module, so ZeRO-3 gathers it as usual. Without
+    one chunk's logits are alive at a time; or, with `fused_loss` set, by a fused kernel that returns the summed
+    loss. lm_head is called as a module, so ZeRO-3 gathers it as usual. Without
     `loss_labels` the model is the transformers class unchanged (generation, evaluation, export)."""
     import torch
     from torch.utils.checkpoint import checkpoint
@@ -258,6 +259,9 @@ def pretraining_class(shape: ModelShape | None = None) -> Any:
 
     class ForPretraining(base):  # type: ignore[misc, valid-type]
         loss_chunk_tokens: int | None = None  # None: by the vocabulary (loss_chunk_tokens())
+        fused_loss: Any = None
+        """A fused lm_head + loss (pipeline.model.kernels): (hidden, weight, labels) -> the summed loss, used for
+        training (with gradients); evaluation keeps the per-token chunked loss."""
 
         def forward(self, *args: Any, loss_labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
             if loss_labels is None:
@@ -265,6 +269,8 @@ def pretraining_class(shape: ModelShape | None = None) -> Any:
             hidden = self.model(*args, **kwargs).last_hidden_state  # (B, T, h)
             flat = hidden.reshape(-1, hidden.size(-1))  # (B*T, h)
             labels = loss_labels.reshape(-1)
+            if self.fused_loss is not None and torch.is_grad_enabled():
+                return self.fused_loss(flat, self.lm_head.weight, labels)  # () fp32: the sum over real tokens
             chunk = self.loss_chunk_tokens or loss_chunk_tokens(self.config.vocab_size)
 
             def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -79,9 +79,18 @@ class TrainSection:
     """A DeepSpeed JSON with "auto" batch/precision fields, or `auto` to let the planner choose."""
     gpu_memory_cap_gib: float | None = None
     """Cap this process's GPU memory (emulate a smaller card, e.g. 24 on an 80 GB GPU); null = the whole card."""
-    compile: bool = False
+    compile: bool | None = None
     """Compile each decoder layer with torch.compile (per layer, so ZeRO-2 still overlaps gradient reduction with
-    the backward). ZeRO 0-2; proven equal to eager on the CPU. Not yet measured on a GPU, hence off by default."""
+    the backward). null (auto): on a CUDA GPU with ZeRO 0-2, where it was measured to pay (1.21x on an H200), off
+    elsewhere; true/false as said (true needs ZeRO 0-2). Equal to eager on the CPU (tested)."""
+    attention: Literal["auto", "torch", "flash", "cudnn", "efficient", "math"] = "auto"
+    """The SDPA backend (pipeline.model.kernels.ATTENTION). auto: on a CUDA GPU each backend is timed at the
+    model's shape once at start and the fastest that agrees with FlashAttention is used; torch's choice elsewhere."""
+    kernels: Literal["auto", "torch", "liger"] = "auto"
+    """What replaces transformers' modules and the chunked loss (pipeline.model.kernels.KERNELS). torch: nothing;
+    liger: Liger Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (CUDA GPUs, Llama/Mistral/Qwen2/
+    Qwen3, pip install liger-kernel; ZeRO-3 keeps the chunked loss). auto: the set measured fastest on a GPU,
+    torch on the CPU. A GPU-only choice on the CPU says what it used instead."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the training loss (the full fp32 logits are never built); null: 256 MiB of logits."""
     peak_tflops: float | None = None

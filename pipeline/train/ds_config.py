@@ -63,7 +63,7 @@ def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
 SUPPORTED_MATRIX = """supported combinations:
   optimizer adamw     : ZeRO 0-3, with or without CPU/NVMe offload, bf16/fp16/fp32 (fp16 needs a GPU)
   optimizer adamw8bit : ZeRO 0-2 without any offload (bitsandbytes; GPU, and CPU for tests)
-  train.compile       : ZeRO 0-2
+  train.compile       : ZeRO 0-2 (null: on for a CUDA GPU with ZeRO 0-2)
   bf16 master/states  : bf16 precision, ZeRO 1-3 (bf16_optimizer_states needs bf16_master_weights_and_grads)
   zenflow             : ZeRO 1-2 with offload_optimizer cpu, grad_accum 1, integer update/select intervals
   cpu_checkpointing   : with train.activation_checkpointing (activation_checkpointing.cpu_checkpointing)
@@ -155,7 +155,7 @@ def unsupported(ds: dict[str, Any], cfg: PretrainConfig, accelerator: str) -> li
             f"optim.name adamw8bit cannot run with ZeRO-{stage}{' and offload' if offload else ''}: "
             "bitsandbytes optimizers need their states on the GPU and unsharded parameters"
         )
-    if train.compile and stage == 3:
+    if train.compile is True and stage == 3:
         p.append(
             "train.compile with ZeRO-3: not supported yet (ZeRO-3's parameter hooks break the compiled "
             "graphs); use ZeRO-1/2 or compile: false"

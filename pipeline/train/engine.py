@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pipeline.data.manifest import TokenizerInfo, model_token_ids
 from pipeline.errors import PipelineError
-from pipeline.model import ModelShape, build_model, pretraining_class, transformers_helper
+from pipeline.model import ModelShape, build_model, kernels, pretraining_class, transformers_helper
 from pipeline.plan.cluster import offload_devices
 from pipeline.train.config import PretrainConfig
 from pipeline.train.dist import accelerator_name
@@ -52,20 +53,70 @@ def activation_offload(ds: dict[str, Any], device: torch.device) -> Any | None:
     return get_checkpoint_hidden_states_offloading_ctx_manager(use_pin_memory=device.type == "cuda")
 
 
+@dataclass(frozen=True, slots=True)
+class Speed:
+    """The speed switches resolved for this rank's device and DeepSpeed config (pipeline.model.kernels)."""
+
+    compile: bool
+    attention: kernels.AttentionChoice
+    kernels: kernels.KernelChoice
+    compile_note: str
+
+    def notes(self) -> list[str]:
+        return [self.compile_note, self.attention.note, self.kernels.note]
+
+    def record(self) -> dict[str, Any]:
+        """What environment.json and the bench keep."""
+        return {
+            "compile": self.compile,
+            "attention": self.attention.backend,
+            "attention_timings_ms": self.attention.timings_ms,
+            "kernels": self.kernels.kernels,
+            "fused_loss": self.kernels.fused_loss,
+        }
+
+
+def choose_speed(
+    cfg: PretrainConfig,
+    ds: dict[str, Any],
+    shape: ModelShape,
+    micro_batch_size: int,
+    seq_len: int,
+    device: torch.device,
+) -> Speed:
+    """train.compile, train.attention and train.kernels resolved here, and applied to the process (the SDPA
+    priority, transformers' patched modules): call once before the model is built."""
+    stage = zero_stage(ds)
+    compile_on, compile_note = kernels.choose_compile(cfg.train.compile, device.type, stage)
+    attention = kernels.choose_attention(cfg.train.attention, shape, micro_batch_size, seq_len, device)
+    kernel_set = kernels.choose_kernels(cfg.train.kernels, shape, device.type, zero3=stage == 3)
+    kernels.apply_attention(attention)
+    kernels.apply_kernels(kernel_set, shape)
+    return Speed(compile_on, attention, kernel_set, compile_note)
+
+
 def build_training_model(
-    shape: ModelShape, ds: dict[str, Any], cfg: PretrainConfig, tok: TokenizerInfo, rank: int
+    shape: ModelShape,
+    ds: dict[str, Any],
+    cfg: PretrainConfig,
+    tok: TokenizerInfo,
+    rank: int,
+    speed: Speed | None = None,
 ) -> torch.nn.Module:
-    """The model with its initial weights (our deterministic init, or `model.init_from`), checkpointing set."""
+    """The model with its initial weights (our deterministic init, or `model.init_from`), checkpointing set, and
+    the speed switches `speed` chose (None: the plain eager model)."""
     stage3 = zero_stage(ds) == 3
     torch.manual_seed(cfg.train.seed)
     model = build_for(shape, ds, tok)
     model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
+    if speed is not None and speed.kernels.fused_loss:
+        model.fused_loss = kernels.fused_linear_cross_entropy()
     if cfg.model.init_from:
         load_initial_weights(model, cfg.model.init_from, rank, stage3)
     else:
         gpu = torch.device("cuda", torch.cuda.current_device()) if accelerator_name() == "cuda" else None
         init_weights(model, cfg.train.seed, rank, stage3, gpu)
-    if cfg.train.compile:
+    if speed is not None and speed.compile:
         for layer in model.model.layers:
             layer.compile()  # in place: parameter names and checkpoints stay those of the eager model
     if cfg.train.activation_checkpointing:
@@ -74,10 +125,17 @@ def build_training_model(
     return model
 
 
-def build_engine(cfg: PretrainConfig, ds: dict[str, Any], shape: ModelShape, tok: TokenizerInfo, rank: int) -> Any:
+def build_engine(
+    cfg: PretrainConfig,
+    ds: dict[str, Any],
+    shape: ModelShape,
+    tok: TokenizerInfo,
+    rank: int,
+    speed: Speed | None = None,
+) -> Any:
     import deepspeed
 
-    model = build_training_model(shape, ds, cfg, tok, rank)
+    model = build_training_model(shape, ds, cfg, tok, rank, speed)
     groups = param_groups(model, cfg.optim.weight_decay)
     client_optimizer = None
     if cfg.optim.name == "adamw8bit":

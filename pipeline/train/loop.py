@@ -34,7 +34,7 @@ from pipeline.train.dist import (
     ranks_per_node,
     share_cpu_cores,
 )
-from pipeline.train.engine import activation_offload, build_engine
+from pipeline.train.engine import activation_offload, build_engine, choose_speed
 from pipeline.train.guards import NonFinite, Watchdog
 from pipeline.train.metrics import MetricsSink, StepLogger
 from pipeline.train.preflight import verify_shards
@@ -166,9 +166,13 @@ class Trainer:
             share_cpu_cores(ranks_per_node(run.dist.world_size))
         self.watchdog = Watchdog(cfg.train.comm_timeout_minutes * 60, rank)
         self.checkpointer = Checkpointer(run, data_fingerprint=self.train_data.fingerprint, watchdog=self.watchdog)
+        speed = choose_speed(cfg, run.ds, run.shape, run.plan.micro_batch_size, run.plan.seq_len, run.dist.device)
+        if rank == 0:
+            for note in speed.notes():
+                log.info("%s", note)
         with announced_op_builds(run):
             self.engine, self.state = self.checkpointer.resume(
-                lambda ds: build_engine(cfg, ds, run.shape, run.manifest["tokenizer"], rank)
+                lambda ds: build_engine(cfg, ds, run.shape, run.manifest["tokenizer"], rank, speed)
             )
         ranks: list[Any] = [None] * run.dist.world_size
         tdist.all_gather_object(ranks, rank_facts(run.dist))
@@ -179,6 +183,7 @@ class Trainer:
             env["optimizer"] = type(self.engine.optimizer).__name__  # which of DeepSpeed's it chose
             env["grad_accum_dtype"] = (run.ds.get("data_types") or {}).get("grad_accum_dtype") or "model dtype"
             env["ranks"] = ranks
+            env["speed"] = speed.record()
             write_json(run.run_dir / "environment.json", env)
         self.max_steps = max_steps_for(cfg, run.plan)
         self.sink = MetricsSink(

@@ -19,8 +19,11 @@ def reduce_token_losses(per_token: torch.Tensor, labels: torch.Tensor) -> tuple[
 
     The sum is taken in float64 in a fixed order: a vectorised float32 sum can round differently with the
     buffer's memory alignment, which would make a resumed run's logged loss differ from the uninterrupted one by
-    an ulp. Nothing here waits for the device when `labels` is the host copy: the count comes from it."""
+    an ulp. Nothing here waits for the device when `labels` is the host copy: the count comes from it. A 0-dim
+    `per_token` is a fused loss's sum already (pipeline.model.kernels)."""
     count = int((labels != -100).sum())
+    if per_token.dim() == 0:
+        return per_token / max(count, 1), per_token.detach().double(), count
     total = (
         per_token.detach().double().cumsum(0)[-1] if per_token.numel() else per_token.new_zeros((), dtype=torch.float64)
     )

@@ -1,0 +1,274 @@
+"""The speed switches of the training model, each a closed set in one table: which SDPA backend serves attention
+(`train.attention`), which kernels replace transformers' modules and our chunked loss (`train.kernels`). Every
+consumer (the model builder, the config check, the planner, the bench, `--help`) reads these tables; a new
+backend or kernel set is one entry here.
+
+GPU-only choices fall back on the CPU (where the project is tested, not where users train) and say what they used
+instead: a run never fails because a speed switch cannot apply where it runs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.model import ModelShape
+
+log = logging.getLogger(__name__)
+
+
+# ---- attention: SDPA backends ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBackend:
+    name: str
+    sdp: str | None
+    """torch.nn.attention.SDPBackend member; None: torch's own priority order, untouched."""
+    doc: str
+
+
+ATTENTION: dict[str, AttentionBackend] = {
+    b.name: b
+    for b in (
+        AttentionBackend(
+            "auto",
+            None,
+            "on a CUDA GPU, time every SDPA backend at the model's own shape (forward and backward) once at start, "
+            "check each against FlashAttention's output, use the fastest that agrees; elsewhere torch's choice",
+        ),
+        AttentionBackend("torch", None, "torch's own priority order (what transformers gets without a choice)"),
+        AttentionBackend("flash", "FLASH_ATTENTION", "FlashAttention-2 as built into torch"),
+        AttentionBackend("cudnn", "CUDNN_ATTENTION", "cuDNN's fused attention (Hopper: the fastest measured)"),
+        AttentionBackend("efficient", "EFFICIENT_ATTENTION", "the memory-efficient kernel"),
+        AttentionBackend("math", "MATH", "the reference composition of matmuls (slow; for checks)"),
+    )
+}
+GPU_BACKENDS = ("cudnn", "flash", "efficient")
+"""The order `auto` tries; also the fallback order after the chosen one."""
+AGREE_ATOL = 0.02
+"""Largest absolute difference from FlashAttention's output (bf16, unit-variance inputs) that counts as the same
+attention: bf16 rounding of such outputs is about 0.004; a wrong kernel is off by the values' scale."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionChoice:
+    backend: str
+    """The entry of ATTENTION used (after fallbacks): torch, flash, cudnn, efficient or math."""
+    note: str
+    """One line for the run's log: what was asked, what is used and why."""
+    timings_ms: dict[str, float | str] | None = None
+    """`auto` on a GPU: each backend's forward + backward time, or why it could not run."""
+
+
+def time_backends(
+    shape: ModelShape, micro_batch_size: int, seq_len: int, device: Any, repeats: int = 5
+) -> dict[str, float | str]:
+    """Each GPU backend's causal forward + backward at the model's attention shape (as transformers calls SDPA:
+    grouped-query through enable_gqa), in ms, or why it cannot run it or disagrees with FlashAttention."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def draw(h: int) -> Any:
+        return torch.randn(
+            micro_batch_size, h, seq_len, d, device=device, dtype=torch.bfloat16, generator=g
+        ).requires_grad_()
+
+    q, k, v = draw(heads), draw(kv), draw(kv)
+    grad = torch.randn(micro_batch_size, heads, seq_len, d, device=device, dtype=torch.bfloat16, generator=g)
+    gqa = kv != heads
+    out: dict[str, float | str] = {}
+    reference = None
+    for name in ("flash", *(n for n in GPU_BACKENDS if n != "flash")):
+        backend = getattr(SDPBackend, str(ATTENTION[name].sdp))
+        try:
+            with sdpa_kernel(backend):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                y.backward(grad)
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).backward(grad)
+                torch.cuda.synchronize(device)
+        except RuntimeError as e:
+            out[name] = f"unavailable: {str(e).splitlines()[0][:100]}"
+            continue
+        if reference is None:
+            reference = y.detach().float()
+        elif (diff := (y.detach().float() - reference).abs().max().item()) > AGREE_ATOL:
+            out[name] = f"disagrees with flash by {diff:.3g}"
+            continue
+        out[name] = (time.perf_counter() - t0) / repeats * 1e3
+    return out
+
+
+def choose_attention(
+    setting: str, shape: ModelShape, micro_batch_size: int, seq_len: int, device: Any
+) -> AttentionChoice:
+    """`train.attention` resolved on this device (see ATTENTION)."""
+    cuda = getattr(device, "type", str(device)) == "cuda"
+    if setting == "torch":
+        return AttentionChoice("torch", "attention: torch's own SDPA choice")
+    if not cuda:
+        if setting == "auto":
+            return AttentionChoice("torch", "attention: torch's SDPA choice (auto measures only on a CUDA GPU)")
+        if setting != "math":
+            return AttentionChoice(
+                "torch", f"attention: {setting} is a CUDA kernel; on {device} torch's own SDPA choice is used instead"
+            )
+        return AttentionChoice("math", "attention: math")
+    if setting != "auto":
+        return AttentionChoice(setting, f"attention: {setting} (asked for; others only where it cannot serve a call)")
+    timings = time_backends(shape, micro_batch_size, seq_len, device)
+    usable = {n: t for n, t in timings.items() if isinstance(t, float)}
+    if not usable:
+        return AttentionChoice("torch", f"attention: no backend ran at this shape ({timings}); torch's choice", timings)
+    best = min(usable, key=lambda n: usable[n])
+    said = ", ".join(f"{n} {t:.2f} ms" if isinstance(t, float) else f"{n} {t}" for n, t in timings.items())
+    return AttentionChoice(best, f"attention: {best}, the fastest at this shape (forward + backward: {said})", timings)
+
+
+def apply_attention(choice: AttentionChoice) -> None:
+    """Make `choice` the process's SDPA priority (the chosen backend first, the other GPU kernels after it, math
+    last), before the model runs or compiles: torch.compile bakes the backend in when it traces, and eager calls
+    read the same flags. The backward uses the kernel its forward chose."""
+    if choice.backend == "torch":
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [choice.backend, *(n for n in GPU_BACKENDS if n != choice.backend), "math"]
+    ctx = sdpa_kernel([getattr(SDPBackend, str(ATTENTION[n].sdp)) for n in order], set_priority=True)
+    ctx.__enter__()  # for the life of the process: nothing else in a training process sets SDPA flags
+
+
+# ---- kernels: what replaces transformers' modules and our chunked loss ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSet:
+    name: str
+    replaces: str
+    """What the set puts in place of what (said in the run's log)."""
+    package: str | None
+    """The pip package it needs (None: only torch)."""
+    gpu_only: bool
+    families: frozenset[str]
+    """transformers model types it patches (empty: every family)."""
+    fused_loss: bool
+    """Its loss never builds logits (the planner counts no logits chunk; ZeRO-3 keeps the chunked loss)."""
+    patch: str | None
+    """liger_kernel.transformers function per family is `{patch}_{family}`."""
+
+
+KERNELS: dict[str, KernelSet] = {
+    k.name: k
+    for k in (
+        KernelSet(
+            "torch",
+            "nothing: transformers' RMSNorm, RoPE and SwiGLU modules and the chunked loss (lm_head and "
+            "cross-entropy over 256 MiB of logits at a time, recomputed in the backward)",
+            None,
+            False,
+            frozenset(),
+            False,
+            None,
+        ),
+        KernelSet(
+            "liger",
+            "Liger Kernel's Triton RMSNorm, RoPE and SwiGLU in place of transformers' modules, and its fused linear "
+            "cross-entropy (lm_head and the loss in one kernel, no logits kept) in place of the chunked loss",
+            "liger-kernel",
+            True,
+            frozenset({"llama", "mistral", "qwen2", "qwen3"}),
+            True,
+            "apply_liger_kernel_to",
+        ),
+    )
+}
+KERNEL_SETTINGS = ("auto", *KERNELS)
+AUTO_KERNELS_ON_GPU = "torch"
+"""What `kernels: auto` uses on a CUDA GPU: the set measured fastest there (bench/gpu_bench.py)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    kernels: str
+    fused_loss: bool
+    note: str
+
+
+def _installed(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package.replace("-", "_")) is not None
+
+
+def choose_kernels(setting: str, shape: ModelShape, device_type: str, zero3: bool) -> KernelChoice:
+    """`train.kernels` resolved for this model on this device (see KERNELS): the set, whether the fused loss is
+    used, and one line saying what replaced what, or what was used instead and why."""
+    name = (AUTO_KERNELS_ON_GPU if device_type == "cuda" else "torch") if setting == "auto" else setting
+    entry = KERNELS[name]
+    why = None
+    if entry.gpu_only and device_type != "cuda":
+        why = f"its kernels are Triton kernels for CUDA GPUs, and this rank runs on {device_type}"
+    elif entry.families and shape.family not in entry.families:
+        why = f"it has no kernels for the {shape.family} family (it has {', '.join(sorted(entry.families))})"
+    elif entry.package and not _installed(entry.package):
+        why = f"the package {entry.package} is not installed (pip install {entry.package})"
+    if why is not None:
+        return KernelChoice("torch", False, f"kernels: {name} asked for, but {why}; using transformers' modules")
+    fused = entry.fused_loss and not zero3
+    note = f"kernels: {name}: {entry.replaces}"
+    if entry.fused_loss and zero3:
+        note += (
+            "; under ZeRO-3 the chunked loss stays (the fused loss reads lm_head's weight directly, which ZeRO-3 "
+            "partitions)"
+        )
+    return KernelChoice(name, fused, note)
+
+
+def apply_kernels(choice: KernelChoice, shape: ModelShape) -> None:
+    """Patch transformers' modules for the chosen set; call before the model is built (the patched classes are
+    what its constructor instantiates). The parameter names stay transformers', so checkpoints and exports are
+    the same whichever set trained them."""
+    entry = KERNELS[choice.kernels]
+    if entry.patch is None:
+        return
+    import importlib
+
+    module = importlib.import_module("liger_kernel.transformers")
+    patch = getattr(module, f"{entry.patch}_{shape.family}")
+    patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+
+
+def fused_linear_cross_entropy() -> Any:
+    """Liger's fused lm_head + cross-entropy, summed over the tokens whose label is not -100, fp32 accumulation."""
+    import torch
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    def loss(hidden: Any, weight: Any, labels: Any) -> Any:
+        return liger_fused_linear_cross_entropy(
+            hidden, weight, labels, ignore_index=-100, reduction="sum", accum_dtype=torch.float32
+        )
+
+    return loss
+
+
+# ---- compile ----------------------------------------------------------------------------------------------------
+
+
+def choose_compile(setting: bool | None, device_type: str, zero_stage: int) -> tuple[bool, str]:
+    """`train.compile` resolved: null (auto) compiles where it was measured to pay, a CUDA GPU with ZeRO 0-2
+    (1.21x on the H200's 1b case, 2026-12-04); true/false as asked (true with ZeRO-3 is refused earlier)."""
+    if setting is not None:
+        return setting, f"compile: {'on' if setting else 'off'} (asked for)"
+    if device_type != "cuda":
+        return False, "compile: off (auto compiles on a CUDA GPU only: the CPU is for tests)"
+    if zero_stage == 3:
+        return False, "compile: off (auto: ZeRO-3's parameter hooks break the compiled graphs)"
+    return True, "compile: on (auto on a GPU with ZeRO 0-2; the first steps are slower while each layer compiles)"
