@@ -89,8 +89,9 @@ class TrainSection:
     kernels: Literal["auto", "torch", "liger"] = "auto"
     """What replaces transformers' modules and the chunked loss (pipeline.model.kernels.KERNELS). torch: nothing;
     liger: Liger Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (CUDA GPUs, Llama/Mistral/Qwen2/
-    Qwen3, pip install liger-kernel; ZeRO-3 keeps the chunked loss). auto: the set measured fastest on a GPU,
-    torch on the CPU. A GPU-only choice on the CPU says what it used instead."""
+    Qwen3, pip install -e '.[gpu]'; ZeRO-3 keeps the chunked loss). auto: on a GPU, liger where the layers are not
+    compiled (ZeRO-3, compile off), torch where they are (measured equal there); torch on the CPU. A GPU-only
+    choice on the CPU says what it used instead."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the training loss (the full fp32 logits are never built); null: 256 MiB of logits."""
     peak_tflops: float | None = None

@@ -89,7 +89,7 @@ def choose_speed(
     stage = zero_stage(ds)
     compile_on, compile_note = kernels.choose_compile(cfg.train.compile, device.type, stage)
     attention = kernels.choose_attention(cfg.train.attention, shape, micro_batch_size, seq_len, device)
-    kernel_set = kernels.choose_kernels(cfg.train.kernels, shape, device.type, zero3=stage == 3)
+    kernel_set = kernels.choose_kernels(cfg.train.kernels, shape, device.type, zero3=stage == 3, compiled=compile_on)
     kernels.apply_attention(attention)
     kernels.apply_kernels(kernel_set, shape)
     return Speed(compile_on, attention, kernel_set, compile_note)

@@ -104,13 +104,25 @@ def test_kill_and_resume_gives_identical_losses(zero_runs: dict[int, Path], shar
 
 
 def test_compiled_layers_give_the_eager_losses(zero_runs: dict[int, Path], shards: Path, tmp_path: Path) -> None:
-    """train.compile (torch.compile per decoder layer) under ZeRO-2 gives the eager run's losses (fp32, 1e-5)."""
+    """train.compile (torch.compile per decoder layer) under ZeRO-2 gives the eager run's losses (fp32, 1e-5). The
+    GPU-only switches asked for in the same run (Liger kernels, cuDNN attention) say what the CPU used instead."""
     run_dir = tmp_path / "compiled"
     cfg = launch.write_config(
         tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=STEPS, ckpt_interval=STEPS
     )
-    out = launch.run(cfg, sets=("train.compile=true",))
+    out = launch.run(cfg, sets=("train.compile=true", "train.kernels=liger", "train.attention=cudnn"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    said = out.stdout + out.stderr
+    assert "compile: on (asked for)" in said
+    assert "kernels: liger asked for, but its kernels are Triton kernels for CUDA GPUs" in said
+    assert "attention: cudnn is a CUDA kernel; on cpu torch's own SDPA choice is used instead" in said
+    speed = json.loads((run_dir / "environment.json").read_text())["speed"]
+    assert (speed["compile"], speed["attention"], speed["kernels"], speed["fused_loss"]) == (
+        True,
+        "torch",
+        "torch",
+        False,
+    )
     got, eager = launch.losses(run_dir), launch.losses(zero_runs[2])
     for step in range(1, STEPS + 1):
         assert abs(got[step] - eager[step]) <= 1e-5 * abs(eager[step]), (step, got[step], eager[step])

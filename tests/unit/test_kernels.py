@@ -1,0 +1,103 @@
+"""pipeline.model.kernels: the speed switches' tables, how each resolves where it runs (a GPU-only choice on the
+CPU says what it used instead), and the model's fused-loss hook against the chunked loss."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pipeline.model import build_model, kernels, resolve_shape
+from pipeline.train.config import TrainSection, _choices
+from pipeline.train.step import lm_loss, reduce_token_losses
+
+TINY = resolve_shape("tiny", {}, 300)
+
+
+def test_the_configs_choices_are_the_tables_keys() -> None:
+    fields = TrainSection.__dataclass_fields__
+    assert _choices(str(fields["attention"].type)) == list(kernels.ATTENTION)
+    assert _choices(str(fields["kernels"].type)) == list(kernels.KERNEL_SETTINGS)
+
+
+def test_on_the_cpu_gpu_attention_kernels_fall_back_and_say_so() -> None:
+    cpu = torch.device("cpu")
+    auto = kernels.choose_attention("auto", TINY, 2, 64, cpu)
+    assert auto.backend == "torch" and "only on a CUDA GPU" in auto.note and auto.timings_ms is None
+    cudnn = kernels.choose_attention("cudnn", TINY, 2, 64, cpu)
+    assert cudnn.backend == "torch" and "cudnn is a CUDA kernel" in cudnn.note and "instead" in cudnn.note
+    assert kernels.choose_attention("math", TINY, 2, 64, cpu).backend == "math"
+    kernels.apply_attention(kernels.AttentionChoice("torch", ""))  # torch's own order: nothing to set
+
+
+def test_liger_on_the_cpu_keeps_transformers_modules_and_says_why() -> None:
+    choice = kernels.choose_kernels("liger", TINY, "cpu", zero3=False)
+    assert (choice.kernels, choice.fused_loss) == ("torch", False)
+    assert "runs on cpu" in choice.note and "using transformers' modules" in choice.note
+    assert kernels.choose_kernels("auto", TINY, "cpu", zero3=False).kernels == "torch"
+
+
+def test_liger_names_a_family_it_has_no_kernels_for() -> None:
+    phi = replace(TINY, hf_config={"model_type": "phi3"})
+    choice = kernels.choose_kernels("liger", phi, "cuda", zero3=False)
+    assert choice.kernels == "torch" and "no kernels for the phi3 family" in choice.note
+
+
+def test_auto_on_a_gpu_follows_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled layers keep transformers' modules; eager ones take Liger's; without the package auto says how to
+    get it; under ZeRO-3 the fused loss gives way to the chunked one (lm_head's weight is partitioned)."""
+    monkeypatch.setattr(kernels, "_installed", lambda package: False)
+    missing = kernels.choose_kernels("auto", TINY, "cuda", zero3=False, compiled=False)
+    assert missing.kernels == "torch" and "pip install liger-kernel" in missing.note
+    monkeypatch.setattr(kernels, "_installed", lambda package: True)
+    assert kernels.choose_kernels("auto", TINY, "cuda", zero3=False, compiled=True).kernels == "torch"
+    eager = kernels.choose_kernels("auto", TINY, "cuda", zero3=False, compiled=False)
+    assert (eager.kernels, eager.fused_loss) == ("liger", True)
+    zero3 = kernels.choose_kernels("liger", TINY, "cuda", zero3=True)
+    assert (zero3.kernels, zero3.fused_loss) == ("liger", False) and "ZeRO-3 the chunked loss stays" in zero3.note
+
+
+@pytest.mark.parametrize(
+    "setting, device, stage, on",
+    [
+        (None, "cpu", 2, False),
+        (None, "cuda", 2, True),
+        (None, "cuda", 0, True),
+        (None, "cuda", 3, False),
+        (True, "cpu", 2, True),
+        (False, "cuda", 2, False),
+    ],
+)
+def test_compile_auto_compiles_on_a_gpu_below_zero3(setting: bool | None, device: str, stage: int, on: bool) -> None:
+    got, note = kernels.choose_compile(setting, device, stage)
+    assert got is on and note.startswith(f"compile: {'on' if on else 'off'}")
+
+
+def test_a_fused_loss_returns_the_sum_and_trains_as_the_chunked_loss() -> None:
+    """The model's fused-loss hook (Liger's kernel on a GPU; here the same sum computed by torch) gives the chunked
+    loss's mean, total and gradients; without gradients (evaluation) the per-token chunked loss stays."""
+
+    def summed(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(hidden @ weight.T, labels, ignore_index=-100, reduction="sum")
+
+    torch.manual_seed(0)
+    model = build_model(TINY)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 300, (3, 33), generator=g), torch.randint(0, 300, (3, 33), generator=g)
+    labels[2, 20:] = -100
+    plain, plain_total, n = lm_loss(model(input_ids=ids).logits, labels)
+    plain.backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.fused_loss = summed
+    out = model(input_ids=ids, loss_labels=labels)
+    assert out.dim() == 0
+    fused, fused_total, m = reduce_token_losses(out, labels)
+    fused.backward()
+    assert n == m == 86 and torch.allclose(fused, plain, rtol=1e-6)
+    assert fused_total.dtype == torch.float64 and abs(float(fused_total) - float(plain_total)) < 1e-4
+    for p, ref in zip(model.parameters(), reference, strict=True):
+        assert torch.allclose(p.grad, ref, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        assert model(input_ids=ids, loss_labels=labels).shape == (3 * 33,)
