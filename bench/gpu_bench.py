@@ -23,7 +23,9 @@ whole log in OUT/logs/. MFU is given by the PaLM count the trainer logs (6N + 12
 and torchtitan count) and by the causal-attention count (6N + 6*L*h*s). No case writes a checkpoint.
 
 `--smoke` runs every step and case's code path on the CPU at a tiny size (a test runs it, so the script cannot rot
-between leases). Usage: python bench/gpu_bench.py [--smoke] [--out DIR] [--budget SECONDS] [--only CASE ...]"""
+between leases); a case whose CPU run would repeat an earlier one's (the GPU-only switches fall back there) names
+that case instead of running it again.
+Usage: python bench/gpu_bench.py [--smoke] [--out DIR] [--logs DIR] [--budget SECONDS] [--only CASE ...]"""
 
 from __future__ import annotations
 
@@ -646,6 +648,21 @@ def failure(code: int | None, timeout: float, log: Path) -> str:
     return (f"timed out after {timeout:.0f} s" if code is None else f"exit code {code}") + ": " + tail
 
 
+def cpu_path(case: Case) -> tuple[Any, ...]:
+    """What a smoke case runs on the CPU, where compile is off unless asked for and the GPU-only attention and
+    kernel choices fall back to torch's (pipeline.model.kernels): two cases with the same key run the same code."""
+    overrides = json.dumps(case.ds_overrides, sort_keys=True)
+    return (
+        case.preset,
+        case.layers,
+        case.seq_len,
+        case.micro_batch_size,
+        case.ds_config,
+        overrides,
+        bool(case.compile),
+    )
+
+
 def planned(case: Case, vocab: int, card: Any, work: Path) -> dict[str, Any]:
     """The planner's prediction for exactly this case: its DeepSpeed JSON on one GPU capped as the case is, the
     lent machine's RAM and cores."""
@@ -726,6 +743,9 @@ def table(results: list[dict[str, Any]]) -> str:
     )
     rows = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
+        if "same_cpu_path_as" in r:
+            rows.append(f"| {r['name']} | | smoke: the CPU path of {r['same_cpu_path_as']} | | | | | | |")
+            continue
         if "error" in r or "skipped" in r:
             why = r.get("skipped") or r["error"][:60]
             rows.append(f"| {r['name']} | | {'skipped' if 'skipped' in r else 'failed'}: {why!r} | | | | | | |")
@@ -800,7 +820,13 @@ def main() -> None:
     try:
         selected = [c for c in cases(args.smoke) if not args.only or c.name in args.only]
         by_name: dict[str, dict[str, Any]] = {}
+        ran_on_cpu: dict[tuple[Any, ...], str] = {}
         for i, case in enumerate(selected):
+            if args.smoke and case.kind == "pipeline":  # on the CPU the GPU switches fall back: one run per path
+                twin = ran_on_cpu.setdefault(cpu_path(case), case.name)
+                if twin != case.name:
+                    doc["cases"].append({"name": case.name, "same_cpu_path_as": twin})
+                    continue
             left = args.budget - (time.monotonic() - started)
             if i and case.timeout_s > left:
                 doc["cases"].append({"name": case.name, "skipped": f"{case.timeout_s} s needed, {left:.0f} s left"})

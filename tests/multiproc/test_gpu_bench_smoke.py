@@ -25,23 +25,43 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
     names = [c["name"] for c in doc["cases"]]
     assert names == [
         "1b_zero2",
+        "plain_eager",
+        "1b_default",
+        "1b_liger",
+        "7b_2layers_offload",
+        "7b_2layers_offload_liger",
+        "1b_stage4",
+        "1b_liger_micro16",
+        "1b_liger_eager",
+        "1b_compile",
+        "1b_default_zero1",
         "70b_2layers",
         "70b_4layers",
-        "1b_compile",
-        "plain_eager",
-        "7b_2layers_offload",
         "70b_4layers_actoffload",
         "7b_2layers_bf16states",
         "7b_2layers_zenflow",
     ]
-    for case in doc["cases"]:
+    ran = {c["name"]: c for c in doc["cases"] if "same_cpu_path_as" not in c}
+    twins = {c["name"]: c["same_cpu_path_as"] for c in doc["cases"] if "same_cpu_path_as" in c}
+    # the GPU switches fall back on the CPU, so their cases repeat the eager base's path and name it
+    assert twins == {
+        "1b_default": "1b_zero2",
+        "1b_liger": "1b_zero2",
+        "1b_liger_micro16": "1b_zero2",  # a smoke case's micro-batch is at most 4
+        "1b_liger_eager": "1b_zero2",
+        "7b_2layers_offload_liger": "7b_2layers_offload",
+    }
+    for case in ran.values():
         assert "error" not in case and case["tokens_per_s"] > 0, case
         assert (tmp_path / "logs" / f"{case['name']}.log").stat().st_size > 0
-    for case in doc["cases"]:
-        if case["name"] != "plain_eager":  # the pipeline cases stand beside the planner's prediction
+        if case["name"] != "plain_eager" and case["name"] != "1b_stage4":  # beside the planner's prediction
             assert case["plan_step_time_s"] > 0 and case["plan_peak_allocated_gib"] > 0
+    stage4 = ran["1b_stage4"]  # the whole path: stages 1-2, a saved checkpoint, evaluate, export, transformers
+    assert stage4["eval_loss"] > 0 and stage4["reload"].startswith("LlamaForCausalLM ")
+    for step in ("evaluate", "export", "reload"):
+        assert (tmp_path / "logs" / f"1b_stage4_{step}.log").exists()
     assert "| 1b_zero2 |" in (tmp_path / "results.md").read_text()
-    assert not list(tmp_path.glob("**/step0*")), "the benchmark must not write checkpoints"
+    assert not list(tmp_path.glob("**/step0*")), "the benchmark leaves no checkpoint behind"
 
 
 def test_the_deadline_skips_the_tail_never_the_head(tmp_path: Path) -> None:
