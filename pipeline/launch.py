@@ -69,9 +69,9 @@ class Where:
         if not self.hostfile and (problem := local_ranks_problem(self.num_gpus, accelerator_name(), visible_gpus())):
             raise PipelineError(problem)
 
-    def launcher(self, bind_cores: bool = False) -> list[str]:
-        """`deepspeed [--hostfile H | --num_gpus N] [--master_port P] [--bind_cores_to_rank]`, the launcher of this
-        environment."""
+    def launcher(self, bind_args: list[str] | None = None) -> list[str]:
+        """`deepspeed [--hostfile H | --num_gpus N] [--master_port P] [--bind_cores_to_rank ...]`, the launcher of
+        this environment."""
         found = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
         if found is None:
             raise PipelineError("the `deepspeed` launcher is not installed in this environment (pip install deepspeed)")
@@ -82,21 +82,25 @@ class Where:
             cmd += ["--num_gpus", str(self.num_gpus)]
         if self.master_port:
             cmd += ["--master_port", str(self.master_port)]
-        if bind_cores:
-            cmd.append("--bind_cores_to_rank")
-        return cmd
+        return cmd + list(bind_args or [])
 
 
-def binds_cores(ds: dict[str, Any]) -> bool:
-    """Whether a launch should bind each rank to its share of the node's cores (DeepSpeed's --bind_cores_to_rank,
-    which also sets OMP_NUM_THREADS): with the optimizer offloaded to the CPU (CPU Adam runs on those cores, 1.3x
-    faster bound, DeepSpeed PR #7474), when numactl is installed (DeepSpeed needs it to bind; without it each rank
-    sets its thread count itself) and no OMP_NUM_THREADS or KMP_AFFINITY says otherwise."""
+def core_binding_args(ds: dict[str, Any], local_ranks: int) -> list[str]:
+    """The launcher's arguments that bind each rank to its share of the node's CPUs (DeepSpeed's
+    --bind_cores_to_rank, which also sets OMP_NUM_THREADS): with the optimizer offloaded to the CPU (CPU Adam runs
+    on those cores, 1.3x faster bound, DeepSpeed PR #7474), when numactl is installed (DeepSpeed needs it to bind;
+    without it each rank sets its thread count itself), no OMP_NUM_THREADS or KMP_AFFINITY says otherwise, and the
+    binding leaves no CPU idle (pipeline.train.dist.core_binding; this node's counts stand for every node's)."""
     from pipeline.plan.cluster import offload_devices
+    from pipeline.train.dist import core_binding, cpu_counts
 
     if offload_devices(ds).optimizer == "none" or shutil.which("numactl") is None:
-        return False
-    return not any(k in os.environ for k in ("OMP_NUM_THREADS", "KMP_AFFINITY"))
+        return []
+    if any(k in os.environ for k in ("OMP_NUM_THREADS", "KMP_AFFINITY")):
+        return []
+    args, _, why = core_binding(*cpu_counts(), local_ranks)
+    click.echo(f"CPU Adam's cores: {why}", err=True)
+    return args
 
 
 def pretrain(
@@ -123,7 +127,7 @@ def pretrain(
         click.echo(describe(prepared))
         return 0
     build_ops_ahead(prepared.ds, world, per_node)
-    cmd = [*where.launcher(bind_cores=binds_cores(prepared.ds)), str(PACKAGE / "pretrain.py")]
+    cmd = [*where.launcher(core_binding_args(prepared.ds, per_node)), str(PACKAGE / "pretrain.py")]
     cmd += ["--config", config_path]
     for s in sets:
         cmd += ["--set", s]

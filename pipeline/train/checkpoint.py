@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,7 +43,8 @@ class Marker(TypedDict):
     max_steps: NotRequired[int]
     """The run's length when it saved (the learning-rate schedule's); absent in checkpoints from before."""
     files: NotRequired[dict[str, dict[str, Any]]]
-    """Every file of the checkpoint, relative to its folder: {"size": bytes, "sha256": hex (checkpoint.verify)}."""
+    """Every file of the checkpoint, relative to its folder: {"size": bytes, "sha256": hex (checkpoint.verify),
+    "host": the host of the rank that wrote it}."""
 
 
 _TAG = re.compile(r"^step(\d{8})$")
@@ -76,19 +78,28 @@ def read_marker(run_dir: str | Path, tag: str) -> Marker:
     return json.loads((Path(run_dir) / tag / MARKER).read_text())
 
 
-def prune(run_dir: Path, keep_last: int) -> list[str]:
-    """Delete complete checkpoints beyond the newest `keep_last` and incomplete ones older than the newest
-    complete one. The latest complete checkpoint is never deleted."""
-    tags = complete_tags(run_dir)
+def marker_step(run_dir: Path, tag: str) -> int:
+    """The step a complete checkpoint's marker records (its tag's number for markers without one)."""
+    try:
+        return int(read_marker(run_dir, tag)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return int(tag[len("step") :])
+
+
+def prune(run_dir: Path, keep_last: int, keep: str | None = None) -> list[str]:
+    """Delete complete checkpoints beyond the newest `keep_last` by the step their markers record, and incomplete
+    ones older than the newest complete one. Never deleted: the newest complete checkpoint and `keep` (the tag
+    just written, which `latest` names, even when older steps' checkpoints of an earlier attempt are newer)."""
+    tags = sorted(complete_tags(run_dir), key=lambda t: (marker_step(run_dir, t), t))
     latest = tags[-1] if tags else None
     doomed = tags[: max(0, len(tags) - max(1, keep_last))]
     if latest:
         doomed += [
             p.name for p in run_dir.iterdir() if _TAG.match(p.name) and not (p / MARKER).exists() and p.name < latest
         ]
+    doomed = [t for t in doomed if t not in (latest, keep)]
     for t in doomed:
-        if t != latest:
-            shutil.rmtree(run_dir / t, ignore_errors=True)
+        shutil.rmtree(run_dir / t, ignore_errors=True)
     kept = set(complete_tags(run_dir))
     for u in run_dir.glob(f"step*{UNIVERSAL}"):  # universal copies of checkpoints that are gone
         if u.name[: -len(UNIVERSAL)] not in kept:
@@ -144,11 +155,40 @@ def damage(run_dir: Path, tag: str, verify: bool) -> str | None:
     return None
 
 
+def unshared_hosts(run_dir: Path, tag: str) -> list[str]:
+    """The hosts whose files of checkpoint `tag` this host cannot see: written there, absent here. Each rank
+    writes its own shards into run_dir, so a run folder on each node's own disk holds only that node's share; its
+    other files are not damaged, they are elsewhere."""
+    here = socket.gethostname()
+    files = read_marker(run_dir, tag).get("files") or {}
+    return sorted(
+        {
+            str(entry["host"])
+            for name, entry in files.items()
+            if entry.get("host") not in (None, here) and not (Path(run_dir) / tag / name).is_file()
+        }
+    )
+
+
+def not_shared(run_dir: Path, tag: str, hosts: list[str]) -> PipelineError:
+    shown = ", ".join(hosts[:4]) + (f" and {len(hosts) - 4} more" if len(hosts) > 4 else "")
+    return PipelineError(
+        f"run_dir {run_dir} is not one folder shared by every node: checkpoint {tag} has files written on {shown} "
+        f"that {socket.gethostname()} cannot see. Every rank writes its own shards there, and resuming, evaluating "
+        "or exporting needs them all in one place: put run_dir (and data.path) on storage every node mounts at the "
+        "same path (NFS, a cluster file system), copy each node's step*/ folders into it, then run the same command "
+        "(`pipeline doctor --hostfile H` checks it)"
+    )
+
+
 def newest_intact(run_dir: Path, tags: list[str], verify: bool) -> tuple[str | None, list[str]]:
     """The newest complete checkpoint whose files are intact, and a warning for each newer one skipped. Nothing is
-    deleted."""
+    deleted. A checkpoint whose missing files were written on other hosts is refused (`not_shared`): the run
+    folder is per node, and every older checkpoint is split the same way."""
     warnings: list[str] = []
     for tag in reversed(tags):
+        if hosts := unshared_hosts(run_dir, tag):
+            raise not_shared(run_dir, tag, hosts)
         problem = damage(run_dir, tag, verify)
         if problem is None:
             return tag, warnings
@@ -165,6 +205,8 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
                 f"{path}: checkpoint is incomplete (still being written, or its save crashed); "
                 f"use an earlier tag or the run folder {path.parent}"
             )
+        if hosts := unshared_hosts(path.parent, path.name):
+            raise not_shared(path.parent, path.name, hosts)
         return path.parent, path.name
     if not path.is_dir():
         there = complete_tags(path.parent) if _TAG.match(path.name) else []
@@ -180,6 +222,8 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
             f"{path}: holds no complete checkpoint (expected folders step00000100/ with {MARKER}); "
             "is it a run folder of `pipeline pretrain`?"
         )
+    if hosts := unshared_hosts(path, tag):
+        raise not_shared(path, tag, hosts)
     return path, tag
 
 

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import logging
 import shutil
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,8 +191,8 @@ class Checkpointer:
                 str(run_dir), tag=tag, client_state={**marker, "config": self.run.cfg.to_dict()}, save_latest=False
             )
         reports: list[Any] = [None] * world
-        tdist.all_gather_object(reports, (guard.error, guard.files))
-        errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(reports) if err]
+        tdist.all_gather_object(reports, (guard.error, guard.files, socket.gethostname()))
+        errors = [f"rank {r}: {err}" for r, (err, _, _) in enumerate(reports) if err]
         if errors:
             free = shutil.disk_usage(run_dir).free
             latest = ckpt.latest_complete(run_dir)
@@ -203,10 +204,10 @@ class Checkpointer:
             )
         if rank == 0:
             files: dict[str, dict[str, Any]] = {}
-            for _, written in reports:
-                files.update(written)
+            for _, written, host in reports:  # which host wrote each file: a per-node run_dir is told apart
+                files.update({name: {**entry, "host": host} for name, entry in written.items()})
             ckpt.mark_complete(run_dir, tag, {**marker, "files": files})
-            ckpt.prune(run_dir, self.cfg.keep_last)
+            ckpt.prune(run_dir, self.cfg.keep_last, keep=tag)
             log.info("saved checkpoint %s/%s", run_dir, tag)
         dist.barrier()
         self.last_saved = state.step

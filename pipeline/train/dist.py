@@ -225,17 +225,44 @@ def environment(world_size: int, device: torch.device) -> dict[str, Any]:
     return info
 
 
-def share_cpu_cores(local_ranks: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> int | None:
-    """Threads for this rank's CPU work (DeepSpeed's CPU Adam under optimizer offload): the node's physical cores
-    shared by its ranks. DeepSpeed's `--bind_cores_to_rank` (which `pipeline pretrain` adds when numactl is there)
-    sets OMP_NUM_THREADS to exactly that; without it every rank starts OpenMP threads on every core, 4 x 10 of them
-    on a 10-core node. Returns the threads set, None when OMP_NUM_THREADS already says."""
+def core_binding(physical: int, logical: int, local_ranks: int) -> tuple[list[str], int, str]:
+    """How a node's CPUs are shared by its ranks' CPU Adam: (the `deepspeed` launcher's binding arguments, threads
+    per rank, why). DeepSpeed's `--bind_cores_to_rank` gives rank r the logical CPUs [k*r, k*(r+1)) with k its
+    PHYSICAL core count // ranks: on a 10-vCPU node shown as 5 cores x 2 threads, 4 ranks get one logical CPU each
+    and 6 sit idle. So: bind only where every logical CPU gets a rank (naming them all with --bind_core_list where
+    the counts differ); else leave the ranks unbound with the logical CPUs shared out as threads."""
+    ranks = max(1, local_ranks)
+    per = logical // ranks
+    if per < 1:
+        return [], 1, f"{ranks} ranks on {logical} CPUs: not bound, one thread each"
+    if per * ranks != logical:
+        idle = logical - per * ranks
+        return [], per, f"not bound: binding {ranks} ranks to {per} of {logical} CPUs each would leave {idle} idle"
+    if logical == physical:
+        return ["--bind_cores_to_rank"], per, f"bound: {per} of {logical} cores per rank"
+    return (
+        ["--bind_cores_to_rank", "--bind_core_list", f"0-{logical - 1}"],
+        per,
+        f"bound: {per} of {logical} logical CPUs per rank ({physical} physical cores)",
+    )
+
+
+def cpu_counts() -> tuple[int, int]:
+    """(physical cores, logical CPUs) of this node."""
     import psutil
 
+    logical = psutil.cpu_count() or os.cpu_count() or 1
+    return psutil.cpu_count(logical=False) or logical, logical
+
+
+def share_cpu_cores(local_ranks: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> int | None:
+    """Threads for this rank's CPU work (DeepSpeed's CPU Adam under optimizer offload): the node's CPUs shared by
+    its ranks (`core_binding`). DeepSpeed's `--bind_cores_to_rank` (which `pipeline pretrain` adds where it leaves
+    no CPU idle) sets OMP_NUM_THREADS to exactly that; without it every rank starts OpenMP threads on every core, 4
+    x 10 of them on a 10-core node. Returns the threads set, None when OMP_NUM_THREADS already says."""
     if "OMP_NUM_THREADS" in environ:
         return None
-    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    threads = max(1, cores // max(1, local_ranks))
+    _, threads, _ = core_binding(*cpu_counts(), local_ranks)
     torch.set_num_threads(threads)
     return threads
 

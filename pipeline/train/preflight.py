@@ -69,8 +69,18 @@ def resumable(run_dir: Path, policy: str, verify: bool) -> tuple[str, ckpt.Marke
     warnings: list[str] = []
     if tag is not None and policy == "auto":
         tag, warnings = ckpt.newest_intact(run_dir, tags, verify)
-    elif tag is not None and (problem := ckpt.damage(run_dir, tag, verify)):
-        raise PipelineError(f"checkpoint.resume {tag}: {problem}")
+        if tag is None:  # never train again from step 0 over checkpoints, whose first save prune would then meet
+            raise PipelineError(
+                f"{run_dir} holds {len(tags)} complete checkpoint(s) and none is intact, so the run would start "
+                f"again from step 0: {'; '.join(w.split(';')[0] for w in warnings)}. Restore the files (a copy, "
+                "a mount that is missing), or move the damaged step*/ folders out of run_dir to start fresh on "
+                "purpose"
+            )
+    elif tag is not None:
+        if hosts := ckpt.unshared_hosts(run_dir, tag):
+            raise ckpt.not_shared(run_dir, tag, hosts)
+        if problem := ckpt.damage(run_dir, tag, verify):
+            raise PipelineError(f"checkpoint.resume {tag}: {problem}")
     return (tag, ckpt.read_marker(run_dir, tag), warnings) if tag else None
 
 

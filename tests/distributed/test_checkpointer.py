@@ -4,6 +4,7 @@ from the same intact checkpoint (or refuse alike)."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ def _save_damage_resume(rank: int, world: int, config: str) -> dict[str, Any]:
     saver.finish(TrainState(7, 56))  # already saved: nothing more
     out["tags"] = ckpt.complete_tags(run.run_dir)
     out["files"] = sorted(ckpt.read_marker(run.run_dir, "step00000007")["files"])
+    out["hosts"] = {e["host"] for e in ckpt.read_marker(run.run_dir, "step00000007")["files"].values()}
     os.environ["PIPELINE_FAULT_ENOSPC_IN_SAVE"] = "10"
     try:
         saver.save(TrainState(10, 80))
@@ -80,6 +82,7 @@ def test_saves_when_due_lists_every_ranks_files_and_resumes_alike(shards: Path, 
         assert out["fresh"] == (0, False)
         assert out["tags"] == ["step00000005", "step00000007"]
         assert any("zero_pp_rank_0" in f for f in out["files"]) and any("zero_pp_rank_1" in f for f in out["files"])
+        assert out["hosts"] == {socket.gethostname()}  # each file's writer: a per-node run folder is told apart
         assert out["latest_after_full_disk"] == "step00000007"
         assert out["resumed"] == (5, 40, True)  # step00000007 is damaged: both ranks skip it
         assert (

@@ -52,3 +52,84 @@ def test_a_pruned_tag_names_the_ones_that_exist(tmp_path: Path) -> None:
         _save(tmp_path, s)
     with pytest.raises(PipelineError, match=r"step00000020: no such checkpoint .* holds step00000030, step00000040"):
         ckpt.resolve_checkpoint(tmp_path / "step00000020")
+
+
+def _save_on_hosts(run: Path, step: int, hosts: dict[str, str], here: bool = True) -> str:
+    """A complete checkpoint as a two-node run with node-local run folders leaves it on the first node: every
+    rank's file is listed in the marker with the host that wrote it, and only this host's files are here."""
+    import socket
+
+    tag = ckpt.tag_for(step)
+    (run / tag).mkdir(parents=True)
+    files = {}
+    for name, host in hosts.items():
+        if host == socket.gethostname() or not here:
+            (run / tag / name).write_bytes(b"shard")
+        files[name] = {"size": 5, "host": host}
+    ckpt.mark_complete(run, tag, {"step": step, "files": files})  # type: ignore[typeddict-item]
+    return tag
+
+
+def test_a_run_folder_on_each_nodes_own_disk_is_refused_naming_the_hosts(tmp_path: Path) -> None:
+    """F1 of the multi-node review: the other nodes' shards are absent, not damaged. Resume, evaluate and export
+    refuse, naming the hosts, instead of starting again from step 0."""
+    import socket
+
+    from pipeline.train.preflight import resumable
+
+    here = socket.gethostname()
+    for step in (500, 1000):
+        _save_on_hosts(
+            tmp_path,
+            step,
+            {"zero_pp_rank_0_optim_states.pt": here, "zero_pp_rank_1_optim_states.pt": "node-b", "x": "node-c"},
+        )
+    for call in (
+        lambda: resumable(tmp_path, "auto", False),
+        lambda: resumable(tmp_path, "step00000500", False),
+        lambda: ckpt.resolve_checkpoint(tmp_path),
+        lambda: ckpt.resolve_checkpoint(tmp_path / "step00000500"),
+    ):
+        with pytest.raises(PipelineError) as e:
+            call()
+        assert "is not one folder shared by every node: checkpoint step0000" in str(e.value)
+        assert f"written on node-b, node-c that {here} cannot see" in str(e.value)
+
+
+def test_a_shared_run_folder_of_several_hosts_resumes(tmp_path: Path) -> None:
+    from pipeline.train.preflight import resumable
+
+    _save_on_hosts(tmp_path, 10, {"a.pt": "node-a", "b.pt": "node-b"}, here=False)  # all visible: shared
+    found = resumable(tmp_path, "auto", False)
+    assert found is not None and found[0] == "step00000010"
+
+
+def test_checkpoints_none_of_which_is_intact_never_restart_the_run_from_step_0(tmp_path: Path) -> None:
+    import socket
+
+    from pipeline.train.preflight import resumable
+
+    for step in (10, 20):
+        _save_on_hosts(tmp_path, step, {"mp_rank_00_model_states.pt": socket.gethostname()})
+        (tmp_path / ckpt.tag_for(step) / "mp_rank_00_model_states.pt").unlink()  # damaged on this very host
+    with pytest.raises(PipelineError, match=r"holds 2 complete checkpoint\(s\) and none is intact, so the run would"):
+        resumable(tmp_path, "auto", False)
+
+
+def test_prune_never_deletes_the_checkpoint_just_written(tmp_path: Path) -> None:
+    """After a run restarted below its newest checkpoint (an explicit checkpoint.resume of an older tag), the
+    first save is kept: `latest` names it."""
+    for s in (400, 500):
+        _save(tmp_path, s)
+    new = _save(tmp_path, 10)
+    ckpt.prune(tmp_path, keep_last=1, keep=new)
+    assert (tmp_path / new).is_dir() and (tmp_path / "latest").read_text() == new
+    assert ckpt.complete_tags(tmp_path) == ["step00000010", "step00000500"]  # the newest step stays as well
+
+
+def test_prune_orders_by_the_step_in_the_marker(tmp_path: Path) -> None:
+    for s in (10, 20, 30):
+        _save(tmp_path, s)
+    ckpt.mark_complete(tmp_path, "step00000010", {"step": 99})  # a marker whose step its name does not say
+    ckpt.prune(tmp_path, keep_last=2)
+    assert ckpt.complete_tags(tmp_path) == ["step00000010", "step00000030"]
