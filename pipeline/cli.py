@@ -502,7 +502,10 @@ def doctor(
     needs, note = doc.needs_for(config_path, list(sets), hostfile, master_port)
     if note:
         click.echo(f"note: {note}", err=True)
-    reports = doc.doctor(hosts, needs, timeout=timeout, expected_bus_bytes=doc.expected_bus_bytes(hostfile))
+    slots = dict(hostfile_hosts(hostfile)) if hostfile else None
+    reports = doc.doctor(
+        hosts, needs, timeout=timeout, expected_bus_bytes=doc.expected_bus_bytes(hostfile), slots=slots
+    )
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
     else:

@@ -139,7 +139,10 @@ def accelerator(r: Report) -> bool:
             r.add("accelerator", WARN, "no GPU here: ranks would run on the CPU", "fine for tests; train on GPUs")
         return False
     gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
-    r.facts["gpus"] = [{"name": g.name, "memory_bytes": g.total_memory} for g in gpus]
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(len(gpus))]  # a card another job holds shows little free
+    r.facts["gpus"] = [
+        {"name": g.name, "memory_bytes": g.total_memory, "free_bytes": f} for g, f in zip(gpus, free, strict=True)
+    ]
     names = ", ".join(f"{g.name} {g.total_memory / GIB:.1f} GiB" for g in gpus)
     r.add("accelerator", PASS, f"{len(gpus)} GPU(s): {names}; CUDA {torch.version.cuda}")
     if len(gpus) > 1:

@@ -66,8 +66,10 @@ def doctor(
     timeout: float = 60.0,
     expected_bus_bytes: float | None = None,
     bandwidth_mbytes: float = 16.0,
+    slots: dict[str, int] | None = None,
 ) -> list[Report]:
-    """Reports for this machine (hosts None) or for each host, in order."""
+    """Reports for this machine (hosts None) or for each host, in order; `slots`: the hostfile's, compared with
+    each host's usable GPUs."""
     if not hosts:
         return [run_checks(needs)]
     reports = {h: Report(h) for h in hosts}
@@ -127,6 +129,7 @@ def doctor(
             reports[h].checks += [Check(**c) for c in got["checks"]]
             reports[h].facts.update(got["facts"])
     _compare(hosts, reports)
+    slots_vs_gpus(slots or {}, reports)
     ran = [h for h in reachable if "versions" in reports[h].facts]
     if len(ran) > 1:  # rank 0 on the first host whose checks ran, at its first address
         _bandwidth(ran, reports, reports[ran[0]].facts["addresses"][0], timeout, expected_bus_bytes, bandwidth_mbytes)
@@ -167,6 +170,43 @@ def _compare(hosts: list[str], reports: dict[str, Report]) -> None:
                 f"shards {str(f.get('data_fingerprint'))[:12]} here, {str(ref['data_fingerprint'])[:12]} on {hosts[0]}",
                 "copy the same shard folder to every host (rsync -a), or use a shared mount",
             )
+
+
+USABLE_FREE_SHARE = 0.5
+"""A GPU with less than this share of its memory free is held by another process: not usable for a rank."""
+
+
+def slots_vs_gpus(slots: dict[str, int], reports: dict[str, Report]) -> None:
+    """Each host's hostfile slots against the GPUs its checks found, and how many of them are free: a slot above
+    them (a dead card, a card another job holds) ends the launch in "invalid device ordinal" or an out-of-memory
+    error, after the peers have waited a collective timeout. A cluster whose hosts show no GPU at all runs CPU
+    ranks (tests): nothing to compare."""
+    if not any(r.facts.get("gpus") for r in reports.values()):
+        return
+    for host, want in slots.items():
+        r = reports.get(host)
+        if r is None or "gpus" not in r.facts:
+            continue
+        gpus = r.facts["gpus"]
+        usable = [g for g in gpus if g.get("free_bytes", g["memory_bytes"]) >= USABLE_FREE_SHARE * g["memory_bytes"]]
+        if want > len(gpus):
+            r.add(
+                "slots",
+                FAIL,
+                f"the hostfile gives {host} slots={want}, and it has {len(gpus)} GPU(s)",
+                f"set slots={len(gpus)} for {host} in the hostfile, or bring the missing card back (nvidia-smi)",
+            )
+        elif want > len(usable):
+            busy = len(gpus) - len(usable)
+            r.add(
+                "slots",
+                FAIL,
+                f"the hostfile gives {host} slots={want}; {busy} of its {len(gpus)} GPUs have less than "
+                f"{USABLE_FREE_SHARE:.0%} of their memory free (another process holds them)",
+                f"stop what holds them (nvidia-smi lists it), or set slots={len(usable)} for {host}",
+            )
+        else:
+            r.add("slots", PASS, f"slots={want}: {len(usable)} GPU(s) free of {len(gpus)}")
 
 
 def _bandwidth(

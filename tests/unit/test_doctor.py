@@ -116,3 +116,28 @@ def test_nccl_over_plain_ethernet_gets_more_sockets() -> None:
     assert found["NCCL_IB_DISABLE"] == "1" and found["NCCL_SOCKET_NTHREADS"] == "4"
     assert found["NCCL_NSOCKS_PERTHREAD"] == "4"
     assert "NCCL_SOCKET_NTHREADS" not in env_findings([host("a", True), host("b", True)])
+
+
+def test_slots_above_a_hosts_usable_gpus_fail_naming_the_host_and_the_fix() -> None:
+    """F3 of the multi-node review: a dead card (3 GPUs seen for slots=4) and a card another job holds (4 seen,
+    one with 2% free) fail before a launch that would end in "invalid device ordinal" after a 30-minute wait."""
+    from pipeline.doctor.checks import Report
+    from pipeline.doctor.cluster import slots_vs_gpus
+
+    def card(free: float) -> dict[str, float]:
+        return {"name": "NVIDIA GeForce RTX 4090 D", "memory_bytes": 24e9, "free_bytes": free * 24e9}
+
+    reports = {h: Report(h) for h in ("n1", "n2", "n3")}
+    reports["n1"].facts["gpus"] = [card(0.98)] * 4
+    reports["n2"].facts["gpus"] = [card(0.98)] * 3
+    reports["n3"].facts["gpus"] = [card(0.98)] * 3 + [card(0.02)]
+    slots_vs_gpus({"n1": 4, "n2": 4, "n3": 4}, reports)
+    got = {h: r.checks[-1] for h, r in reports.items()}
+    assert got["n1"].status == "PASS"
+    assert got["n2"].status == "FAIL" and "slots=4, and it has 3 GPU(s)" in got["n2"].detail
+    assert "set slots=3 for n2" in got["n2"].fix
+    assert got["n3"].status == "FAIL" and "1 of its 4 GPUs have less than 50% of their memory free" in got["n3"].detail
+    cpu = {"a": Report("a")}
+    cpu["a"].facts["gpus"] = []
+    slots_vs_gpus({"a": 2}, cpu)  # CPU ranks (the test clusters): nothing to compare
+    assert not cpu["a"].checks
