@@ -108,9 +108,42 @@ def prune(run_dir: Path, keep_last: int, keep: str | None = None) -> list[str]:
 
 
 UNIVERSAL = ".universal"
+CONVERSION_WORKERS = 2
+"""Processes DeepSpeed's ds_to_universal extracts the optimizer shards with; each loads one whole shard."""
 
 
-def universal(run_dir: Path, tag: str) -> tuple[str, bool]:
+def conversion_plan(run_dir: Path, tag: str, free_disk: float, available_ram: float) -> tuple[int, str | None]:
+    """Whether this node can convert `tag` to the universal form, before an hour of conversion finds out: (the
+    extraction processes to use, the problem or None). DeepSpeed writes every parameter's fragments into a
+    temporary folder, then the merged states beside them (about twice the optimizer states on the run folder's
+    disk), and each extraction process loads one whole optimizer shard into host memory (104 GB for a 70B ZeRO-3
+    shard of 8 ranks: more than a 120 GB node has free). Fewer processes when only that fits."""
+    folder = Path(run_dir) / tag
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()} if folder.is_dir() else {}
+    optim = [n for name, n in sizes.items() if "optim_states" in name]
+    need_disk = 2 * sum(optim) + sum(n for name, n in sizes.items() if "optim_states" not in name)
+    largest = max(optim, default=0)
+    problems = []
+    if need_disk > free_disk:
+        problems.append(
+            f"the run folder's disk needs about {need_disk / 1e9:,.1f} GB for it (twice the optimizer states: "
+            f"fragments, then merged) and has {free_disk / 1e9:,.1f} GB free; free space there, or resume on the "
+            "world size that saved it"
+        )
+    workers = max(1, min(CONVERSION_WORKERS, int(available_ram // largest) if largest else CONVERSION_WORKERS))
+    if largest > available_ram:
+        problems.append(
+            f"DeepSpeed loads each optimizer shard whole ({largest / 1e9:,.1f} GB) into this node's host memory, "
+            f"which has {available_ram / 1e9:,.1f} GB available; convert on a node with more memory "
+            f"(python -m deepspeed.checkpoint.ds_to_universal --input_folder {folder} --output_folder "
+            f"{folder}{UNIVERSAL} --num_extract_workers 1), or resume on the world size that saved it"
+        )
+    if not problems:
+        return workers, None
+    return workers, f"cannot convert {folder} for another world size here: " + "; ".join(problems)
+
+
+def universal(run_dir: Path, tag: str, workers: int = CONVERSION_WORKERS) -> tuple[str, bool]:
     """`TAG.universal`, DeepSpeed's universal form of checkpoint `tag` (optimizer states per parameter, loadable
     by any world size), converted with its own ds_to_universal once, into a temporary folder renamed when done.
     Returns (tag to load, whether it was converted now)."""
@@ -126,7 +159,7 @@ def universal(run_dir: Path, tag: str) -> tuple[str, bool]:
         args = SimpleNamespace(
             input_folder=str(Path(run_dir) / tag),
             output_folder=str(tmp),
-            num_extract_workers=2,
+            num_extract_workers=workers,
             num_merge_workers=1,
             keep_temp_folder=False,
             strict=True,

@@ -125,9 +125,17 @@ class Checkpointer:
 
     def _universal(self, tag: str) -> str:
         """Rank 0: the universal form of `tag`, converted now unless it is there from an earlier launch."""
+        import psutil
+
         run_dir = self.run.run_dir
+        workers = ckpt.CONVERSION_WORKERS
+        if not (run_dir / f"{tag}{ckpt.UNIVERSAL}" / ckpt.MARKER).exists():
+            free, ram = shutil.disk_usage(run_dir).free, psutil.virtual_memory().available
+            workers, problem = ckpt.conversion_plan(run_dir, tag, free, ram)
+            if problem:
+                raise PipelineError(problem)
         try:
-            name, converted = ckpt.universal(run_dir, tag)
+            name, converted = ckpt.universal(run_dir, tag, workers)
         except Exception as e:  # noqa: BLE001 - said on every rank by on_rank0
             raise PipelineError(
                 f"converting {run_dir}/{tag} to a universal checkpoint failed: {type(e).__name__}: {e}"

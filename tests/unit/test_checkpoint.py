@@ -133,3 +133,21 @@ def test_prune_orders_by_the_step_in_the_marker(tmp_path: Path) -> None:
     ckpt.mark_complete(tmp_path, "step00000010", {"step": 99})  # a marker whose step its name does not say
     ckpt.prune(tmp_path, keep_last=2)
     assert ckpt.complete_tags(tmp_path) == ["step00000010", "step00000030"]
+
+
+def test_a_conversion_that_cannot_fit_is_refused_before_it_starts(tmp_path: Path) -> None:
+    """F4 of the multi-node review: a disk with room for the checkpoints but not the conversion (about twice the
+    optimizer states), and a node whose memory cannot hold one whole shard, are said before an hour of work;
+    a node that holds one shard but not two converts with one process."""
+    tag = _save(tmp_path, 100)
+    for rank in range(2):  # sparse files: the sizes of a real checkpoint's shards, no disk used
+        with open(tmp_path / tag / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", "wb") as f:
+            f.truncate(40 * 10**9)
+    assert ckpt.conversion_plan(tmp_path, tag, free_disk=200e9, available_ram=100e9) == (2, None)
+    workers, problem = ckpt.conversion_plan(tmp_path, tag, free_disk=120e9, available_ram=100e9)
+    assert workers == 2 and problem is not None
+    assert "needs about 160.0 GB for it" in problem and "has 120.0 GB free" in problem
+    assert ckpt.conversion_plan(tmp_path, tag, free_disk=200e9, available_ram=60e9) == (1, None)
+    _, problem = ckpt.conversion_plan(tmp_path, tag, free_disk=200e9, available_ram=30e9)
+    assert problem is not None and "loads each optimizer shard whole (40.0 GB)" in problem
+    assert "--num_extract_workers 1" in problem
