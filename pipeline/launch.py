@@ -22,6 +22,7 @@ import click
 import psutil
 
 from pipeline.errors import EXIT_STOPPED, PipelineError
+from pipeline.plan.hostfile import hostfile_hosts
 from pipeline.train.ops import use_project_cache
 
 PACKAGE = Path(__file__).resolve().parent
@@ -133,7 +134,8 @@ def pretrain(
         cmd += ["--set", s]
     use_project_cache()  # the ranks of this machine inherit it
     click.echo("+ " + " ".join(cmd), err=True)
-    return run_with_restarts(cmd, max_restarts, Path(cfg.run_dir))
+    hosts = [h for h, _ in hostfile_hosts(where.hostfile)] if where.hostfile else None
+    return run_with_restarts(cmd, max_restarts, Path(cfg.run_dir), hosts)
 
 
 def build_ops_ahead(ds: dict[str, Any], world: int, per_node: int) -> None:
@@ -194,10 +196,30 @@ NOT_RELAUNCHED = (0, 2, 130, EXIT_STOPPED)
 the same way; 130 and 143 stopped by a signal."""
 
 
-def run_with_restarts(cmd: list[str], max_restarts: int, run_dir: Path | None = None) -> int:
+def unreachable_hosts(hosts: list[str], timeout: float = 15.0) -> list[tuple[str, str]]:
+    """(host, why) for each host that does not answer ssh as DeepSpeed's launcher reaches it, asked in parallel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.doctor.cluster import ssh
+
+    with ThreadPoolExecutor(min(32, len(hosts))) as pool:
+        answers = list(pool.map(lambda h: ssh(h, "true", timeout), hosts))
+    return [
+        (h, (a.stderr.strip().splitlines() or [f"exit code {a.returncode}"])[-1])
+        for h, a in zip(hosts, answers, strict=True)
+        if a.returncode != 0
+    ]
+
+
+def run_with_restarts(
+    cmd: list[str], max_restarts: int, run_dir: Path | None = None, hosts: list[str] | None = None
+) -> int:
     """Run the launcher; after a failure that a relaunch can fix, run it again (the run resumes from its latest
-    complete checkpoint), up to `max_restarts` times. A SIGTERM or SIGINT to this process stops the run as one:
-    every rank saves at the end of its step and exits (`Supervised`); the exit code is then 143 or 130."""
+    complete checkpoint), up to `max_restarts` times. Before a relaunch every host of `hosts` (the hostfile's) is
+    reached: DeepSpeed probes only the first, and a relaunch with a lost node waits in its first collective for
+    the whole timeout, every try; with one gone the run stops, naming it. A SIGTERM or SIGINT to this process stops
+    the run as one: every rank saves at the end of its step and exits (`Supervised`); the exit code is then 143 or
+    130."""
     restarts = 0
     while True:
         started = time.monotonic()
@@ -208,6 +230,16 @@ def run_with_restarts(cmd: list[str], max_restarts: int, run_dir: Path | None = 
         if code in NOT_RELAUNCHED or restarts >= max_restarts:
             if code not in NOT_RELAUNCHED and max_restarts:
                 click.echo(f"launch failed with exit code {code}; no restarts left ({max_restarts} used)", err=True)
+            return code
+        if hosts and (lost := unreachable_hosts(hosts)):
+            click.echo(
+                f"launch failed with exit code {code}, and {len(lost)} host(s) of the hostfile do not answer ssh: "
+                + "; ".join(f"{h} ({why})" for h, why in lost)
+                + ". Not relaunching: each try would wait its first collective's whole timeout for them. Bring "
+                "them back and run the same command, or remove them from the hostfile (the run resumes on the "
+                "smaller world through DeepSpeed's universal checkpoint)",
+                err=True,
+            )
             return code
         restarts += 1
         click.echo(

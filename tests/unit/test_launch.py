@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline.train.dist import local_ranks_problem
 from tests.multiproc import launch
 
@@ -85,3 +87,22 @@ def test_the_launchers_report_of_a_rank_that_stopped_on_a_signal_stays_in_the_lo
     crashed = stopped.replace(b"= 143", b"= 1")
     console = Console(tmp_path / "run", "deepspeed ...")
     assert not console.shown(stopped) and console.shown(crashed)
+
+
+def test_a_lost_host_stops_the_restarts_at_once_naming_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """F2 of the multi-node review: after a failed launch, --max-restarts reaches every host of the hostfile first
+    (DeepSpeed's launcher probes only the first); with one lost it stops, naming it, instead of relaunching into a
+    collective that waits its whole timeout for the lost node, every try."""
+    import shutil
+    import time
+
+    from pipeline.launch import run_with_restarts
+
+    if shutil.which("ssh") is None:
+        pytest.skip("no ssh client (apt-get install openssh-client)")
+    started = time.monotonic()
+    code = run_with_restarts(["false"], max_restarts=3, run_dir=tmp_path, hosts=["lost-node.invalid"])
+    said = capsys.readouterr().err
+    assert code == 1 and time.monotonic() - started < 60
+    assert "1 host(s) of the hostfile do not answer ssh: lost-node.invalid (" in said
+    assert "Not relaunching" in said and "restart 1 of 3" not in said
