@@ -1,4 +1,4 @@
-"""A short all-reduce between hosts (one process per host; NCCL on GPUs, gloo on CPUs) over the interface the
+"""A short all-reduce between hosts (one process per hostfile slot; NCCL on GPUs, gloo on CPUs) over the interface the
 checks found: the bus bandwidth a data-parallel run will see, as nccl-tests counts it (2 (n-1)/n x bytes / time).
 Started on every host at once by `pipeline doctor --hostfile`; rank 0 prints the figure."""
 
@@ -15,6 +15,7 @@ from datetime import timedelta
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--local-rank", type=int, default=0, help="this process's GPU on its host")
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--master", required=True, help="ADDR:PORT of rank 0")
     ap.add_argument("--iface", default=None)
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
+    from pipeline.train.env import apply_env_files
+
+    apply_env_files()  # .deepspeed_env, as the run's ranks get it (NCCL_IB_*, NCCL_P2P_DISABLE, ...)
     if args.iface:
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = args.iface
 
@@ -38,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu = torch.cuda.is_available()
     backend = "nccl" if gpu else "gloo"
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    device = torch.device("cuda", args.local_rank) if gpu else torch.device("cpu")
     dist.init_process_group(
         backend,
         init_method=f"tcp://{args.master}",

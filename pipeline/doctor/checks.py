@@ -36,7 +36,7 @@ class Needs:
 
     host_ram_bytes: float | None = None
     disk_bytes: float | None = None
-    """Room for two checkpoints on the first node (the busiest)."""
+    """Room for two checkpoints on the busiest node (the first), checked on every host."""
     run_dir: str | None = None
     nvme_path: str | None = None
     nvme_bytes: float | None = None
@@ -49,6 +49,10 @@ class Needs:
     """The run pins host memory (GPU runs: offload buffers, NCCL); CPU runs do not, and need no memlock limit."""
     peer: str | None = None
     """An address of another host: the interface that routes there is the one collectives will use."""
+    shared_probe: str | None = None
+    """A file the launching machine wrote into run_dir (or the folder it will be made in): every host must see it,
+    since every rank writes its checkpoint shards there and resuming needs them all in one place."""
+    launcher_host: str | None = None
 
 
 @dataclass
@@ -188,12 +192,45 @@ def network(r: Report, needs: Needs) -> None:
     )
 
 
+def infiniband_devices(root: str = "/sys/class/infiniband") -> list[str]:
+    try:
+        return sorted(os.listdir(root))
+    except OSError:
+        return []
+
+
+def shared_run_dir(r: Report, needs: Needs) -> None:
+    """Whether this host sees the file the launching machine wrote into run_dir (`Needs.shared_probe`)."""
+    if not needs.shared_probe:
+        return
+    if Path(needs.shared_probe).is_file():
+        r.add("shared run_dir", PASS, f"{Path(needs.shared_probe).parent} is the folder {needs.launcher_host} wrote in")
+        return
+    r.add(
+        "shared run_dir",
+        FAIL,
+        f"{needs.shared_probe}, written from {needs.launcher_host}, is not visible here: run_dir "
+        f"{needs.run_dir} is this host's own folder. Every rank writes its checkpoint shards there; a resume, "
+        "evaluation or export needs them all in one place",
+        "put run_dir on storage every node mounts at the same path (NFS, a cluster file system)",
+    )
+
+
 def limits(r: Report, needs: Needs | None = None) -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY:
         r.add("ulimit -l", PASS, "locked memory unlimited")
     elif needs is not None and not needs.pins_memory:
         r.add("ulimit -l", PASS, f"locked memory limited to {soft / 2**20:.0f} MiB; this run pins none (CPU ranks)")
+    elif infiniband_devices():
+        r.add(
+            "ulimit -l",
+            FAIL,
+            f"locked memory limited to {soft / 2**20:.0f} MiB on a host with InfiniBand "
+            f"({', '.join(infiniband_devices())}): NCCL registers its RDMA buffers as locked memory and fails, or "
+            "falls back to sockets",
+            "'* - memlock unlimited' in /etc/security/limits.conf (docker: --ulimit memlock=-1), then log in again",
+        )
     else:
         r.add(
             "ulimit -l",
@@ -220,7 +257,7 @@ def limits(r: Report, needs: Needs | None = None) -> None:
         r.add("/dev/shm", PASS, f"{shm / GIB:.0f} GiB")
 
 
-def memory_and_disk(r: Report, needs: Needs, first: bool) -> None:
+def memory_and_disk(r: Report, needs: Needs) -> None:
     avail = _mem_available()
     r.facts["ram_available_bytes"] = avail
     if needs.host_ram_bytes and avail is not None:
@@ -237,7 +274,7 @@ def memory_and_disk(r: Report, needs: Needs, first: bool) -> None:
     if needs.run_dir:
         folder = _existing(Path(needs.run_dir))
         free = shutil.disk_usage(folder).free
-        need = needs.disk_bytes if first else None
+        need = needs.disk_bytes  # every host: a node-local run_dir holds each node's share
         ok = need is None or free >= need
         r.add(
             "disk",
@@ -316,7 +353,8 @@ def run_checks(needs: Needs, *, first: bool = True, quick: bool = False) -> Repo
     pretrain` runs before every launch)."""
     r = Report(socket.gethostname())
     limits(r, needs)
-    memory_and_disk(r, needs, first)
+    memory_and_disk(r, needs)
+    shared_run_dir(r, needs)
     data(r, needs)
     if first:
         master_port(r, needs.master_port)

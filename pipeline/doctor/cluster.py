@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,8 @@ def doctor(
     if not reachable:
         return [launcher, *reports.values()]
     master = reports[reachable[0]].facts["addresses"][0]  # as DeepSpeed picks it: the first host's `hostname -I`
+    probe = _write_shared_probe(needs.run_dir)
+    needs = replace(needs, shared_probe=str(probe) if probe else None, launcher_host=socket.gethostname())
 
     def checks(h: str) -> tuple[str, Any, str]:
         first = h == hosts[0]
@@ -128,12 +130,32 @@ def doctor(
                 continue
             reports[h].checks += [Check(**c) for c in got["checks"]]
             reports[h].facts.update(got["facts"])
+    if probe:
+        probe.unlink(missing_ok=True)
     _compare(hosts, reports)
     slots_vs_gpus(slots or {}, reports)
     ran = [h for h in reachable if "versions" in reports[h].facts]
     if len(ran) > 1:  # rank 0 on the first host whose checks ran, at its first address
-        _bandwidth(ran, reports, reports[ran[0]].facts["addresses"][0], timeout, expected_bus_bytes, bandwidth_mbytes)
+        first = reports[ran[0]].facts["addresses"][0]
+        ranks = [(h, local) for h in ran for local in range((slots or {}).get(h, 1))]
+        _bandwidth(ranks, reports, first, timeout, expected_bus_bytes, bandwidth_mbytes)
     return [launcher, *reports.values()]
+
+
+def _write_shared_probe(run_dir: str | None) -> Path | None:
+    """A file in run_dir (or the nearest folder above it that exists) that every host must see: the run folder
+    has to be one folder shared by all nodes (pipeline.train.checkpoint.unshared_hosts)."""
+    if not run_dir:
+        return None
+    folder = Path(run_dir).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    probe = folder / f".pipeline-doctor-{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.write_text("written by pipeline doctor on the launching machine\n")
+    except OSError:
+        return None  # the disk check says what is wrong with the folder
+    return probe
 
 
 def _compare(hosts: list[str], reports: dict[str, Report]) -> None:
@@ -210,19 +232,30 @@ def slots_vs_gpus(slots: dict[str, int], reports: dict[str, Report]) -> None:
 
 
 def _bandwidth(
-    hosts: list[str], reports: dict[str, Report], master: str, timeout: float, expected: float | None, mbytes: float
+    ranks: list[tuple[str, int]],
+    reports: dict[str, Report],
+    master: str,
+    timeout: float,
+    expected: float | None,
+    mbytes: float,
 ) -> None:
+    """An all-reduce with one process per hostfile slot (host, local rank), as the run will place its ranks: the
+    path between a node's own GPUs (P2P, or through host memory without it) is exercised with the network's."""
+    hosts = list(dict.fromkeys(h for h, _ in ranks))
 
     with socket.socket() as s:  # a port for the rendezvous; free here, and very likely on the first host
         s.bind(("", 0))
         port = s.getsockname()[1]
 
     def rank(i: int) -> subprocess.CompletedProcess:
+        host, local = ranks[i]
         args = [
             "--rank",
             str(i),
+            "--local-rank",
+            str(local),
             "--world",
-            str(len(hosts)),
+            str(len(ranks)),
             "--master",
             f"{master}:{port}",
             "--mbytes",
@@ -230,9 +263,9 @@ def _bandwidth(
             "--timeout",
             str(timeout),
         ]
-        iface = reports[hosts[i]].facts.get("interface")
+        iface = reports[host].facts.get("interface")
         return ssh(
-            hosts[i],
+            host,
             remote_python("pipeline.doctor.bandwidth", args + (["--iface", iface] if iface else [])),
             timeout + 30,
         )
@@ -248,14 +281,14 @@ def _bandwidth(
                     f"hostfile says {expected * 8 / 1e9:g} Gbps",
                     "if a faster interface exists, NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME=<it>",
                 )
-    with ThreadPoolExecutor(len(hosts)) as pool:
-        results = list(pool.map(rank, range(len(hosts))))
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        results = list(pool.map(rank, range(len(ranks))))
     got = _parse("DOCTOR-BW", results[0].stdout)
     first = reports[hosts[0]]
     if got is None:
         errs = "; ".join(
             f"{h}: {(r.stderr.strip().splitlines() or [f'exit {r.returncode}'])[-1]}"
-            for h, r in zip(hosts, results, strict=True)
+            for (h, _), r in zip(ranks, results, strict=True)
             if r.returncode != 0
         )
         first.add(
@@ -268,7 +301,8 @@ def _bandwidth(
     bus = got["bus_bytes_per_s"]
     first.facts["allreduce_bus_bytes_per_s"] = bus
     detail = (
-        f"{got['backend']} all-reduce of {got['bytes'] / 2**20:.0f} MiB over {len(hosts)} hosts: "
+        f"{got['backend']} all-reduce of {got['bytes'] / 2**20:.0f} MiB over {len(hosts)} hosts, "
+        f"{len(ranks)} ranks: "
         f"{bus / 1e9:.3g} GB/s bus bandwidth ({bus * 8 / 1e9:.3g} Gbps)"
     )
     if expected:

@@ -79,7 +79,7 @@ def doctor(h: dict, hostfile: Path, *args: str) -> tuple[subprocess.CompletedPro
 
 def test_two_hosts_bandwidth_interface_and_version_mismatch(hosts: dict) -> None:
     hostfile = hosts["work"] / "two"
-    hostfile.write_text(f"# cluster: network={RATE_MBIT / 1000}Gbps\nnode0 slots=1\nnode1 slots=1\n")
+    hostfile.write_text(f"# cluster: network={RATE_MBIT / 1000}Gbps\nnode0 slots=2\nnode1 slots=2\n")
     out, _ = doctor(hosts, hostfile, "--json", "--timeout", "60", "--write-env")
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # the version mismatch fails
     reports = {r["host"]: r for r in json.loads(out.stdout)}
@@ -87,6 +87,8 @@ def test_two_hosts_bandwidth_interface_and_version_mismatch(hosts: dict) -> None
     assert node0["facts"]["interface"] == hosts["iface"] and node1["facts"]["interface"] == hosts["iface"]
     bus = node0["facts"]["allreduce_bus_bytes_per_s"]
     assert abs(bus * 8 / 1e6 / RATE_MBIT - 1) < 0.3, f"{bus * 8 / 1e6:.0f} Mbit/s measured on a {RATE_MBIT} Mbit link"
+    allreduce = next(c["detail"] for c in node0["checks"] if c["name"] == "all-reduce")
+    assert "over 2 hosts, 4 ranks" in allreduce  # one process per slot: the path inside a node is exercised too
     mismatch = [c for c in node1["checks"] if c["name"] == "same as first host"]
     assert mismatch and mismatch[0]["status"] == "FAIL"
     assert "deepspeed 0.14.0 here" in mismatch[0]["detail"] and "0.19" in mismatch[0]["detail"]

@@ -7,6 +7,7 @@ import json
 import socket
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
@@ -141,3 +142,46 @@ def test_slots_above_a_hosts_usable_gpus_fail_naming_the_host_and_the_fix() -> N
     cpu["a"].facts["gpus"] = []
     slots_vs_gpus({"a": 2}, cpu)  # CPU ranks (the test clusters): nothing to compare
     assert not cpu["a"].checks
+
+
+def test_a_run_dir_the_launching_machine_wrote_in_must_be_seen_by_every_host(tmp_path: Path) -> None:
+    """F1/F5 of the multi-node review: the doctor writes a file into run_dir from the launching machine; a host
+    whose run_dir is its own disk does not see it and fails, naming the launching machine and the fix."""
+    from pipeline.doctor.checks import Needs, Report, shared_run_dir
+    from pipeline.doctor.cluster import _write_shared_probe
+
+    probe = _write_shared_probe(str(tmp_path / "runs" / "new"))  # not made yet: the folder it will be made in
+    assert probe is not None and probe.parent == tmp_path and probe.is_file()
+    seen, unseen = Report("node0"), Report("node1")
+    shared_run_dir(seen, Needs(run_dir="runs/new", shared_probe=str(probe), launcher_host="login"))
+    shared_run_dir(unseen, Needs(run_dir="runs/new", shared_probe=str(tmp_path / "other"), launcher_host="login"))
+    assert seen.checks[-1].status == "PASS"
+    assert unseen.checks[-1].status == "FAIL" and "written from login, is not visible here" in unseen.checks[-1].detail
+    assert "storage every node mounts at the same path" in unseen.checks[-1].fix
+
+
+def test_locked_memory_limited_on_an_infiniband_host_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F5: NCCL registers its RDMA buffers as locked memory; a 64 KiB limit (docker's default) on an InfiniBand
+    host fails the run or drops it to sockets, so it is a FAIL there, not a warning."""
+    import resource
+
+    from pipeline.doctor import checks
+
+    (tmp_path / "mlx5_0").mkdir()
+    monkeypatch.setattr(checks, "infiniband_devices", lambda root="": ["mlx5_0"])
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (64 * 1024, 64 * 1024))
+    r = checks.Report("node0")
+    checks.limits(r, checks.Needs())
+    memlock = next(c for c in r.checks if c.name == "ulimit -l")
+    assert memlock.status == "FAIL" and "InfiniBand (mlx5_0)" in memlock.detail
+    assert checks.infiniband_devices(str(tmp_path)) == ["mlx5_0"]
+
+
+def test_every_host_is_checked_for_room_for_the_checkpoints(tmp_path: Path) -> None:
+    """F5: with node-local disks every node holds its share of each checkpoint; the disk check ran on the first
+    host only."""
+    from pipeline.doctor.checks import Needs, run_checks
+
+    r = run_checks(Needs(run_dir=str(tmp_path), disk_bytes=1e18), first=False, quick=True)
+    disk = next(c for c in r.checks if c.name == "disk")
+    assert disk.status == "FAIL" and "two checkpoints need" in disk.detail
