@@ -15,7 +15,7 @@ from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model, kernels, pretraining_class, transformers_helper
 from pipeline.plan.cluster import offload_devices
 from pipeline.train.config import PretrainConfig
-from pipeline.train.dist import accelerator_name
+from pipeline.train.dist import accelerator_name, on_rank0
 from pipeline.train.ds_config import zero_stage
 from pipeline.train.weights import init_weights, load_initial_weights
 
@@ -85,10 +85,14 @@ def choose_speed(
     device: torch.device,
 ) -> Speed:
     """train.compile, train.attention and train.kernels resolved here, and applied to the process (the SDPA
-    priority, transformers' patched modules): call once before the model is built."""
+    priority, transformers' patched modules): call once on every rank, before the model is built."""
     stage = zero_stage(ds)
     compile_on, compile_note = kernels.choose_compile(cfg.train.compile, device.type, stage)
-    attention = kernels.choose_attention(cfg.train.attention, shape, micro_batch_size, seq_len, device)
+    # Rank 0 times the backends and every rank takes its choice: timings within noise of each other would otherwise
+    # give ranks different kernels.
+    attention = on_rank0(
+        lambda: kernels.choose_attention(cfg.train.attention, shape, micro_batch_size, seq_len, device)
+    )
     kernel_set = kernels.choose_kernels(cfg.train.kernels, shape, device.type, zero3=stage == 3, compiled=compile_on)
     kernels.apply_attention(attention)
     kernels.apply_kernels(kernel_set, shape)
