@@ -123,7 +123,8 @@ def pretrain(
     for note in before_launch(prepared, world):  # the run folder free, shards whole, the checkpoint it continues
         click.echo(note, err=True)
     check_checkpoint_space(prepared, world, per_node)
-    quick_doctor(cfg, None if where.hostfile else where.master_port or 29500, skip_doctor)
+    # The rendezvous port matters to a launch, not to a dry run (which starts nothing and may run beside a live one).
+    quick_doctor(cfg, None if where.hostfile or dry_run else where.master_port or 29500, skip_doctor)
     if dry_run:
         click.echo(describe(prepared))
         return 0
