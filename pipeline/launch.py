@@ -199,17 +199,9 @@ the same way; 130 and 143 stopped by a signal."""
 
 def unreachable_hosts(hosts: list[str], timeout: float = 15.0) -> list[tuple[str, str]]:
     """(host, why) for each host that does not answer ssh as DeepSpeed's launcher reaches it, asked in parallel."""
-    from concurrent.futures import ThreadPoolExecutor
+    from pipeline.doctor.cluster import ask_every, last_line
 
-    from pipeline.doctor.cluster import ssh
-
-    with ThreadPoolExecutor(min(32, len(hosts))) as pool:
-        answers = list(pool.map(lambda h: ssh(h, "true", timeout), hosts))
-    return [
-        (h, (a.stderr.strip().splitlines() or [f"exit code {a.returncode}"])[-1])
-        for h, a in zip(hosts, answers, strict=True)
-        if a.returncode != 0
-    ]
+    return [(h, last_line(a)) for h, a in ask_every(hosts, "true", timeout).items() if a.returncode != 0]
 
 
 def run_with_restarts(

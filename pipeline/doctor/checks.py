@@ -272,7 +272,7 @@ def memory_and_disk(r: Report, needs: Needs) -> None:
         why = "no plan of the config to compare with" if needs.run_dir else "give --config to compare with the plan"
         r.add("host RAM", PASS, f"{(avail or 0) / 1e9:,.0f} GB available ({why})")
     if needs.run_dir:
-        folder = _existing(Path(needs.run_dir))
+        folder = nearest_existing(Path(needs.run_dir))
         free = shutil.disk_usage(folder).free
         need = needs.disk_bytes  # every host: a node-local run_dir holds each node's share
         ok = need is None or free >= need
@@ -403,7 +403,8 @@ def _mem_available() -> int | None:
     return None
 
 
-def _existing(p: Path) -> Path:
+def nearest_existing(p: Path) -> Path:
+    """`p`, or the nearest folder above it that exists (where a folder not made yet will be)."""
     p = p.absolute()
     while not p.exists():
         p = p.parent

@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.doctor.checks import FAIL, PASS, WARN, Check, Needs, Report, run_checks
+from pipeline.doctor.checks import FAIL, PASS, WARN, Check, Needs, Report, nearest_existing, run_checks
 from pipeline.errors import PipelineError
 from pipeline.plan.cluster import cluster_from_flags
 from pipeline.plan.hostfile import hostfile_facts
@@ -44,6 +44,17 @@ def ssh(host: str, command: str, timeout: float, ssh_port: int | None = None) ->
         return subprocess.run([*cmd, host, command], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return subprocess.CompletedProcess(cmd, 124, "", f"no answer within {timeout:g} s")
+
+
+def ask_every(hosts: list[str], command: str, timeout: float) -> dict[str, subprocess.CompletedProcess]:
+    """`command` on every host at once over ssh (`ssh`), each answer by host."""
+    with ThreadPoolExecutor(min(32, len(hosts))) as pool:
+        return dict(zip(hosts, pool.map(lambda h: ssh(h, command, timeout), hosts), strict=True))
+
+
+def last_line(res: subprocess.CompletedProcess) -> str:
+    """What a failed remote command said last (its exit code when it said nothing)."""
+    return (res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1]
 
 
 def remote_python(module: str, args: list[str]) -> str:
@@ -81,22 +92,7 @@ def doctor(
         "found" if ok else "not on PATH: DeepSpeed's multi-node launcher runs pdsh here",
         "" if ok else "apt-get install pdsh",
     )
-    with ThreadPoolExecutor(len(hosts)) as pool:
-        answers = dict(zip(hosts, pool.map(lambda h: ssh(h, "hostname -I", timeout), hosts), strict=True))
-    reachable = []
-    for h, res in answers.items():
-        if res.returncode == 0 and res.stdout.split():
-            reports[h].add("ssh", PASS, "reachable without a password")
-            reports[h].facts["addresses"] = res.stdout.split()
-            reachable.append(h)
-        else:
-            why = (res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1]
-            reports[h].add(
-                "ssh",
-                FAIL,
-                f"{h} not reachable by ssh without a password: {why}",
-                "ssh-copy-id to it from this machine; check its name resolves (~/.ssh/config, /etc/hosts)",
-            )
+    reachable = _reach(reports, timeout)
     if not reachable:
         return [launcher, *reports.values()]
     master = reports[reachable[0]].facts["addresses"][0]  # as DeepSpeed picks it: the first host's `hostname -I`
@@ -142,15 +138,31 @@ def doctor(
     return [launcher, *reports.values()]
 
 
+def _reach(reports: dict[str, Report], timeout: float) -> list[str]:
+    """The hosts that answer ssh as DeepSpeed's launcher reaches them (their addresses recorded), in order; a FAIL
+    with the reason on each other one."""
+    reachable = []
+    for h, res in ask_every(list(reports), "hostname -I", timeout).items():
+        if res.returncode == 0 and res.stdout.split():
+            reports[h].add("ssh", PASS, "reachable without a password")
+            reports[h].facts["addresses"] = res.stdout.split()
+            reachable.append(h)
+        else:
+            reports[h].add(
+                "ssh",
+                FAIL,
+                f"{h} not reachable by ssh without a password: {last_line(res)}",
+                "ssh-copy-id to it from this machine; check its name resolves (~/.ssh/config, /etc/hosts)",
+            )
+    return reachable
+
+
 def _write_shared_probe(run_dir: str | None) -> Path | None:
     """A file in run_dir (or the nearest folder above it that exists) that every host must see: the run folder
     has to be one folder shared by all nodes (pipeline.train.checkpoint.unshared_hosts)."""
     if not run_dir:
         return None
-    folder = Path(run_dir).absolute()
-    while not folder.exists():
-        folder = folder.parent
-    probe = folder / f".pipeline-doctor-{socket.gethostname()}-{os.getpid()}"
+    probe = nearest_existing(Path(run_dir)) / f".pipeline-doctor-{socket.gethostname()}-{os.getpid()}"
     try:
         probe.write_text("written by pipeline doctor on the launching machine\n")
     except OSError:
@@ -231,6 +243,22 @@ def slots_vs_gpus(slots: dict[str, int], reports: dict[str, Report]) -> None:
             r.add("slots", PASS, f"slots={want}: {len(usable)} GPU(s) free of {len(gpus)}")
 
 
+def _link_speeds(hosts: list[str], reports: dict[str, Report], expected: float | None) -> None:
+    """A WARN on each host whose interface is slower than the hostfile's network."""
+    if not expected:
+        return
+    for h in hosts:
+        f = reports[h].facts
+        if f.get("link_mbps") and f["link_mbps"] * 1e6 / 8 < 0.9 * expected:
+            reports[h].add(
+                "link speed",
+                WARN,
+                f"{f['interface']} is a {f['link_mbps'] / 1000:g} Gbps link; the "
+                f"hostfile says {expected * 8 / 1e9:g} Gbps",
+                "if a faster interface exists, NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME=<it>",
+            )
+
+
 def _bandwidth(
     ranks: list[tuple[str, int]],
     reports: dict[str, Report],
@@ -270,27 +298,13 @@ def _bandwidth(
             timeout + 30,
         )
 
-    if expected:
-        for h in hosts:
-            f = reports[h].facts
-            if f.get("link_mbps") and f["link_mbps"] * 1e6 / 8 < 0.9 * expected:
-                reports[h].add(
-                    "link speed",
-                    WARN,
-                    f"{f['interface']} is a {f['link_mbps'] / 1000:g} Gbps link; the "
-                    f"hostfile says {expected * 8 / 1e9:g} Gbps",
-                    "if a faster interface exists, NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME=<it>",
-                )
+    _link_speeds(hosts, reports, expected)
     with ThreadPoolExecutor(len(ranks)) as pool:
         results = list(pool.map(rank, range(len(ranks))))
     got = _parse("DOCTOR-BW", results[0].stdout)
     first = reports[hosts[0]]
     if got is None:
-        errs = "; ".join(
-            f"{h}: {(r.stderr.strip().splitlines() or [f'exit {r.returncode}'])[-1]}"
-            for (h, _), r in zip(ranks, results, strict=True)
-            if r.returncode != 0
-        )
+        errs = "; ".join(f"{h}: {last_line(r)}" for (h, _), r in zip(ranks, results, strict=True) if r.returncode != 0)
         first.add(
             "all-reduce",
             FAIL,
