@@ -120,11 +120,11 @@ def pretrain(
     where = where.resolved()
     world, per_node = where.world_size()
     prepared = prepare(cfg, world, per_node)  # the same checks every rank makes, before any process starts
-    for note in before_launch(prepared, world):  # the run folder free, shards whole, the checkpoint it continues
-        click.echo(note, err=True)
-    check_checkpoint_space(prepared, world, per_node)
     # The rendezvous port matters to a launch, not to a dry run (which starts nothing and may run beside a live one).
-    quick_doctor(cfg, None if where.hostfile or dry_run else where.master_port or 29500, skip_doctor)
+    failed = quick_doctor(cfg, None if where.hostfile or dry_run else where.master_port or 29500)
+    # One error for every problem: the run folder free, shards whole, the checkpoint it continues, disk, the doctor.
+    for note in before_launch(prepared, world, per_node, more=[] if skip_doctor else failed):
+        click.echo(note, err=True)
     if dry_run:
         click.echo(describe(prepared))
         return 0
@@ -160,36 +160,24 @@ def build_ops_ahead(ds: dict[str, Any], world: int, per_node: int) -> None:
             click.echo(f"  {name} not built here ({error}); the ranks will try, and say why if it fails", err=True)
 
 
-def quick_doctor(cfg: Any, master_port: int | None, skip: bool) -> None:
-    """`pipeline doctor`'s checks that need no import of torch or deepspeed, on this machine; a FAIL stops the
-    launch unless --skip-doctor."""
+def quick_doctor(cfg: Any, master_port: int | None) -> list[str]:
+    """`pipeline doctor`'s checks that need no import of torch or deepspeed, on this machine: WARN and FAIL lines
+    printed, each FAIL returned as a problem that stops the launch unless --skip-doctor."""
     from pipeline.doctor.checks import FAIL, WARN, Needs, run_checks
     from pipeline.train.dist import accelerator_name
 
     needs = Needs(
         run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port, pins_memory=accelerator_name() == "cuda"
     )
-    report = run_checks(needs, quick=True)
-    for c in report.checks:
+    failed = []
+    for c in run_checks(needs, quick=True).checks:
         if c.status in (WARN, FAIL):
             click.echo(f"doctor: {c.status} {c.name}: {c.detail}" + (f" ({c.fix})" if c.fix else ""), err=True)
-    failed = [c.name for c in report.checks if c.status == FAIL]
-    if failed and not skip:
-        raise PipelineError(
-            f"local checks failed ({', '.join(failed)}; see above); fix them, or launch anyway with --skip-doctor"
-        )
-
-
-def check_checkpoint_space(prepared: Any, world: int, per_node: int) -> None:
-    """Refuse a run whose checkpoints cannot be saved safely on this node's disk (the first node's: the busiest)."""
-    from pipeline.train import checkpoint as ckpt
-
-    cfg = prepared.cfg
-    if not cfg.checkpoint.enabled:
-        return
-    size = ckpt.checkpoint_size(prepared, world, per_node)
-    if problem := ckpt.space_problem(cfg.run_dir, size, cfg.checkpoint.keep_last):
-        raise PipelineError(problem)
+        if c.status == FAIL:
+            failed.append(
+                f"the local check '{c.name}' failed ({c.detail}); fix it, or launch anyway with --skip-doctor"
+            )
+    return failed
 
 
 NOT_RELAUNCHED = (0, 2, 130, EXIT_STOPPED)

@@ -93,3 +93,22 @@ class ShardConfig:
             problems.append("--shard-size: expected a positive size such as 512MB")
         if problems:
             raise ConfigError(problems, "shard options")
+
+
+def parse_sources(specs: tuple[str, ...]) -> tuple[tuple[tuple[str, float], ...], bool]:
+    """`pipeline shard`'s PREFIX[:WEIGHT] arguments as (prefix, weight) pairs (weight 1 where none is given), and
+    whether any weight was given. A colon followed by something other than a number is part of the path."""
+    out, given = [], False
+    for spec in specs:
+        prefix, sep, weight = spec.rpartition(":")
+        if sep and prefix and not weight.replace(".", "", 1).isdigit():
+            prefix, sep = spec, ""
+        if sep and prefix:
+            try:
+                out.append((prefix, float(weight)))
+                given = True
+                continue
+            except ValueError:
+                pass
+        out.append((spec, 1.0))
+    return tuple(out), given

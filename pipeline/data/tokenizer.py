@@ -187,3 +187,14 @@ def _model_tokenizer_size(cfg: dict[str, Any]) -> int | None:
         return Tokenizer(folder).vocab_size
     except PipelineError:
         return None
+
+
+def check_model_tokenizer(model_dir: str, prefixes: list[str]) -> None:
+    """`pipeline shard --model DIR`: refuse tokenized data whose tokenizer is not that Hugging Face model's (each
+    prefix's manifest names the tokenizer it was encoded with)."""
+    from pipeline.data.manifest import read_tokenize_manifest
+    from pipeline.model import families
+
+    model = families.shape_from_config(families.read_config(model_dir), model_dir)
+    for prefix in prefixes:
+        check_tokenizer(model, read_tokenize_manifest(prefix)["tokenizer"], f"{prefix}.manifest.json")

@@ -420,20 +420,28 @@ def failed(reports: list[Report]) -> bool:
     return any(c.status == FAIL for r in reports for c in r.checks)
 
 
-def needs_for(
-    config_path: str | None, sets: list[str], hostfile: str | None, master_port: int
-) -> tuple[Needs, str | None]:
-    """What the config's run needs of each host, planned for the hostfile's cluster (its `# cluster:` facts, else
-    the planner's defaults); the master port alone without a config."""
+def run(
+    hostfile: str | None, config: str | None, sets: list[str], master_port: int, timeout: float, say: Any
+) -> list[Report]:
+    """`pipeline doctor`: every host of `hostfile` (this machine without one) checked for what the config's run needs
+    of it, planned for the hostfile's cluster (its `# cluster:` facts, else the planner's defaults; the master port
+    alone without a config), then compared and an all-reduce measured against the hostfile's network fact."""
+    from pipeline.plan.hostfile import hostfile_hosts
 
-    if not config_path:
-        return Needs(master_port=master_port), None
-    cluster, _ = cluster_from_flags(hostfile, 1, 1, {})
-    return needs_for_config(config_path, sets, cluster, master_port)
-
-
-def expected_bus_bytes(hostfile: str | None) -> float | None:
-    """The bytes per second the hostfile's `network=` fact promises (None when it says nothing)."""
-
+    needs, note = Needs(master_port=master_port), None
+    if config:
+        needs, note = needs_for_config(config, sets, cluster_from_flags(hostfile, 1, 1, {})[0], master_port)
+    if note:
+        say(f"note: {note}")
+    slots = dict(hostfile_hosts(hostfile)) if hostfile else None
     net = hostfile_facts(hostfile).get("network") if hostfile else None
-    return parse_gbps(net) * 1e9 / 8 if net else None
+    expected = parse_gbps(net) * 1e9 / 8 if net else None
+    return doctor(list(slots) if slots else None, needs, timeout=timeout, expected_bus_bytes=expected, slots=slots)
+
+
+def write_found_env(reports: list[Report]) -> list[str]:
+    """`--write-env`: what the checks found, added to the last env file DeepSpeed reads; one line per change."""
+    from pipeline.train.env import env_file_paths
+
+    target = Path(env_file_paths()[-1])
+    return [f"{target}: {note}" for note in write_env(target, env_findings(reports)) or ["nothing to add"]]

@@ -177,6 +177,18 @@ CLUSTER_DEFAULTS: dict[str, str | None] = {
     "network": "100Gbps",
 }
 """Each node's facts when neither a flag nor the hostfile's `# cluster:` line gives them (the seed cluster's node)."""
+NODE_FACTS: dict[str, str] = {
+    "gpu": "3090, 4090, 4090d, l40s, v100, a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100, h100-pcie, "
+    "h100-nvl, h200, h200-nvl, or a name as nvidia-smi prints it.",
+    "gpu_mem": "Cap the card's memory, e.g. 24GiB (emulating a smaller card).",
+    "cpu_mem": "Host RAM per node.",
+    "cpu_cores": "CPU cores per node (DeepSpeed's CPU Adam under offload).",
+    "cpu_mem_bw": "Host memory bandwidth per node (CPU Adam and the cards' copies share it).",
+    "disk": "Free disk per node at the run folder, for checkpoints (e.g. 40GB, or the folder itself).",
+    "nvme": "NVMe capacity per node for ZeRO-Infinity, e.g. 4TB (or a mounted path).",
+    "network": "Inter-node bandwidth per node.",
+}
+"""What each of CLUSTER_DEFAULTS' facts is: `pipeline plan`'s option of the same name (--cpu-mem-bw) says it."""
 
 
 def cluster_from_flags(

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.plan import report as plan_report
 from pipeline.plan import search as planner
-from pipeline.plan.cluster import Cluster, cluster_from_flags
+from pipeline.plan.cluster import CLUSTER_DEFAULTS, Cluster, cluster_from_flags
 from pipeline.plan.ds_json import write_ds_config
 from pipeline.plan.timing import Rates
 from pipeline.units import parse_count
@@ -46,6 +47,23 @@ class PlanRequest:
     """--model was given (with --from-run: plan that model at the run's rates, not the run itself)."""
     cluster_given: bool = False
     """Any of --hostfile, --nodes, --gpus-per-node, --gpu, --gpu-mem, --cpu-mem was given."""
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any], given: set[str]) -> PlanRequest:
+        """The request of `pipeline plan`'s options (named as the fields; each node fact, a key of
+        CLUSTER_DEFAULTS, goes to `flags`), `given` naming the options set on the command line."""
+        o = dict(options)
+        flags = {k: None if o.get(k) is None else str(o.pop(k)) for k in CLUSTER_DEFAULTS if k in o}
+        for k in CLUSTER_DEFAULTS:
+            o.pop(k, None)
+        o["opt_in"] = frozenset(o.get("opt_in", ()))
+        o["sets"] = tuple(o.get("sets", ()))
+        return cls(
+            **o,
+            flags=flags,
+            model_given="model" in given,
+            cluster_given=bool(given & {"hostfile", "nodes", "gpus_per_node", "gpu", "gpu_mem", "cpu_mem"}),
+        )
 
 
 def token_amounts(tokens: str, global_batch_tokens: str) -> tuple[float, int]:

@@ -12,9 +12,8 @@ import logging
 import shutil
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.atomic import sha256_file
 from pipeline.errors import PipelineError
@@ -23,21 +22,14 @@ from pipeline.train import faults
 from pipeline.train.dist import on_rank0, ranks_per_node
 from pipeline.train.ds_config import zero_stage
 from pipeline.train.ds_workarounds import replay_adam_beta_powers
-from pipeline.train.preflight import continuation_problems, resumable, schedule_note
 from pipeline.train.prepare import Run
+from pipeline.train.resume import continuation_problems, resumable, schedule_note
 from pipeline.train.schedule import max_steps_for
 
+if TYPE_CHECKING:
+    from pipeline.train.loop import TrainState
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainState:
-    """Where a run is: optimizer steps taken and training samples consumed (the data position), and whether this
-    launch continued a checkpoint."""
-
-    step: int = 0
-    consumed_samples: int = 0
-    resumed: bool = False
 
 
 class Pausable(Protocol):
@@ -59,15 +51,16 @@ class Checkpointer:
 
     # ---- resume -------------------------------------------------------------------------------------------------
 
-    def resume(self, build_engine: Callable[[dict[str, Any]], Any]) -> tuple[Any, TrainState]:
+    def resume(self, build_engine: Callable[[dict[str, Any]], Any]) -> tuple[Any, ckpt.Marker | None]:
         """Decide what this launch continues (before anything heavy is built), build the engine with
-        `build_engine(ds_config)`, load the checkpoint into it. Returns the engine and where the run stands."""
+        `build_engine(ds_config)`, load the checkpoint into it. Returns the engine and the marker of the
+        checkpoint it continued (its step and consumed samples are where the run stands), None when fresh."""
         run, run_dir = self.run, self.run.run_dir
         found = on_rank0(self._choose)  # rank 0 reads the run folder and decides; every rank takes its answer
         ds = run.ds
         if found is None:
             self.engine = build_engine(ds)
-            return self.engine, TrainState()
+            return self.engine, None
         tag, marker = found
         load_tag = tag
         if marker["world_size"] != run.dist.world_size and zero_stage(ds) > 0:
@@ -81,8 +74,7 @@ class Checkpointer:
             str(run_dir), tag=load_tag, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         replay_adam_beta_powers(self.engine.optimizer, run.dist.device)
-        state = TrainState(marker["step"], marker["consumed_samples"], resumed=True)
-        self.last_saved = state.step
+        self.last_saved = marker["step"]
         if run.dist.rank == 0:
             through = (
                 f" (saved by {marker['world_size']} ranks, now {run.dist.world_size}: through the universal "
@@ -94,11 +86,11 @@ class Checkpointer:
                 "resumed from %s/%s: step %d, %d samples consumed%s",
                 run_dir,
                 tag,
-                state.step,
-                state.consumed_samples,
+                marker["step"],
+                marker["consumed_samples"],
                 through,
             )
-        return self.engine, state
+        return self.engine, marker
 
     def _choose(self) -> tuple[str, ckpt.Marker] | None:
         """Rank 0: the checkpoint to continue (skipping complete ones whose files are damaged, with a warning each)

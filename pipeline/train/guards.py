@@ -21,7 +21,7 @@ from pipeline.train.config import PretrainConfig
 from pipeline.train.ds_config import BatchPlan
 
 if TYPE_CHECKING:
-    from pipeline.train.checkpointer import TrainState
+    from pipeline.train.loop import TrainState
 
 log = logging.getLogger(__name__)
 

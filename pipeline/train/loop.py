@@ -13,6 +13,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +47,16 @@ from pipeline.train.tracking import Trackers
 from pipeline.train.validate import Validator
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """Where a run is: optimizer steps taken and training samples consumed (the data position), and whether this
+    launch continued a checkpoint."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    resumed: bool = False
 
 
 @contextlib.contextmanager
@@ -171,9 +182,10 @@ class Trainer:
             for note in speed.notes():
                 log.info("%s", note)
         with announced_op_builds(run):
-            self.engine, self.state = self.checkpointer.resume(
+            self.engine, marker = self.checkpointer.resume(
                 lambda ds: build_engine(cfg, ds, run.shape, run.manifest["tokenizer"], rank, speed)
             )
+        self.state = TrainState(marker["step"], marker["consumed_samples"], True) if marker else TrainState()
         ranks: list[Any] = [None] * run.dist.world_size
         tdist.all_gather_object(ranks, rank_facts(run.dist))
         if rank == 0:

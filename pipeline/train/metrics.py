@@ -19,7 +19,7 @@ from pipeline.atomic import write_text
 from pipeline.plan.gpus import peak_tflops_for_device
 
 if TYPE_CHECKING:
-    from pipeline.train.checkpointer import TrainState
+    from pipeline.train.loop import TrainState
     from pipeline.train.prepare import Run
 
 log = logging.getLogger(__name__)

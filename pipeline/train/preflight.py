@@ -1,23 +1,23 @@
-"""What `pipeline pretrain` decides before the launcher starts, so that a mistake is one line naming the field and
-both values, exit code 2, and nothing left behind, instead of a message per rank 10-75 s in: the run folder free
-(pipeline.train.runlock), the shards whole (sizes, and checksums with data.verify), the checkpoint it would
-continue of this model, data and world, `model.init_from` with weights. The ranks make the same checks through
-the same functions (a run launched with `deepspeed` directly), rank 0 deciding for all."""
+"""What `pipeline pretrain` decides before the launcher starts, so that every mistake is in one error naming the
+field and both values, exit code 2, and nothing left behind, instead of a message per rank 10-75 s in: the run
+folder free (pipeline.train.runlock), the shards whole (sizes, and checksums with data.verify), the checkpoint it
+would continue (the rules: pipeline.train.resume), `model.init_from` with weights, room on the disk for the
+checkpoints, and the caller's own (the quick doctor's). The ranks make the same checks through the same functions
+(a run launched with `deepspeed` directly), rank 0 deciding for all."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.atomic import write_json
 from pipeline.errors import PipelineError
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.ds_config import zero_stage
 from pipeline.train.prepare import Prepared
-from pipeline.train.resume import choose_resume, resume_problems
+from pipeline.train.resume import continuation_problems, resumable, schedule_note
 from pipeline.train.runlock import check_free
-from pipeline.train.schedule import lr_at, max_steps_for
 from pipeline.train.tracking import missing_packages
 
 VERIFIED = ".shards-verified.json"
@@ -61,63 +61,6 @@ def _stamp(dataset: Any) -> dict[str, Any]:
     return {"path": str(Path(dataset.path).resolve()), "split": dataset.split, "files": files}
 
 
-def resumable(run_dir: Path, policy: str, verify: bool) -> tuple[str, ckpt.Marker, list[str]] | None:
-    """The checkpoint a launch continues (under `checkpoint.resume`, skipping complete ones whose files are
-    damaged, with a warning each) and its marker; None when it starts fresh."""
-    tags = ckpt.complete_tags(run_dir)
-    tag = choose_resume(policy, tags, str(run_dir))
-    warnings: list[str] = []
-    if tag is not None and policy == "auto":
-        tag, warnings = ckpt.newest_intact(run_dir, tags, verify)
-        if tag is None:  # never train again from step 0 over checkpoints, whose first save prune would then meet
-            raise PipelineError(
-                f"{run_dir} holds {len(tags)} complete checkpoint(s) and none is intact, so the run would start "
-                f"again from step 0: {'; '.join(w.split(';')[0] for w in warnings)}. Restore the files (a copy, "
-                "a mount that is missing), or move the damaged step*/ folders out of run_dir to start fresh on "
-                "purpose"
-            )
-    elif tag is not None:
-        if hosts := ckpt.unshared_hosts(run_dir, tag):
-            raise ckpt.not_shared(run_dir, tag, hosts)
-        if problem := ckpt.damage(run_dir, tag, verify):
-            raise PipelineError(f"checkpoint.resume {tag}: {problem}")
-    return (tag, ckpt.read_marker(run_dir, tag), warnings) if tag else None
-
-
-def continuation_problems(
-    prepared: Prepared, world: int, marker: ckpt.Marker, data_fingerprint: str | None = None
-) -> list[str]:
-    """Why this config cannot continue `marker`'s checkpoint (pipeline.train.resume.resume_problems); the data's
-    fingerprint is its shards' manifest's unless given (the trainer's, as its checkpoints record it)."""
-    from pipeline.plan.cluster import offload_devices
-
-    return resume_problems(
-        marker,
-        data_fingerprint=data_fingerprint or prepared.manifest["fingerprint"],
-        model_shape=prepared.shape.as_dict(),
-        world_size=world,
-        zero_stage=zero_stage(prepared.ds),
-        nvme_optimizer=offload_devices(prepared.ds).optimizer == "nvme",
-        optimizer=prepared.cfg.optim.name,
-        seq_len=prepared.plan.seq_len,
-    )
-
-
-def schedule_note(prepared: Prepared, marker: ckpt.Marker) -> str | None:
-    """A resumed run whose length changed has its learning-rate schedule re-stretched: say so, with the numbers."""
-    before = marker.get("max_steps")
-    now = max_steps_for(prepared.cfg, prepared.plan)
-    if before is None or before == now:
-        return None
-    step, cfg = marker["step"], prepared.cfg
-    return (
-        f"note: the run's length changed from {before} to {now} steps since {marker['step']}: the learning-rate "
-        f"schedule is re-stretched to {now} (lr at step {step}: {lr_at(step, cfg, before):.3g} before, "
-        f"{lr_at(step, cfg, now):.3g} now). Intended for extending a run; to keep the old schedule set "
-        f"train.max_steps: {before}, or optim.decay_steps"
-    )
-
-
 def init_weights_problem(init_from: str | None) -> str | None:
     """`model.init_from` that the trainer could not load: a folder without .safetensors files, or one whose
     headers do not read."""
@@ -143,14 +86,19 @@ def init_weights_problem(init_from: str | None) -> str | None:
     return None
 
 
-def before_launch(prepared: Prepared, world: int) -> list[str]:
-    """Every check above, in the launching process: raises one PipelineError listing every problem; returns the
-    notes to print (a changed schedule, a skipped damaged checkpoint)."""
+def before_launch(prepared: Prepared, world: int, per_node: int, more: Sequence[str] = ()) -> list[str]:
+    """Every check above, and the disk for the run's checkpoints, in the launching process: raises one
+    PipelineError listing every problem (with `more`, the caller's: the quick doctor's failures); returns the notes
+    to print (a changed schedule, a skipped damaged checkpoint)."""
     from pipeline.data.loader import ShardedDataset
 
     cfg, run_dir = prepared.cfg, Path(prepared.cfg.run_dir)
     check_free(run_dir)
     problems: list[str] = missing_packages(cfg)
+    if cfg.checkpoint.enabled:  # on the first node's disk: the busiest
+        size = ckpt.checkpoint_size(prepared, world, per_node)
+        if problem := ckpt.space_problem(run_dir, size, cfg.checkpoint.keep_last):
+            problems.append(problem)
     notes: list[str] = []
     try:
         splits = ["train"] + (["val"] if prepared.manifest["splits"]["val"]["samples"] else [])
@@ -173,6 +121,7 @@ def before_launch(prepared: Prepared, world: int) -> list[str]:
             notes.append(note)
     elif problem := init_weights_problem(cfg.model.init_from):
         problems.append(problem)
+    problems += more
     if problems:
         raise PipelineError(problems[0] if len(problems) == 1 else "; ".join(problems))
     if cfg.data.verify and datasets:

@@ -1,11 +1,19 @@
-"""The resume decision as pure functions: which checkpoint a launch continues from, and why it may not."""
+"""The resume decision, every rule of it: which checkpoint a launch continues (`resumable`: the policy, damaged and
+unshared checkpoints), whether this config may continue it (`continuation_problems`) and what changed in its
+schedule (`schedule_note`). `pipeline pretrain` asks before launch (pipeline.train.preflight), rank 0's
+Checkpointer asks again at start; the files themselves are pipeline.train.checkpoint's."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.train import checkpoint as ckpt
 from pipeline.train.checkpoint import Marker
+from pipeline.train.ds_config import zero_stage
+from pipeline.train.prepare import Prepared
+from pipeline.train.schedule import lr_at, max_steps_for
 
 
 def choose_resume(policy: str, complete_tags: list[str], run_dir: str) -> str | None:
@@ -79,3 +87,60 @@ def resume_problems(
             "from them with model.init_from (the optimizer states start afresh)"
         )
     return problems
+
+
+def resumable(run_dir: Path, policy: str, verify: bool) -> tuple[str, ckpt.Marker, list[str]] | None:
+    """The checkpoint a launch continues (under `checkpoint.resume`, skipping complete ones whose files are
+    damaged, with a warning each) and its marker; None when it starts fresh."""
+    tags = ckpt.complete_tags(run_dir)
+    tag = choose_resume(policy, tags, str(run_dir))
+    warnings: list[str] = []
+    if tag is not None and policy == "auto":
+        tag, warnings = ckpt.newest_intact(run_dir, tags, verify)
+        if tag is None:  # never train again from step 0 over checkpoints, whose first save prune would then meet
+            raise PipelineError(
+                f"{run_dir} holds {len(tags)} complete checkpoint(s) and none is intact, so the run would start "
+                f"again from step 0: {'; '.join(w.split(';')[0] for w in warnings)}. Restore the files (a copy, "
+                "a mount that is missing), or move the damaged step*/ folders out of run_dir to start fresh on "
+                "purpose"
+            )
+    elif tag is not None:
+        if hosts := ckpt.unshared_hosts(run_dir, tag):
+            raise ckpt.not_shared(run_dir, tag, hosts)
+        if problem := ckpt.damage(run_dir, tag, verify):
+            raise PipelineError(f"checkpoint.resume {tag}: {problem}")
+    return (tag, ckpt.read_marker(run_dir, tag), warnings) if tag else None
+
+
+def continuation_problems(
+    prepared: Prepared, world: int, marker: ckpt.Marker, data_fingerprint: str | None = None
+) -> list[str]:
+    """Why this config cannot continue `marker`'s checkpoint (pipeline.train.resume.resume_problems); the data's
+    fingerprint is its shards' manifest's unless given (the trainer's, as its checkpoints record it)."""
+    from pipeline.plan.cluster import offload_devices
+
+    return resume_problems(
+        marker,
+        data_fingerprint=data_fingerprint or prepared.manifest["fingerprint"],
+        model_shape=prepared.shape.as_dict(),
+        world_size=world,
+        zero_stage=zero_stage(prepared.ds),
+        nvme_optimizer=offload_devices(prepared.ds).optimizer == "nvme",
+        optimizer=prepared.cfg.optim.name,
+        seq_len=prepared.plan.seq_len,
+    )
+
+
+def schedule_note(prepared: Prepared, marker: ckpt.Marker) -> str | None:
+    """A resumed run whose length changed has its learning-rate schedule re-stretched: say so, with the numbers."""
+    before = marker.get("max_steps")
+    now = max_steps_for(prepared.cfg, prepared.plan)
+    if before is None or before == now:
+        return None
+    step, cfg = marker["step"], prepared.cfg
+    return (
+        f"note: the run's length changed from {before} to {now} steps since {marker['step']}: the learning-rate "
+        f"schedule is re-stretched to {now} (lr at step {step}: {lr_at(step, cfg, before):.3g} before, "
+        f"{lr_at(step, cfg, now):.3g} now). Intended for extending a run; to keep the old schedule set "
+        f"train.max_steps: {before}, or optim.decay_steps"
+    )

@@ -15,7 +15,7 @@ from pipeline.train.metrics import MetricsSink
 from pipeline.train.step import micro_step_loss
 
 if TYPE_CHECKING:
-    from pipeline.train.checkpointer import TrainState
+    from pipeline.train.loop import TrainState
     from pipeline.train.prepare import Run
 
 log = logging.getLogger(__name__)

@@ -37,14 +37,15 @@ def _save_damage_resume(rank: int, world: int, config: str) -> dict[str, Any]:
 
     from pipeline.errors import PipelineError
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train.checkpointer import Checkpointer, TrainState
+    from pipeline.train.checkpointer import Checkpointer
+    from pipeline.train.loop import TrainState
 
     run, build = _run(rank, world, config)
     run.run_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {}
     saver = Checkpointer(run, data_fingerprint="fp")
-    _, state = saver.resume(build)
-    out["fresh"] = (state.step, state.resumed)
+    _, marker = saver.resume(build)
+    out["fresh"] = marker
     saver.maybe_save(TrainState(5, 40))  # due: checkpoint.interval is 5
     saver.maybe_save(TrainState(6, 48))  # not due
     saver.maybe_save(TrainState(7, 56), stopping=True)  # a stop saves the step it stopped at
@@ -65,8 +66,8 @@ def _save_damage_resume(rank: int, world: int, config: str) -> dict[str, Any]:
         with open(victim, "r+b") as f:
             f.truncate(victim.stat().st_size // 2)
     dist.barrier()
-    _, state = Checkpointer(run, data_fingerprint="fp").resume(build)
-    out["resumed"] = (state.step, state.consumed_samples, state.resumed)
+    _, marker = Checkpointer(run, data_fingerprint="fp").resume(build)
+    out["resumed"] = (marker["step"], marker["consumed_samples"]) if marker else None
     try:
         Checkpointer(run, data_fingerprint="other shards").resume(build)
     except PipelineError as e:
@@ -79,12 +80,12 @@ def test_saves_when_due_lists_every_ranks_files_and_resumes_alike(shards: Path, 
     cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json")
     got = run_distributed(_save_damage_resume, str(cfg), timeout=300)
     for out in got:
-        assert out["fresh"] == (0, False)
+        assert out["fresh"] is None  # nothing to continue: a fresh start
         assert out["tags"] == ["step00000005", "step00000007"]
         assert any("zero_pp_rank_0" in f for f in out["files"]) and any("zero_pp_rank_1" in f for f in out["files"])
         assert out["hosts"] == {socket.gethostname()}  # each file's writer: a per-node run folder is told apart
         assert out["latest_after_full_disk"] == "step00000007"
-        assert out["resumed"] == (5, 40, True)  # step00000007 is damaged: both ranks skip it
+        assert out["resumed"] == (5, 40)  # step00000007 is damaged: both ranks skip it
         assert (
             "data.path holds other shards than the checkpoint was trained on (fingerprint other shard"
             in (out["refused"])

@@ -67,7 +67,7 @@ CASES = [
     ("shard {PREFIX} --output {T}/s --seq-len 500000", "holds no whole sample"),
     ("shard {PREFIX} --output {T}/s --seq-len 0", "'--seq-len'"),
     ("shard {PREFIX} --output {T}/s --seq-len 64 --num-shards 0", "'--num-shards'"),
-    ("shard {PREFIX} --output {T}/s --seq-len 64 --split 1,2", "--split 1,2"),
+    ("shard {PREFIX} --output {T}/s --seq-len 64 --split 1,2", "'--split': 1,2: expected three ratios"),
     ("shard {PREFIX} --output {T}/s --seq-len 64 --shard-size 0", "--shard-size"),
     ("shard {T}/nothing --output {T}/s --seq-len 64", "not a finished `pipeline tokenize` output"),
     # evaluate

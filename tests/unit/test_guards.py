@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.train.checkpointer import TrainState
 from pipeline.train.config import from_dict
 from pipeline.train.ds_config import batch_plan
 from pipeline.train.guards import NonFinite
+from pipeline.train.loop import TrainState
 
 
 def _guard(precision: str, policy: str = "stop") -> NonFinite:

@@ -22,8 +22,8 @@ def test_a_resumed_run_of_another_length_says_its_schedule_is_re_stretched(shard
     """An 80-step run resumed with train.max_steps 140: the cosine schedule is stretched to 140 steps, which moves
     the learning rate at the resume step; the launcher and rank 0 say so, with both rates."""
     from pipeline.train.config import from_dict
-    from pipeline.train.preflight import schedule_note
     from pipeline.train.prepare import prepare
+    from pipeline.train.resume import schedule_note
     from pipeline.train.schedule import lr_at
 
     raw = {
