@@ -203,9 +203,7 @@ class Trainer:
             rank=rank,
             tensorboard=cfg.log.tensorboard,
             resumed_at=self.state.step if self.state.resumed else None,
-            trackers=(lambda: Trackers(cfg, run.run_dir))
-            if cfg.log.wandb_project or cfg.log.mlflow_tracking_uri
-            else None,
+            trackers=Trackers.factory(cfg, run.run_dir),
         )
 
     def fit(self) -> None:
