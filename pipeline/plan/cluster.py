@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -93,13 +94,7 @@ class Candidate:
 
     def features(self) -> frozenset[str]:
         """The DeepSpeed 0.19 offload features this configuration uses (FEATURES' names)."""
-        on = {
-            "activation-offload": self.offload_activations,
-            "bf16-master": self.bf16_master and not self.bf16_optimizer_states,
-            "bf16-states": self.bf16_optimizer_states,
-            "zenflow": self.zenflow_interval > 0,
-        }
-        return frozenset(k for k, v in on.items() if v)
+        return frozenset(name for name, f in FEATURES.items() if f.used(self))
 
     def label(self) -> str:
         off = "" if self.offload_optimizer == "none" else f" + {self.offload_optimizer} offload (opt"
@@ -107,12 +102,7 @@ class Candidate:
             off += ", params)" if self.offload_param != "none" else ")"
         ck = " + ckpt" if self.activation_checkpointing else ""
         ck += " (offloaded)" if self.offload_activations else ""
-        extra = {
-            "bf16-master": " + bf16 master",
-            "bf16-states": " + bf16 master/states",
-            "zenflow": f" + ZenFlow (CPU update every {self.zenflow_interval})",
-        }
-        more = "".join(v for k, v in extra.items() if k in self.features())
+        more = "".join(f.label(self) for f in FEATURES.values() if f.used(self) and f.label(self))
         return f"ZeRO-{self.stage}{off}{ck}{more}, micro {self.micro_batch_size} x GA {self.grad_accum}"
 
 
@@ -120,16 +110,50 @@ _BF16_MASTER_COST = (
     "changes the numerics: bf16 master weights drop updates below half a bf16 step, measured +0.008 nats at a "
     "continued run's lr 2e-5, none from scratch"
 )
-FEATURES: dict[str, str] = {
-    "activation-offload": "exact: the same numbers, moved to host memory and back",
-    "bf16-master": _BF16_MASTER_COST + " (bench/offload_quality.py)",
-    "bf16-states": _BF16_MASTER_COST + "; bf16 moments add nothing to it",
-    "zenflow": "changes the numerics: most gradient columns applied up to update_interval steps late; measured "
-    "+1.06 nats on the demo model (bench/offload_quality.py)",
+
+
+@dataclass(frozen=True, slots=True)
+class Feature:
+    """A DeepSpeed 0.19 offload feature the planner prices: whether a configuration uses it, what it adds to the
+    configuration's label, and what it does to the numerics (`exact`: nothing; otherwise chosen only when the
+    user opts in, `pipeline plan --opt-in NAME`, and shown beside the choice with its gain and `cost`)."""
+
+    used: Callable[[Candidate], bool]
+    label: Callable[[Candidate], str]
+    exact: bool
+    cost: str
+
+
+FEATURES: dict[str, Feature] = {
+    "activation-offload": Feature(
+        lambda c: c.offload_activations,
+        lambda c: "",  # said by " + ckpt (offloaded)"
+        exact=True,
+        cost="exact: the same numbers, moved to host memory and back",
+    ),
+    "bf16-master": Feature(
+        lambda c: c.bf16_master and not c.bf16_optimizer_states,
+        lambda c: " + bf16 master",
+        exact=False,
+        cost=_BF16_MASTER_COST + " (bench/offload_quality.py)",
+    ),
+    "bf16-states": Feature(
+        lambda c: c.bf16_optimizer_states,
+        lambda c: " + bf16 master/states",
+        exact=False,
+        cost=_BF16_MASTER_COST + "; bf16 moments add nothing to it",
+    ),
+    "zenflow": Feature(
+        lambda c: c.zenflow_interval > 0,
+        lambda c: f" + ZenFlow (CPU update every {c.zenflow_interval})",
+        exact=False,
+        cost="changes the numerics: most gradient columns applied up to update_interval steps late; measured "
+        "+1.06 nats on the demo model (bench/offload_quality.py)",
+    ),
 }
-"""DeepSpeed 0.19's offload features the planner prices. Exact ones are chosen where they pay; the others only when
-the user opts in (`pipeline plan --opt-in NAME`), and are otherwise shown beside the choice with their gain."""
-OPT_IN = frozenset(k for k, v in FEATURES.items() if not v.startswith("exact"))
+"""Every offload feature the planner prices, one record each: the search, the report, the label and the CLI's
+--opt-in choices read this table. A new feature is an entry here and its pricing in memory/timing."""
+OPT_IN = frozenset(k for k, f in FEATURES.items() if not f.exact)
 ZENFLOW_TOPK = 0.1
 """zenflow.topk_ratio the planner writes (DeepSpeed's default): the share of gradient columns updated on the GPU."""
 

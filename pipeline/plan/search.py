@@ -114,7 +114,7 @@ class Plan:
             return []
         best, notes = self.best, []
         for name, (e, unfit) in self.by_feature.items():
-            how = FEATURES[name]
+            how = FEATURES[name].cost
             if name in best.candidate.features():
                 without = [r for r in self.ranked if name not in r.candidate.features()]
                 gain = (
