@@ -16,9 +16,14 @@ from pipeline.plan.estimate import Estimate
 
 
 def candidate_from_ds(
-    ds: dict[str, Any], micro_batch_size: int, grad_accum: int, activation_checkpointing: bool
+    ds: dict[str, Any],
+    micro_batch_size: int,
+    grad_accum: int,
+    activation_checkpointing: bool,
+    moment_bytes: float = 8.0,
 ) -> Candidate:
-    """The configuration a DeepSpeed JSON describes; fields it leaves out (or "auto") take DeepSpeed's defaults."""
+    """The configuration a DeepSpeed JSON describes; fields it leaves out (or "auto") take DeepSpeed's defaults.
+    `moment_bytes`: the optimizer's (pipeline.train.optimizers), which the JSON does not say."""
     zero = ds.get("zero_optimization") or {}
 
     def num(key: str, default: float) -> float:
@@ -48,6 +53,7 @@ def candidate_from_ds(
             (zero.get(k) or {}).get("pin_memory", True) is not False for k in ("offload_param", "offload_optimizer")
         ),
         offload_activations=(ds.get("activation_checkpointing") or {}).get("cpu_checkpointing") is True,
+        moment_bytes=moment_bytes,
         zenflow_interval=(interval if isinstance(interval, int) else grad_accum) if zenflow else 0,
     )
 

@@ -121,7 +121,7 @@ def estimate(
     fpt = shape.flops_per_token(seq_len)
     peak = c.gpu.bf16_tflops * 1e12
     tps = tokens_step / t["total"]
-    ckpt = checkpoint_bytes(shape, cand.stage, c.world, c.gpus_per_node)
+    ckpt = checkpoint_bytes(shape, cand.stage, c.world, c.gpus_per_node, state_bytes=4 + cand.moment_bytes)
     why, warnings = _limits(gpu, host, nvme, ckpt, c, cand, keep_last)
     # No clamp to the ceiling: with 0 < MFU <= 1 the compute time alone keeps tokens/s below it, and a figure
     # above it would be a planner bug to see, not to hide.

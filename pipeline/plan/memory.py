@@ -122,29 +122,30 @@ def deepspeed_model_states(
 
 
 def state_split(
-    stage: int, psi: int, g: int, off_opt: bool, off_param: bool, fp32_accum: bool = False
+    stage: int, psi: int, g: int, off_opt: bool, off_param: bool, fp32_accum: bool = False, moment_bytes: float = 8.0
 ) -> dict[str, float]:
     """GPU model-state bytes per GPU as a real engine holds them (checked against one in
     tests/multiproc/test_plan_measured.py): parameters, gradients (16-bit and fp32 partitions), optimizer states.
     `fp32_accum` (data_types.grad_accum_dtype fp32): ZeRO-2/3 accumulate into an fp32 partition (+2 B a
     partitioned parameter), ZeRO-1 becomes DeepSpeed's BF16_Optimizer with a whole fp32 gradient (4 B a parameter)."""
     accum = 4 if fp32_accum else 2  # bytes of the gradient partition micro-steps accumulate into
+    states = 4 + moment_bytes  # fp32 master weights and the optimizer's moments
     if stage == 3:
         return {
             "params": 0 if off_param else 2 * psi / g,
             "grads": 0 if off_opt else (accum + 4) * psi / g,
-            "optimizer": 0 if off_opt else 12 * psi / g,
+            "optimizer": 0 if off_opt else states * psi / g,
         }
     if stage == 2:
         return {
             "params": 2 * psi,
             "grads": 0 if off_opt else (accum + 4) * psi / g,
-            "optimizer": 0 if off_opt else 12 * psi / g,
+            "optimizer": 0 if off_opt else states * psi / g,
         }
     if stage == 1:
         fp32_grads = 4 * psi if fp32_accum and not off_opt else (0 if off_opt else 4 * psi / g)
-        return {"params": 2 * psi, "grads": 2 * psi + fp32_grads, "optimizer": 0 if off_opt else 12 * psi / g}
-    return {"params": 2 * psi, "grads": 6 * psi, "optimizer": 12 * psi}
+        return {"params": 2 * psi, "grads": 2 * psi + fp32_grads, "optimizer": 0 if off_opt else states * psi / g}
+    return {"params": 2 * psi, "grads": 6 * psi, "optimizer": states * psi}
 
 
 def margin_bytes(card_gib: float) -> float:
@@ -167,7 +168,7 @@ def gpu_memory(
     stack = stack or Stack()
     psi, g = shape.num_params(), c.world
     off_opt, off_par = cand.offload_optimizer != "none", cand.offload_param != "none"
-    split = state_split(cand.stage, psi, g, off_opt, off_par, cand.fp32_grad_accum)
+    split = state_split(cand.stage, psi, g, off_opt, off_par, cand.fp32_grad_accum, cand.moment_bytes)
     if cand.bf16_master and cand.stage == 3 and not off_opt:  # bf16 master and gradient partitions on the GPU
         split["grads"] -= 2 * psi / g
         split["optimizer"] -= (2 + (4 if cand.bf16_optimizer_states else 0)) * psi / g
@@ -250,7 +251,7 @@ def host_memory(shape: ModelShape, c: Cluster, cand: Candidate, seq_len: int = 0
     # bf16.bf16_master_weights_and_grads (DeepSpeed >= 0.19.1 with offload): master weights and the optimizer's
     # gradients in bf16; bf16_optimizer_states: Adam's moments too (host state ~10 -> ~6 bytes a parameter).
     master = 2 if cand.bf16_master else 4
-    moments = 4 if cand.bf16_optimizer_states else 8
+    moments = cand.moment_bytes / 2 if cand.bf16_optimizer_states else cand.moment_bytes
     if cand.offload_optimizer == "cpu":
         if cand.stage == 3:
             pin += pinned((4 if cand.fp32_grad_accum else 2) * part)  # gradient accumulation buffer
@@ -287,16 +288,17 @@ def host_memory(shape: ModelShape, c: Cluster, cand: Candidate, seq_len: int = 0
 
 
 def checkpoint_bytes(
-    shape: ModelShape, stage: int, world: int, ranks_per_node: int, module_bytes: int = 2
+    shape: ModelShape, stage: int, world: int, ranks_per_node: int, module_bytes: int = 2, state_bytes: float = 12.0
 ) -> dict[str, float]:
     """Bytes one DeepSpeed checkpoint puts on the busiest node (the first): every rank writes its optimizer shard
-    (fp32 master weights and Adam moments of the parameters it owns, 12 bytes each), and for ZeRO 0-2 rank 0 also
-    writes the whole 16-bit module (`module_bytes` 4 for fp32 runs). `weights_only` is the exported bf16 model."""
+    (fp32 master weights and the optimizer's moments of the parameters it owns, `state_bytes` each: 12 for
+    Adam), and for ZeRO 0-2 rank 0 also writes the whole 16-bit module (`module_bytes` 4 for fp32 runs).
+    `weights_only` is the exported bf16 model."""
     psi = shape.num_params()
-    per_node = 12 * psi / world * ranks_per_node + (module_bytes * psi if stage < 3 else 0.0)
+    per_node = state_bytes * psi / world * ranks_per_node + (module_bytes * psi if stage < 3 else 0.0)
     return {
         "per_node": per_node,
-        "total": 12.0 * psi + (module_bytes * psi if stage < 3 else 0.0),
+        "total": state_bytes * psi + (module_bytes * psi if stage < 3 else 0.0),
         "weights_only": 2.0 * psi,
     }
 

@@ -22,6 +22,7 @@ from pipeline.errors import PipelineError
 from pipeline.plan.memory import checkpoint_bytes
 from pipeline.train import faults
 from pipeline.train.ds_config import zero_stage
+from pipeline.train.optimizers import OPTIMIZERS
 
 if TYPE_CHECKING:
     from pipeline.train.prepare import Prepared
@@ -287,5 +288,8 @@ def checkpoint_size(prepared: Prepared, world_size: int, ranks_per_node: int) ->
     """Bytes one checkpoint puts on the busiest node (the first), by the planner's count."""
 
     module_bytes = 4 if prepared.cfg.train.precision == "fp32" else 2
-    sizes = checkpoint_bytes(prepared.shape, zero_stage(prepared.ds), world_size, ranks_per_node, module_bytes)
+    state_bytes = 4 + OPTIMIZERS[prepared.cfg.optim.name].moment_bytes
+    sizes = checkpoint_bytes(
+        prepared.shape, zero_stage(prepared.ds), world_size, ranks_per_node, module_bytes, state_bytes
+    )
     return sizes["per_node"]

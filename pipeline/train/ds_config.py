@@ -11,6 +11,7 @@ from typing import Any
 from pipeline.errors import ConfigError
 from pipeline.plan.cluster import fp32_grad_accumulation, offload_devices  # offload_devices: the doctor's too
 from pipeline.train.config import PretrainConfig
+from pipeline.train.optimizers import OPTIMIZERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,7 @@ def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
 SUPPORTED_MATRIX = """supported combinations:
   optimizer adamw     : ZeRO 0-3, with or without CPU/NVMe offload, bf16/fp16/fp32 (fp16 needs a GPU)
   optimizer adamw8bit : ZeRO 0-2 without any offload (bitsandbytes; GPU, and CPU for tests)
+  (pipeline.train.optimizers.OPTIMIZERS)
   train.compile       : ZeRO 0-2 (null: on for a CUDA GPU with ZeRO 0-2)
   bf16 master/states  : bf16 precision, ZeRO 1-3 (bf16_optimizer_states needs bf16_master_weights_and_grads)
   zenflow             : ZeRO 1-2 with offload_optimizer cpu, grad_accum 1, integer update/select intervals
@@ -127,7 +129,7 @@ def _fill_batch_and_precision(ds: dict[str, Any], cfg: PretrainConfig, plan: Bat
 
 def _fill_optimizer(ds: dict[str, Any], cfg: PretrainConfig, p: list[str]) -> None:
     o = cfg.optim
-    if o.name == "adamw":
+    if OPTIMIZERS[o.name].build is None:  # DeepSpeed builds it from the JSON's optimizer section
         params = ds.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})
         params["lr"] = o.lr if params.get("lr", "auto") == "auto" else params["lr"]
         params["betas"] = _filled(params.get("betas", "auto"), [o.beta1, o.beta2], "optimizer.params.betas", p)
@@ -148,13 +150,10 @@ def unsupported(ds: dict[str, Any], cfg: PretrainConfig, accelerator: str) -> li
     p = []
     stage, offload, train = zero_stage(ds), offload_devices(ds).any, cfg.train
     opt_type = str((ds.get("optimizer") or {}).get("type", ""))
-    if cfg.optim.name == "adamw" and opt_type.lower() not in ("adamw", "adam"):
-        p.append(f"optimizer.type {opt_type}: only AdamW is supported here")
-    if cfg.optim.name == "adamw8bit" and (offload or stage >= 3):
-        p.append(
-            f"optim.name adamw8bit cannot run with ZeRO-{stage}{' and offload' if offload else ''}: "
-            "bitsandbytes optimizers need their states on the GPU and unsharded parameters"
-        )
+    optimizer = OPTIMIZERS[cfg.optim.name]
+    if optimizer.ds_types and opt_type.lower() not in optimizer.ds_types:
+        p.append(f"optimizer.type {opt_type}: optim.name {cfg.optim.name} is built from {optimizer.ds_types[0]}")
+    p += optimizer.problems(cfg.optim.name, stage, offload)
     if train.compile is True and stage == 3:
         p.append(
             "train.compile with ZeRO-3: not supported yet (ZeRO-3's parameter hooks break the compiled "

@@ -17,6 +17,7 @@ from pipeline.plan.cluster import offload_devices
 from pipeline.train.config import PretrainConfig
 from pipeline.train.dist import accelerator_name, on_rank0
 from pipeline.train.ds_config import zero_stage
+from pipeline.train.optimizers import OPTIMIZERS
 from pipeline.train.weights import init_weights, load_initial_weights
 
 
@@ -141,13 +142,8 @@ def build_engine(
 
     model = build_training_model(shape, ds, cfg, tok, rank, speed)
     groups = param_groups(model, cfg.optim.weight_decay)
-    client_optimizer = None
-    if cfg.optim.name == "adamw8bit":
-        import bitsandbytes as bnb
-
-        client_optimizer = bnb.optim.AdamW8bit(
-            groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps
-        )
+    build = OPTIMIZERS[cfg.optim.name].build
+    client_optimizer = build(groups, cfg.optim) if build else None
     check_aio(ds)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -25,6 +25,7 @@ from pipeline.plan.search import Plan, search
 from pipeline.plan.timing import Measured, Rates, rates_from_run
 from pipeline.train.config import PretrainConfig, load
 from pipeline.train.ds_config import BatchPlan, batch_plan, load_ds_config
+from pipeline.train.optimizers import OPTIMIZERS
 
 
 @dataclass
@@ -89,6 +90,7 @@ def forecast_config(
             bp.micro_batch_size,
             bp.grad_accum,
             cfg.train.activation_checkpointing,
+            OPTIMIZERS[cfg.optim.name].moment_bytes,
         )
         yours = estimate(shape, seq, cluster, cand, mfu, chunk, rates=rates)
     return Forecast(config_path, shape, seq, source, bp, cluster, yours, found)
@@ -197,7 +199,8 @@ def forecast_run(
         seq,
     )
     chunk = cfg.train.loss_chunk_tokens or loss_chunk_tokens(shape.vocab_size)
-    cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, cfg.train.activation_checkpointing)
+    moments = OPTIMIZERS[cfg.optim.name].moment_bytes
+    cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, cfg.train.activation_checkpointing, moments)
     yours = estimate(shape, seq, cluster, cand, mfu, chunk)
     found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk)
     got = measured(rd, bp.tokens_per_step)

@@ -12,6 +12,7 @@ from pipeline.errors import PipelineError
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.checkpoint import Marker
 from pipeline.train.ds_config import zero_stage
+from pipeline.train.optimizers import OPTIMIZERS
 from pipeline.train.prepare import Prepared
 from pipeline.train.schedule import lr_at, max_steps_for
 
@@ -77,12 +78,10 @@ def resume_problems(
             f"world size {world_size} differs from the checkpoint's {marker['world_size']} and the "
             "optimizer is on NVMe; DeepSpeed's universal checkpoint does not cover NVMe swap files"
         )
-    if marker["world_size"] != world_size and optimizer == "adamw8bit" and zero_stage > 0:
-        # DeepSpeed's ds_to_universal reads exp_avg/exp_avg_sq by name; bitsandbytes keeps state1/state2 and
-        # blockwise absmax over the flat ZeRO partition, which cannot be re-split per parameter anyway.
+    if marker["world_size"] != world_size and not OPTIMIZERS[optimizer].any_world_size and zero_stage > 0:
         problems.append(
             f"world size {world_size} differs from the checkpoint's {marker['world_size']} and optim.name is "
-            "adamw8bit: DeepSpeed's universal checkpoint cannot re-partition bitsandbytes' 8-bit states. Resume "
+            f"{optimizer}: DeepSpeed's universal checkpoint cannot re-partition its states. Resume "
             f"on {marker['world_size']} ranks, or export the weights (pipeline export) and start a new run_dir "
             "from them with model.init_from (the optimizer states start afresh)"
         )

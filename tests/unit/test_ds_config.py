@@ -100,3 +100,24 @@ def test_offload_features_in_working_combinations_pass() -> None:
     assert zen["gradient_accumulation_steps"] == 1 and zen["zero_optimization"]["zenflow"]["update_interval"] == 2
     act = {"zero_optimization": OFFLOAD, "activation_checkpointing": {"cpu_checkpointing": True}}
     assert _resolve(act, checkpointing=True)["activation_checkpointing"]["cpu_checkpointing"] is True
+
+
+def test_the_optimizer_table_is_what_the_config_offers_and_what_the_planner_prices() -> None:
+    """optim.name's choices are the table's keys; an optimizer's stages, offload and state bytes reach the DeepSpeed
+    checks and the planner's memory (8-bit AdamW's states are a quarter of Adam's moments)."""
+    import typing
+
+    from pipeline.model import PRESETS
+    from pipeline.plan.memory import checkpoint_bytes, state_split
+    from pipeline.train.config import OptimSection
+    from pipeline.train.optimizers import OPTIMIZERS
+
+    assert set(typing.get_args(typing.get_type_hints(OptimSection)["name"])) == set(OPTIMIZERS)
+    adam, bnb = OPTIMIZERS["adamw"], OPTIMIZERS["adamw8bit"]
+    assert adam.problems("adamw", 3, True) == [] and bnb.problems("adamw8bit", 2, False) == []
+    assert "ZeRO-3" in bnb.problems("adamw8bit", 3, False)[0] and "offload" in bnb.problems("adamw8bit", 2, True)[0]
+    psi = PRESETS["1b"].num_params()
+    full = state_split(2, psi, 1, False, False, moment_bytes=adam.moment_bytes)["optimizer"]
+    eight = state_split(2, psi, 1, False, False, moment_bytes=bnb.moment_bytes)["optimizer"]
+    assert full == 12 * psi and 6 * psi < eight < 6.01 * psi
+    assert checkpoint_bytes(PRESETS["1b"], 2, 1, 1, state_bytes=4 + bnb.moment_bytes)["total"] < 8.1 * psi
