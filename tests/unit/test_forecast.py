@@ -1,7 +1,7 @@
-"""`pipeline plan --from-run RUN`: the rates a GPU run measured come back out of its own files, and the next plan
-for that cluster runs at them. The run folder is written the way the trainer writes it (config.yaml,
-ds_config.json, environment.json, metrics.jsonl) for a GPU run whose true rates are known; a real CPU run's folder
-is in tests/multiproc/test_plan_measured.py."""
+"""pipeline.train.forecast: `pipeline plan --config` (the run about to launch) and `--from-run RUN` (the rates a
+run measured come back out of its own files; the next plan for that cluster runs at them). The run folders are
+written the way the trainer writes them for a GPU run whose true rates are known; a real CPU run's folder is in
+tests/multiproc/test_plan_measured.py."""
 
 from __future__ import annotations
 
@@ -16,12 +16,99 @@ from pipeline.cli import main
 from pipeline.model import PRESETS
 from pipeline.plan.cluster import Stack
 from pipeline.plan.search import search
-from pipeline.plan.timing import Rates, net_efficiency, offload_rate, step_time
+from pipeline.plan.timing import (
+    Rates,
+    net_efficiency,
+    offload_rate,
+    step_time,
+)
 from pipeline.train import forecast
 from pipeline.train.config import dump, from_dict
 from pipeline.train.ds_config import batch_plan, load_ds_config, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_configs_plan_says_what_each_offload_feature_would_bring_and_takes_opt_in() -> None:
+    """`plan --config` on the Qwen recipe for the rented 4 x 4 cluster: the feature lines stand under the search's
+    choice, and --opt-in lets that choice use bf16 states."""
+    args = ["plan", "--config", str(ROOT / "configs/continue_qwen2.5-7b.yaml"), "--set"]
+    args += ["model.init_from=" + str(ROOT / "configs/hf/qwen2.5-7b.json"), "--set", "batch.micro_batch_size=2"]
+    args += ["--seq-len", "4096", "--hostfile", str(ROOT / "hostfiles/4node4gpu")]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0 and "bf16-states: not chosen; --opt-in bf16-states allows it" in r.output
+    r = CliRunner().invoke(main, [*args, "--opt-in", "bf16-states"])
+    assert "the search would choose: ZeRO-3 + cpu offload (opt, params) + ckpt (offloaded) + bf16 master/states" in (
+        r.output
+    )
+
+
+def test_plan_config_evaluates_the_run_about_to_launch(tmp_path) -> None:
+    r = CliRunner().invoke(
+        main, ["plan", "--config", "configs/70b_8node.yaml", "--hostfile", "hostfiles/8node", "--seq-len", "4096"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "your config: ZeRO-3 + cpu offload (opt, params) + ckpt, micro 2 x GA 61" in r.output
+    assert "FITS: +" in r.output and "the search would choose" in r.output and "seq_len 4096 from --seq-len" in r.output
+    # The same run with DeepSpeed's default ZeRO-3 buckets on a 24 GiB-capped H200, 2 layers: predicted not to fit.
+    ds = tmp_path / "defaults.json"
+    ds.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "cpu"},
+                    "offload_param": {"device": "cpu"},
+                }
+            }
+        )
+    )
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--config",
+            "configs/70b_8node.yaml",
+            "--set",
+            f"train.deepspeed_config={ds}",
+            "--set",
+            "batch.micro_batch_size=1",
+            "--set",
+            "batch.global_batch_size=1",
+            "--layers",
+            "2",
+            "--gpu",
+            "h200",
+            "--gpu-mem",
+            "24GiB",
+            "--seq-len",
+            "4096",
+            "--json",
+        ],
+    )
+    assert r.exit_code == 3, r.output
+    d = json.loads(r.output)
+    assert d["fits"] is False and "GPU memory" in d["yours"]["why_not"][0]
+    assert d["yours"]["config"]["max_live"] == 1e9 and d["search_best"]["config"]["max_live"] <= 5e8
+
+
+def test_plan_config_takes_seq_len_from_the_shards(tmp_path) -> None:
+    from pipeline.data.manifest import read_shard_manifest  # noqa: F401 - the shards' reader is what is used
+
+    cfg = tmp_path / "c.yaml"
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "manifest.json").write_text("{}")
+    cfg.write_text(
+        f"model: {{preset: tiny}}\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
+        "global_batch_size: 4}\ntrain: {max_steps: 1, deepspeed_config: ds_configs/zero2.json}\n"
+    )
+    r = CliRunner().invoke(main, ["plan", "--config", str(cfg)])
+    assert r.exit_code == 2 and "manifest.json" in r.output  # a damaged manifest is named, not a traceback
+    r = CliRunner().invoke(main, ["plan", "--config", str(cfg), "--from-run", str(tmp_path)])
+    assert r.exit_code == 2 and "not a run folder" in r.output  # --from-run calibrates --config: on a run folder
+
+
 GPU_ENV = {
     "world_size": 1,
     "ranks_per_node": 1,

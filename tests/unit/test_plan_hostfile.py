@@ -1,0 +1,28 @@
+"""pipeline.plan.hostfile: the reference hostfiles carry their clusters."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from pipeline.cli import main
+
+
+def test_reference_hostfiles_carry_their_clusters() -> None:
+    r = CliRunner().invoke(main, ["plan", "--model", "7b", "--hostfile", "hostfiles/4node4gpu"])
+    assert "cluster facts from hostfiles/4node4gpu: gpu=4090d cpu_mem=120GB cpu_cores=10" in r.output
+    assert "defaults for network" in r.output and "120 GB RAM and 10 cores/node" in r.output
+    assert "a safe save keeps 1 checkpoint(s) while writing the next" in r.output  # 2 x 20 GB > the 40 GB disk
+    r = CliRunner().invoke(main, ["plan", "--model", "13b", "--hostfile", "hostfiles/4node4gpu", "--json"])
+    d = json.loads(r.output)["best"]
+    assert (
+        d is None or any("checkpoint disk" in w for w in d["warnings"]) or any("checkpoint" in w for w in d["why_not"])
+    )
+    r = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", "hostfiles/4node4gpu"])
+    assert r.exit_code == 3 and "host RAM" in r.output and "(80% limit: 96 GB)" in r.output
+    r = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", "hostfiles/4node4gpu", "--cpu-mem", "512GB"])
+    assert "cpu_mem=120GB" not in r.output.splitlines()[0] and "512 GB RAM and 10 cores/node" in r.output  # flag wins
+    # The 8 x 1 cluster's answer is the same with its facts as with the flags it had before.
+    a = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", "hostfiles/8node", "--json"]).output
+    assert json.loads(a)["best"]["label"] == "ZeRO-3 + cpu offload (opt, params) + ckpt (offloaded), micro 4 x GA 31"

@@ -1,0 +1,36 @@
+"""pipeline.plan.report: what a plan prints (the assumed MFU, NVMe's resume limit) and the README's fits table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from pipeline.cli import main
+
+
+def test_report_prints_the_assumed_mfu_it_was_given() -> None:
+    r = CliRunner().invoke(main, ["plan", "--model", "7b", "--hostfile", "hostfiles/8node", "--mfu", "0.3"])
+    assert (
+        r.exit_code == 0
+        and "(at 30% of peak" in r.output
+        and "compute efficiency 30% of peak (given: --mfu)" in r.output
+    )
+    d = json.loads(CliRunner().invoke(main, ["plan", "--model", "7b", "--mfu", "0.3", "--json"]).output)
+    assert d["mfu_assumed"] == 0.3
+
+
+def test_an_nvme_plan_says_it_cannot_resume() -> None:
+    args = ["plan", "--model", "configs/hf/qwen2.5-7b.json", "--gpus-per-node", "4", "--cpu-mem", "128GB"]
+    r = CliRunner().invoke(main, [*args, "--nvme", "2TB"])
+    assert r.exit_code == 0 and "chosen: ZeRO-3 + nvme offload" in r.output
+    assert "this run cannot continue after a stop or a crash" in r.output
+
+
+def test_the_readme_fits_table_is_what_the_planner_says() -> None:
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- fits-table -->")[1].strip()
+    r = CliRunner().invoke(main, ["plan", "--fits-table"])
+    assert r.exit_code == 0 and block == r.output.strip(), "regenerate with `pipeline plan --fits-table`"
