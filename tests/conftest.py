@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,3 +46,27 @@ def shards(tokenized: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
     )
     return out
+
+
+def tokenize_with(prefix: Path, inputs: list[str], tokenizer: Path, **kw: Any) -> Any:
+    """`pipeline tokenize` of `inputs` into `prefix` with an existing tokenizer, quietly."""
+    from pipeline.data import tokenize as tokenizing
+    from pipeline.data.config import TokenizeConfig
+
+    return tokenizing.run(
+        TokenizeConfig(inputs=tuple(inputs), output_prefix=str(prefix), tokenizer=str(tokenizer), progress=False, **kw)
+    )
+
+
+def tokenizer_model(tokenized: Path) -> Path:
+    """The sentencepiece model `pipeline tokenize --train-tokenizer` wrote beside `tokenized`."""
+    return Path(str(tokenized) + ".tokenizer.model")
+
+
+def shard_into(sources: list[tuple[Path, float]], out: Path, **kw: Any) -> Any:
+    """`pipeline shard` of (prefix, weight) pairs into `out`, quietly."""
+    from pipeline.data import shard as shard_stage
+    from pipeline.data.config import ShardConfig
+
+    srcs = tuple((str(p), w) for p, w in sources)
+    return shard_stage.run(ShardConfig(sources=srcs, output=str(out), progress=False, **kw))
