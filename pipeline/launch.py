@@ -1,6 +1,8 @@
 """Building and supervising the `deepspeed` command lines that `pipeline pretrain` and `pipeline evaluate --num-gpus
-| --hostfile` start: every check that can run before a process starts runs here first (a bad input fails in a
-second with one message), then the launcher runs, again after a failure a relaunch can fix (`--max-restarts`)."""
+| --hostfile` start: every check that can run before a process starts has run first (pipeline.train.preflight: a
+bad input fails in a second, with one message listing every problem), then the launcher runs in a process tree
+this module supervises (signals forwarded to the ranks, the log kept), again after a failure a relaunch can fix
+(`--max-restarts`)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import psutil
@@ -24,6 +26,10 @@ import psutil
 from pipeline.errors import EXIT_STOPPED, PipelineError
 from pipeline.plan.hostfile import hostfile_hosts
 from pipeline.train.ops import use_project_cache
+
+if TYPE_CHECKING:  # the heavy modules are imported where they are used: `pipeline --help` stays fast
+    from pipeline.evaluate.run import EvalConfig
+    from pipeline.train.config import PretrainConfig
 
 PACKAGE = Path(__file__).resolve().parent
 
@@ -160,7 +166,7 @@ def build_ops_ahead(ds: dict[str, Any], world: int, per_node: int) -> None:
             click.echo(f"  {name} not built here ({error}); the ranks will try, and say why if it fails", err=True)
 
 
-def quick_doctor(cfg: Any, master_port: int | None) -> list[str]:
+def quick_doctor(cfg: PretrainConfig, master_port: int | None) -> list[str]:
     """`pipeline doctor`'s checks that need no import of torch or deepspeed, on this machine: WARN and FAIL lines
     printed, each FAIL returned as a problem that stops the launch unless --skip-doctor."""
     from pipeline.doctor.checks import FAIL, WARN, Needs, run_checks
@@ -392,7 +398,7 @@ def _same_user(p: psutil.Process, user: str) -> bool:
     return False
 
 
-def evaluate(cfg: Any, where: Where) -> dict[str, Any]:
+def evaluate(cfg: EvalConfig, where: Where) -> dict[str, Any]:
     """`pipeline evaluate --num-gpus N | --hostfile H`: the inputs checked here, then one rank per GPU under the
     launcher (ZeRO-3, pipeline.evaluate.distributed); rank 0 writes the results file, read back here."""
     from pipeline.evaluate import run as stage
