@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.plan import timing  # noqa: E402
-from tests.unit.test_plan import ANCHORS  # noqa: E402
+from tests.unit.test_plan_estimate import ANCHORS  # noqa: E402
 from tests.unit.test_plan_published import BY_ID, RAN, SPEED, within  # noqa: E402
 
 KNOBS = {
