@@ -53,9 +53,7 @@ class PlanRequest:
         """The request of `pipeline plan`'s options (named as the fields; each node fact, a key of
         CLUSTER_DEFAULTS, goes to `flags`), `given` naming the options set on the command line."""
         o = dict(options)
-        flags = {k: None if o.get(k) is None else str(o.pop(k)) for k in CLUSTER_DEFAULTS if k in o}
-        for k in CLUSTER_DEFAULTS:
-            o.pop(k, None)
+        flags = {k: None if (v := o.pop(k, None)) is None else str(v) for k in CLUSTER_DEFAULTS}
         o["opt_in"] = frozenset(o.get("opt_in", ()))
         o["sets"] = tuple(o.get("sets", ()))
         return cls(

@@ -27,7 +27,7 @@ from pipeline.train.resume import continuation_problems, resumable, schedule_not
 from pipeline.train.schedule import max_steps_for
 
 if TYPE_CHECKING:
-    from pipeline.train.loop import TrainState
+    from pipeline.train.state import TrainState
 
 log = logging.getLogger(__name__)
 

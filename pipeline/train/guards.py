@@ -21,7 +21,7 @@ from pipeline.train.config import PretrainConfig
 from pipeline.train.ds_config import BatchPlan
 
 if TYPE_CHECKING:
-    from pipeline.train.loop import TrainState
+    from pipeline.train.state import TrainState
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,21 +41,12 @@ from pipeline.train.preflight import verify_shards
 from pipeline.train.prepare import Prepared, Run
 from pipeline.train.runlock import LOCK_NAME, RunLock
 from pipeline.train.schedule import lr_at, max_steps_for
+from pipeline.train.state import TrainState
 from pipeline.train.step import train_step
 from pipeline.train.tracking import Trackers
 from pipeline.train.validate import Validator
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainState:
-    """Where a run is: optimizer steps taken and training samples consumed (the data position), and whether this
-    launch continued a checkpoint."""
-
-    step: int = 0
-    consumed_samples: int = 0
-    resumed: bool = False
 
 
 @contextlib.contextmanager

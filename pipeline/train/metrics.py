@@ -19,8 +19,8 @@ from pipeline.atomic import write_text
 from pipeline.plan.gpus import peak_tflops_for_device
 
 if TYPE_CHECKING:
-    from pipeline.train.loop import TrainState
     from pipeline.train.prepare import Run
+    from pipeline.train.state import TrainState
 
 log = logging.getLogger(__name__)
 

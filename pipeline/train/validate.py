@@ -15,8 +15,8 @@ from pipeline.train.metrics import MetricsSink
 from pipeline.train.step import micro_step_loss
 
 if TYPE_CHECKING:
-    from pipeline.train.loop import TrainState
     from pipeline.train.prepare import Run
+    from pipeline.train.state import TrainState
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ def _save_damage_resume(rank: int, world: int, config: str) -> dict[str, Any]:
     from pipeline.errors import PipelineError
     from pipeline.train import checkpoint as ckpt
     from pipeline.train.checkpointer import Checkpointer
-    from pipeline.train.loop import TrainState
+    from pipeline.train.state import TrainState
 
     run, build = _run(rank, world, config)
     run.run_dir.mkdir(parents=True, exist_ok=True)

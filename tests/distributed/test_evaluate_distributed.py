@@ -25,8 +25,8 @@ def _save_then_load_partitioned(rank: int, world: int, config: str) -> Any:
     from pipeline.train.config import dump, load
     from pipeline.train.dist import Dist
     from pipeline.train.engine import build_engine
-    from pipeline.train.loop import TrainState
     from pipeline.train.prepare import Run, prepare
+    from pipeline.train.state import TrainState
 
     cfg = load(config)
     prepared = prepare(cfg, world)

@@ -11,7 +11,7 @@ from pipeline.errors import PipelineError
 from pipeline.train.config import from_dict
 from pipeline.train.ds_config import batch_plan
 from pipeline.train.guards import NonFinite
-from pipeline.train.loop import TrainState
+from pipeline.train.state import TrainState
 
 
 def _guard(precision: str, policy: str = "stop") -> NonFinite:
