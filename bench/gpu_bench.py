@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:  # run from a carried checkout without an install 
     sys.path.insert(0, str(ROOT))
 
 CAP_GIB = 23.0  # what an RTX 4090D leaves usable, as the planner plans it
+PROBE = "host.probe.json"  # the warm-up's `pipeline probe` of the lent machine, beside results.json
 
 
 @dataclass
@@ -245,8 +246,8 @@ def preflight(out: Path) -> dict[str, Any]:
 # ---- 1. warm-up: op builds in parallel with the GPU ceilings --------------------------------------------------
 
 
-def warm_up(smoke: bool) -> dict[str, Any]:
-    from pipeline.plan.probe import gemm_rates, probe_host
+def warm_up(smoke: bool, out: Path) -> dict[str, Any]:
+    from pipeline.plan.probe import gemm_rates, probe_node, write_probe
     from pipeline.train.ops import build
 
     built: list[Any] = []
@@ -256,9 +257,10 @@ def warm_up(smoke: bool) -> dict[str, Any]:
     doc["gemm_1b"] = gemm_rates(2048, 5632, 16384)  # the 1b preset's projections at micro 8 x seq 2048
     builder.join()
     doc["op_builds"] = {name: {"seconds": round(s, 1), "error": err} for name, s, err in built}
-    try:  # the host rates the planner otherwise assumes (pipeline.plan.probe): CPU Adam needs its op, built above
-        doc["host"] = probe_host(smoke)
-    except Exception as e:  # noqa: BLE001 - a probe that fails is reported; the cases still run
+    try:  # what `pipeline probe` measures, where planned() reads it: CPU Adam needs its op, built above
+        doc["host"] = probe_node(smoke)
+        write_probe(doc["host"], out / PROBE)
+    except Exception as e:  # noqa: BLE001 - a probe that fails is reported; the cases are planned without it
         doc["host"] = {"error": f"{type(e).__name__}: {e}"}
     return doc
 
@@ -663,13 +665,14 @@ def cpu_path(case: Case) -> tuple[Any, ...]:
     )
 
 
-def planned(case: Case, vocab: int, card: Any, work: Path) -> dict[str, Any]:
+def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path) -> dict[str, Any]:
     """The planner's prediction for exactly this case: its DeepSpeed JSON on one GPU capped as the case is, the
-    lent machine's RAM and cores."""
+    lent machine's RAM and cores, and what `pipeline probe` measured on it in the warm-up (`probe`), as a user's
+    plan with a probed hostfile would be."""
     import psutil
 
     from pipeline.model import loss_chunk_tokens
-    from pipeline.plan.cluster import Cluster
+    from pipeline.plan.cluster import Cluster, with_probe
     from pipeline.plan.ds_json import candidate_from_ds
     from pipeline.plan.estimate import estimate
     from pipeline.plan.gpus import capped
@@ -685,6 +688,8 @@ def planned(case: Case, vocab: int, card: Any, work: Path) -> dict[str, Any]:
         int(psutil.virtual_memory().total),
         cpu_cores=psutil.cpu_count(logical=False) or 1,
     )
+    if probe.exists():
+        cluster, _ = with_probe(cluster, probe, set())
     shape = shape_of(case, vocab)
     e = estimate(shape, case.seq_len, cluster, cand, loss_chunk_tokens=loss_chunk_tokens(shape.vocab_size))
     return {
@@ -811,7 +816,7 @@ def main() -> None:
     card: GPU = lookup(gpu_name) if cuda else GPU("CPU", 20.0, 1.0, 20.0, 0, 10.0, True)
     vocab = 32000 if cuda else 4000
     doc.update(gpu=gpu_name, torch=torch.__version__, peak_bf16_tflops=card.bf16_tflops if cuda else None)
-    doc["warm_up"] = warm_up(args.smoke)
+    doc["warm_up"] = warm_up(args.smoke, out_dir)
     save()
     print(json.dumps(doc["warm_up"])[:600], flush=True)
     work = out_dir / ".work"
@@ -844,7 +849,7 @@ def main() -> None:
                 "name": case.name,
                 "note": case.note,
                 **result,
-                **planned(case, vocab, card, work),
+                **planned(case, vocab, card, work, out_dir / PROBE),
                 **mfu(result, case, vocab, card.bf16_tflops if cuda else None),
             }
             by_name[case.name] = result

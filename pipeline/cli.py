@@ -1,8 +1,8 @@
 """`pipeline` command line: each command parses its options, builds a config and calls one stage's run().
 
-Each option is declared once: options shared by several commands are the groups below (`HOSTFILE`, `WHERE`,
-`CHECKPOINT`, ...), and an option's name is its config field's, so a command passes what it parsed on whole
-(`TokenizeConfig(**options)`)."""
+Each option is declared once: options shared by several commands are groups in pipeline/options.py (`HOSTFILE`,
+`WHERE`, `CHECKPOINT`, ...), and an option's name is its config field's, so a command passes what it parsed on
+whole (`TokenizeConfig(**options)`)."""
 
 from __future__ import annotations
 
@@ -10,119 +10,34 @@ import functools
 import json
 import logging
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import click
 
 from pipeline.errors import PipelineError
-from pipeline.plan.cluster import CLUSTER_DEFAULTS, NODE_FACTS, OPT_IN
-
-Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
-
-
-def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """User errors become one line on stderr and exit code 2; no traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except PipelineError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted; no partial outputs were left under final names", err=True)
-            sys.exit(130)
-        except (click.exceptions.Exit, click.ClickException, SystemExit):
-            raise
-        except Exception:
-            import traceback
-
-            traceback.print_exc()
-            click.echo(
-                "error: an internal error, not a mistake in your input: this is a bug in pipeline; please "
-                "report it with the traceback above",
-                err=True,
-            )
-            sys.exit(1)
-
-    return wrapper
-
-
-def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
-    """A size option (512MB, 2GB, 1.5GiB) as a positive number of bytes."""
-    from pipeline.units import parse_size
-
-    try:
-        size = int(parse_size(value))
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-    if size < 1:
-        raise click.BadParameter(f"{value}: expected a positive size such as 2GB")
-    return size
-
-
-def _ratios(ctx: click.Context, param: click.Parameter, value: str) -> tuple[float, ...]:
-    try:
-        ratios = tuple(float(x) for x in value.split(","))
-    except ValueError:
-        ratios = ()
-    if len(ratios) != 3:
-        raise click.BadParameter(f"{value}: expected three ratios train,val,test such as 98,1,1")
-    return ratios
-
-
-def group(*decorators: Decorator) -> Decorator:
-    """Several options as one decorator, in the order given."""
-
-    def apply(fn: Callable[..., Any]) -> Callable[..., Any]:
-        for d in reversed(decorators):
-            fn = d(fn)
-        return fn
-
-    return apply
-
-
-def opt(*decls: str, default: Any = None, help: str | None = None, **kw: Any) -> Decorator:
-    """An option that shows its default in --help when it has one."""
-    return click.option(*decls, default=default, show_default=default not in (None, False), help=help, **kw)
-
-
-def config_option(required: bool, help: str) -> Decorator:
-    return click.option("--config", required=required, default=None, help=help)
-
-
-HOSTFILE = click.option(
-    "--hostfile", default=None, help="DeepSpeed hostfile (see hostfiles/): the hosts, reached by ssh, and their slots."
-)
-MASTER_PORT = click.option(
-    "--master-port", type=click.IntRange(1, 65535), default=None, help="Rendezvous port (default: 29500)."
-)
-WHERE = group(
+from pipeline.options import (
+    AS_JSON,
+    CHECKPOINT,
+    DEVICE,
     HOSTFILE,
-    click.option(
-        "--num-gpus",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Ranks on this machine when no hostfile is given (CPU runs: processes).",
-    ),
     MASTER_PORT,
+    SEED,
+    SETS,
+    WHERE,
+    Decorator,
+    config_option,
+    group,
+    opt,
+    ratios,
+    size,
+    user_errors,
 )
-SETS = click.option("--set", "sets", multiple=True, help="Override a config field: section.key=value (repeatable).")
-SEED = click.option("--seed", type=int, default=1234, show_default=True)
-CHECKPOINT = click.option(
-    "--checkpoint", required=True, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG."
-)
-DEVICE = click.option(
-    "--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto (cuda when torch sees a GPU)."
-)
-AS_JSON = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+from pipeline.plan.cluster import CLUSTER_DEFAULTS, NODE_FACTS, OPT_IN
 
 
 def command(**settings: Any) -> Decorator:
-    """A `pipeline` command whose user errors are one line (`_user_errors`)."""
-    return lambda fn: main.command(**settings)(_user_errors(fn))
+    """A `pipeline` command whose user errors are one line (`user_errors`)."""
+    return lambda fn: main.command(**settings)(user_errors(fn))
 
 
 def _where(options: dict[str, Any]) -> Any:
@@ -166,7 +81,7 @@ def main(verbose: bool) -> None:
 )
 @opt(
     "--max-record-bytes",
-    callback=_size,
+    callback=size,
     default="256MB",
     help="A JSON line is parsed whole; a longer one is a bad record (--on-error applies). .txt files "
     "and long texts are read and encoded in pieces whatever their size.",
@@ -184,10 +99,10 @@ def tokenize(**options: Any) -> None:
 @click.argument("sources", nargs=-1)
 @click.option("--output", help="Folder for the shards and manifest.json.")
 @opt("--seq-len", help="Tokens per sample (each stores seq_len + 1 for the labels).", type=click.IntRange(8, 2**20))
-@opt("--split", default="98,1,1", help="train,val,test ratios, by document.", callback=_ratios)
+@opt("--split", default="98,1,1", help="train,val,test ratios, by document.", callback=ratios)
 @SEED
 @opt("--num-shards", help="Shards per split (default: by --shard-size).", type=click.IntRange(1))
-@opt("--shard-size", "shard_size_bytes", default="512MB", help="Target bytes per shard.", callback=_size)
+@opt("--shard-size", "shard_size_bytes", default="512MB", help="Target bytes per shard.", callback=size)
 @opt(
     "--cross-document/--no-cross-document",
     default=True,
@@ -299,7 +214,7 @@ def evaluate(launched: bool, **options: Any) -> None:
 @CHECKPOINT
 @click.option("--output", required=True, help="Folder to write the Hugging Face model into.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
-@opt("--max-shard-size", default="2GB", help="Largest safetensors file.", callback=_size)
+@opt("--max-shard-size", default="2GB", help="Largest safetensors file.", callback=size)
 def export(checkpoint: str, output: str, dtype: str, max_shard_size: int) -> None:
     """Export a checkpoint to a Hugging Face model folder (safetensors, config, tokenizer)."""
     from pipeline.evaluate import run as stage
@@ -442,6 +357,26 @@ def plan(**options: Any) -> None:
     given = {k for k in ctx.params if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
     if code := forecast.plan(PlanRequest.from_options(options, given), click.echo):
         sys.exit(code)
+
+
+@command()
+@HOSTFILE
+@opt("--out", help="Write the rates here [default: HOSTFILE.probe.json beside --hostfile, else probe.json].")
+@opt("--model", help="With a GPU, also its bf16 GEMM rate at this model's shapes (a preset or a HF folder).")
+@opt("--seq-len", default=4096, type=click.IntRange(1))
+@opt("--micro-batch-size", default=1, type=click.IntRange(1))
+@click.option("--quick", is_flag=True, help="Small sizes, about a second: checks that it runs, not the node.")
+@AS_JSON
+def probe(as_json: bool, **options: Any) -> None:
+    """Measure on this node what `pipeline plan` otherwise assumes: host memory bandwidth, DeepSpeed's CPU Adam
+    rate on its cores and, with a GPU, pinned copy and bf16 GEMM rates. Run it on one node of the cluster (about a
+    minute); plans with the same --hostfile then use it and say which figures were measured."""
+    from pipeline.plan import probe as probing
+    from pipeline.train.ops import use_project_cache
+
+    use_project_cache()  # CPU Adam loads from the project's op cache (`make ops` builds it)
+    doc, path = probing.run(**options)
+    click.echo(json.dumps(doc, indent=2)) if as_json else probing.report(doc, path, click.echo)
 
 
 if __name__ == "__main__":

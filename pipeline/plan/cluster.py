@@ -7,11 +7,13 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.errors import PipelineError
 from pipeline.plan.gpus import GPU, lookup
 from pipeline.plan.hostfile import hostfile_facts, parse_hostfile
+from pipeline.plan.probe import SUFFIX, measured
 from pipeline.units import parse_gbps, parse_size
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -38,6 +40,9 @@ class Cluster:
     cpu_mem_bw_gbs: float = 80.0  # effective host memory bandwidth per node (CPU Adam; PCIe DMA shares it)
     cpu_cores: int = 32  # per node: DeepSpeed's CPU Adam runs on them
     disk_bytes: int = 0  # free space for checkpoints per node (0: not counted)
+    cpu_adam_params_per_s: float | None = None  # fp32 CPU Adam per node, measured (`pipeline probe`); None: fitted
+    measured: frozenset[str] = frozenset()
+    """Which facts `pipeline probe` measured on a node (cpu_mem_bw, cpu_adam, pcie, gemm): their range is narrower."""
 
     @property
     def world(self) -> int:
@@ -202,6 +207,7 @@ CLUSTER_DEFAULTS: dict[str, str | None] = {
     "disk": None,
     "nvme": None,
     "network": "100Gbps",
+    "probe": None,
 }
 """Each node's facts when neither a flag nor the hostfile's `# cluster:` line gives them (the seed cluster's node)."""
 NODE_FACTS: dict[str, str] = {
@@ -214,6 +220,8 @@ NODE_FACTS: dict[str, str] = {
     "disk": "Free disk per node at the run folder, for checkpoints (e.g. 40GB, or the folder itself).",
     "nvme": "NVMe capacity per node for ZeRO-Infinity, e.g. 4TB (or a mounted path).",
     "network": "Inter-node bandwidth per node.",
+    "probe": "A node's rates measured by `pipeline probe` [default: HOSTFILE.probe.json when there is one, or the "
+    "hostfile's probe=FILE].",
 }
 """What each of CLUSTER_DEFAULTS' facts is: `pipeline plan`'s option of the same name (--cpu-mem-bw) says it."""
 
@@ -296,4 +304,37 @@ def cluster_from_flags(
     )
     if not cluster.cpu_mem_bytes or not cluster.cpu_mem_bw_gbs:
         raise PipelineError("--cpu-mem and --cpu-mem-bw must be positive sizes")
+    probe = flags.get("probe")
+    if hostfile and not probe:  # the hostfile's probe=FILE (beside it), else HOSTFILE.probe.json if there is one
+        named = Path(hostfile).parent / str(values["probe"]) if values.get("probe") else Path(hostfile + SUFFIX)
+        probe = str(named) if values.get("probe") or named.exists() else None
+    if probe:
+        cluster, note = with_probe(cluster, Path(probe), given)
+        source = f"{source}\n{note}" if source else note
     return cluster, source
+
+
+def with_probe(c: Cluster, path: Path, given: set[str]) -> tuple[Cluster, str]:
+    """The cluster with what `pipeline probe` measured on one of its nodes in place of the facts it measures (a
+    flag given on the command line still wins), and a line saying so. The GPU's rates only for the same card."""
+    m = measured(path)
+    used = {"cpu_adam": f"CPU Adam {m['cpu_adam_params_per_s'] / 1e9:.3g}e9 fp32 parameters/s"}
+    bw = c.cpu_mem_bw_gbs
+    if "cpu_mem_bw" not in given:
+        bw, used["cpu_mem_bw"] = m["cpu_mem_bw_gbs"], f"cpu_mem_bw={m['cpu_mem_bw_gbs']:.3g}GB/s"
+    card, note = c.gpu, ""
+    try:
+        same = m["gpu"] is not None and lookup(m["gpu"]).name == c.gpu.name
+    except KeyError:
+        same = False
+    if same and m.get("pcie_gbs"):
+        card, used["pcie"] = replace(card, pcie_gbs=m["pcie_gbs"]), f"pinned copies {m['pcie_gbs']:.3g} GB/s"
+    if same and m.get("gemm_tflops"):
+        fraction = min(1.0, m["gemm_tflops"] / card.bf16_tflops)
+        card, used["gemm"] = replace(card, gemm_fraction=fraction), f"GEMM ceiling {fraction:.0%} of peak"
+    if m["gpu"] and not same:
+        note = f"; its GPU ({m['gpu']}) is not this plan's {c.gpu.name}: the GPU's rates stay the table's"
+    c = replace(
+        c, gpu=card, cpu_mem_bw_gbs=bw, cpu_adam_params_per_s=m["cpu_adam_params_per_s"], measured=frozenset(used)
+    )
+    return c, f"measured by {m['source']}: {', '.join(used.values())}{note}"

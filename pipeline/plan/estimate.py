@@ -146,6 +146,7 @@ def estimate(
 
 
 FITTED = "fitted to published runs (tests/unit/test_plan_published.py)"
+PROBED = "measured on a node by `pipeline probe`"
 
 
 def assumptions(
@@ -159,7 +160,8 @@ def assumptions(
             "compute efficiency",
             f"{eff:.0%} of peak",
             given.get("compute efficiency")
-            or f"{FITTED}: {c.gpu.name}'s GEMM ceiling {c.gpu.gemm_fraction:.0%}, {tokens:,} tokens per micro-step",
+            or f"{PROBED if 'gemm' in c.measured else FITTED}: {c.gpu.name}'s GEMM ceiling {c.gpu.gemm_fraction:.0%}"
+            f", {tokens:,} tokens per micro-step",
         )
     ]
     if cand.offload_param != "none":
@@ -168,7 +170,9 @@ def assumptions(
                 "parameter fetch",
                 f"{offload_rate(c, rates, cand.pin_memory) / 1e9:.3g} GB/s per node"
                 + ("" if cand.pin_memory else " (pageable: pin_memory false)"),
-                given.get("parameter fetch") or f"{FITTED}: a share of {c.cpu_mem_bw_gbs:g} GB/s host memory bandwidth",
+                given.get("parameter fetch")
+                or f"{FITTED}: a share of {c.cpu_mem_bw_gbs:.3g} GB/s host memory bandwidth"
+                + (f" ({PROBED})" if "cpu_mem_bw" in c.measured else ""),
             )
         )
     if cand.offload_optimizer != "none":
@@ -178,7 +182,9 @@ def assumptions(
             (
                 "CPU Adam",
                 f"{rate / 1e9:.2g}e9 parameters/s per node",
-                given.get("CPU Adam") or f"{FITTED}: {c.cpu_cores} cores, {c.cpu_mem_bw_gbs:g} GB/s memory, {how}",
+                given.get("CPU Adam")
+                or (f"{PROBED}, {how}" if "cpu_adam" in c.measured else None)
+                or f"{FITTED}: {c.cpu_cores} cores, {c.cpu_mem_bw_gbs:g} GB/s memory, {how}",
             )
         )
     return out

@@ -47,7 +47,7 @@ def hostfile_hosts(path: str) -> list[tuple[str, int]]:
     return slots
 
 
-HOSTFILE_FACTS = ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network", "nvme")
+HOSTFILE_FACTS = ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network", "nvme", "probe")
 
 
 def hostfile_facts(path: str) -> dict[str, str]:

@@ -1,13 +1,26 @@
 """What the planner otherwise assumes of a node, measured on it in seconds: host memory bandwidth (what CPU Adam
 and every offload copy stream through), pinned host<->device copy rates, DeepSpeed's CPU Adam rate on this
 node's cores, and the GPU's bf16 GEMM rate at a model's own shapes. Each function returns plain numbers; the
-GPU ones return None without a CUDA device. Used by bench/gpu_bench.py before its cases, so every planned figure
-beside a measurement can be given the measured host."""
+GPU ones return None without a CUDA device.
+
+`pipeline probe` runs them on one node and writes the result beside the hostfile (HOSTFILE.probe.json), where
+`pipeline plan` reads it (`measured`): the measured figures replace the node facts they measure, the plan says
+which figures were measured and gives them a narrower range. bench/gpu_bench.py runs the same probe before its
+cases, so every planned figure beside a measurement is given the measured host."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from pipeline.errors import PipelineError
+
+SUFFIX = ".probe.json"
 
 
 def _best_of(fn: Any, repeats: int, sync: Any = None) -> float:
@@ -95,3 +108,104 @@ def probe_host(smoke: bool = False) -> dict[str, Any]:
         "pinned": pinned_copy_rates(size),
         "cpu_adam": cpu_adam_rate(2**20 if smoke else 2**26),
     }
+
+
+def probe_node(quick: bool = False, gemm_shape: tuple[int, int, int] | None = None) -> dict[str, Any]:
+    """This node measured, with what it ran on: host, time, cores and threads, the GPU (None without CUDA).
+    `gemm_shape`: (hidden, ffn, tokens per micro-step) of the model to plan, for the GEMM rate (a GPU only).
+    CPU Adam runs in this one process on every thread torch has (OMP_NUM_THREADS, else all cores): the rate of
+    a node whose ranks are bound to their share of the cores, as `pipeline pretrain` binds them."""
+    import psutil
+    import torch
+
+    cuda = torch.cuda.is_available()
+    doc: dict[str, Any] = {
+        "version": 1,
+        "host": socket.gethostname(),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "quick": quick,
+        "cpu_cores": psutil.cpu_count(logical=False) or os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+    }
+    doc |= probe_host(quick)
+    doc["gemm"] = gemm_rates(*gemm_shape) if gemm_shape and cuda else None
+    return doc
+
+
+def run(
+    hostfile: str | None, out: str | None, model: str | None, seq_len: int, micro_batch_size: int, quick: bool
+) -> tuple[dict[str, Any], Path]:
+    """`pipeline probe`: this node measured and written where `pipeline plan` reads it; (the probe, its file)."""
+    path = probe_file(hostfile, out)
+    if not path.parent.is_dir():
+        raise PipelineError(f"{path}: its folder does not exist; give --out in an existing folder")
+    gemm_shape = None
+    if model:
+        from pipeline.plan.search import planned_shape
+
+        shape, _ = planned_shape(model, None, 32000, seq_len)
+        gemm_shape = (shape.hidden_size, shape.ffn_hidden_size, seq_len * micro_batch_size)
+    doc = probe_node(quick, gemm_shape)
+    try:
+        write_probe(doc, path)
+    except OSError as e:
+        raise PipelineError(
+            f"{path}: cannot write the probe: {e.strerror or e}; give --out somewhere writable"
+        ) from None
+    return doc, path
+
+
+def probe_file(hostfile: str | None, out: str | None = None) -> Path:
+    """Where a probe is written and read: `out`, else beside the hostfile, else probe.json here."""
+    return Path(out) if out else Path(hostfile + SUFFIX) if hostfile else Path("probe.json")
+
+
+def write_probe(doc: dict[str, Any], path: Path) -> None:
+    """Write to a temporary name, then rename: a plan never reads half a probe."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def measured(path: Path) -> dict[str, Any]:
+    """The figures a probe file measured, in the planner's units: cpu_mem_bw_gbs, cpu_adam_params_per_s (fp32
+    Adam, per node), and where a GPU was probed its name, pcie_gbs (the slower direction of pinned copies) and
+    gemm_tflops (bf16, the faster of the model's projections); plus where and when it ran (`source`)."""
+    try:
+        doc = json.loads(path.read_text())
+        got: dict[str, Any] = {
+            "cpu_mem_bw_gbs": float(doc["memory"]["bytes_per_s"]) / 1e9,
+            "cpu_adam_params_per_s": float(doc["cpu_adam"]["params_per_s"]),
+            "gpu": doc.get("gpu"),
+        }
+        pinned, gemm = doc.get("pinned"), doc.get("gemm")
+        if pinned:
+            got["pcie_gbs"] = min(float(pinned["h2d_bytes_per_s"]), float(pinned["d2h_bytes_per_s"])) / 1e9
+        if gemm:
+            got["gemm_tflops"] = max(float(v) for v in gemm.values())
+        got["source"] = f"pipeline probe on {doc['host']} at {doc['when']} ({path})" + (
+            ", a --quick probe" if doc.get("quick") else ""
+        )
+    except OSError as e:
+        raise PipelineError(f"{path}: cannot read the probe ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PipelineError(
+            f"{path}: not a probe written by `pipeline probe` ({type(e).__name__}: {e}); run it again on one node"
+        ) from None
+    if not all(v > 0 for k, v in got.items() if k.endswith(("_gbs", "_per_s", "_tflops"))):
+        raise PipelineError(f"{path}: a measured rate is not positive; run `pipeline probe` again on one node")
+    return got
+
+
+def report(doc: dict[str, Any], path: Path, say: Callable[[str], None]) -> None:
+    """The probe's figures, a line each, for people."""
+    say(f"{doc['host']}: {doc['cpu_cores']} cores, torch on {doc['torch_threads']} threads, GPU {doc['gpu']}")
+    say(f"  host memory bandwidth  {doc['memory']['bytes_per_s'] / 1e9:8.1f} GB/s (read + write, a copy)")
+    say(f"  CPU Adam (DeepSpeed)   {doc['cpu_adam']['params_per_s'] / 1e9:8.3f} e9 fp32 parameters/s")
+    if doc["pinned"]:
+        h2d, d2h = doc["pinned"]["h2d_bytes_per_s"] / 1e9, doc["pinned"]["d2h_bytes_per_s"] / 1e9
+        say(f"  pinned copies          {h2d:8.1f} GB/s to the GPU, {d2h:.1f} back")
+    for name, tflops in (doc.get("gemm") or {}).items():
+        say(f"  bf16 GEMM {name.removesuffix('_tflops'):<13}{tflops:8.1f} TFLOP/s at the model's shapes")
+    say(f"wrote {path}: `pipeline plan` uses it for plans with this hostfile (or --probe {path})")

@@ -10,7 +10,7 @@ from pipeline.plan.cluster import Candidate, cluster_from_flags
 from pipeline.plan.estimate import Estimate
 from pipeline.plan.memory import GiB
 from pipeline.plan.search import Plan, search
-from pipeline.plan.timing import RANGE
+from pipeline.plan.timing import MEASURED_SPREAD, RANGE
 
 
 def _days(tokens: float, tps: float) -> str:
@@ -156,7 +156,14 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
         f"{t['overhead']:,.2f} s (the parts of a micro-step overlap partly)",
         f"throughput {e.tokens_per_s:,.0f} tokens/s (range {tlo:,.0f}-{thi:,.0f}; physical ceiling at 100% of "
         f"peak: {e.ceiling_tokens_per_s:,.0f}), MFU {e.mfu:.1%} (PaLM count: 6N + 12*L*h*s per token)",
-        f"  the range: every rate x{RANGE[0]:g}-x{RANGE[1]:g} and the network's "
+        f"  the range: every rate x{RANGE[0]:g}-x{RANGE[1]:g}"
+        + (
+            f" ({', '.join(sorted(c.measured))}, measured: x{RANGE[0] ** MEASURED_SPREAD:.2f}-x"
+            f"{RANGE[1] ** MEASURED_SPREAD:.2f})"
+            if c.measured
+            else ""
+        )
+        + " and the network's "
         + ("6-12 GB/s per 100 Gbps (sockets: no GPUDirect RDMA)" if not c.gpu.gpudirect else "90-98% of line rate"),
         "assumed:",
         *(f"  {figure} {value} ({source})" for figure, value, source in e.assumed),

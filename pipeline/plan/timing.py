@@ -64,6 +64,9 @@ COLLECTIVE_LATENCY_S = 2e-4
 RANGE = (0.75, 1.2)
 """The compute, offload and CPU-Adam rates' low and high factors: the printed range (the published figures fall
 inside it; its width stays under 2x)."""
+MEASURED_SPREAD = 0.4
+"""A rate measured on the node by `pipeline probe` ranges over RANGE ** this (0.89-1.08x): what is left is a
+training step's contention that a probe alone does not see."""
 # Fraction of a NIC's line rate that NCCL reaches: with GPUDirect RDMA ~98% (12.2 GB/s busbw on 100 Gbps, an NCCL
 # maintainer); GeForce has none, so traffic is staged through host memory and sockets reach 6-12 GB/s.
 NET_EFFICIENCY_RDMA = (0.90, 0.94, 0.98)  # low, point, high
@@ -100,12 +103,22 @@ def efficiency(shape: ModelShape, tokens_micro: int, c: Cluster) -> float:
 
 
 def cpu_adam_rate(c: Cluster, cand: Candidate, stack: Stack) -> float:
-    """Parameters per second CPU Adam updates on one node (all of its ranks together)."""
+    """Parameters per second CPU Adam updates on one node (all of its ranks together): measured on the node when
+    `pipeline probe` ran there (fp32; the 16-bit kinds by the bytes they touch, the kernel being memory-bound),
+    else from its cores and memory bandwidth."""
     kind = "bf16_states" if cand.bf16_optimizer_states else "bf16_master" if cand.bf16_master else "fp32"
-    rate = min(
-        c.cpu_cores * CPU_ADAM_PARAMS_PER_CORE_S, c.cpu_mem_bw_gbs * 1e9 * CPU_ADAM_BW_FRACTION / ADAM_BYTES[kind]
-    )
+    if c.cpu_adam_params_per_s:
+        rate = c.cpu_adam_params_per_s * ADAM_BYTES["fp32"] / ADAM_BYTES[kind]
+    else:
+        rate = min(
+            c.cpu_cores * CPU_ADAM_PARAMS_PER_CORE_S, c.cpu_mem_bw_gbs * 1e9 * CPU_ADAM_BW_FRACTION / ADAM_BYTES[kind]
+        )
     return rate if stack.bind_cores else rate / (1 + CPU_ADAM_UNBOUND_SLOPE * (c.gpus_per_node - 1))
+
+
+def spread(c: Cluster, rates: Rates, fact: str) -> float:
+    """The range factor of a rate that rests on node fact `fact`: narrower where `pipeline probe` measured it."""
+    return rates.factor**MEASURED_SPREAD if fact in c.measured else rates.factor
 
 
 def offload_rate(c: Cluster, rates: Rates, pinned: bool = True) -> float:
@@ -124,7 +137,7 @@ def _links(c: Cluster, rates: Rates, net_eff: float) -> tuple[float, float]:
     """Bytes per second of (the node's PCIe to host memory, one GPU's collective bandwidth: inside the node, or
     the network's share when there are several nodes)."""
     gpn, pcie = c.gpus_per_node, c.gpu.pcie_gbs * 1e9
-    host_bw = c.cpu_mem_bw_gbs * 1e9 * HOST_COPY_FRACTION * rates.factor  # what host-staged copies share
+    host_bw = c.cpu_mem_bw_gbs * 1e9 * HOST_COPY_FRACTION * spread(c, rates, "cpu_mem_bw")  # host-staged copies
     node_pcie = min(gpn * pcie, host_bw) if gpn > 1 else pcie
     if gpn == 1:
         intra = math.inf  # no hop inside a node (inter-node staging through the host is in host copies)
@@ -149,7 +162,7 @@ def _compute(
         if rates.efficiency is not None
         else efficiency(shape, tokens_micro, c) * rates.efficiency_scale
     )
-    eff = min(eff * rates.factor, 1.0)  # the fast end never above the card's peak
+    eff = min(eff * spread(c, rates, "gemm"), 1.0)  # the fast end never above the card's peak
     hw_fpt = shape.flops_per_token(seq_len) * (4 / 3 if cand.activation_checkpointing else 1)
     compute = tokens_micro * hw_fpt / (peak * eff)
     if stack.attention == "eager":
@@ -194,7 +207,7 @@ def _optimizer(
     psi, g, gpn = shape.num_params(), c.world, c.gpus_per_node
     if cand.offload_optimizer == "none":
         return (psi / g if cand.stage else psi) * ADAM_BYTES["fp32"] / (c.gpu.mem_bw_gbs * 1e9)
-    adam_rate = (rates.cpu_adam_params_per_s or cpu_adam_rate(c, cand, stack)) * rates.factor
+    adam_rate = (rates.cpu_adam_params_per_s or cpu_adam_rate(c, cand, stack)) * spread(c, rates, "cpu_adam")
     opt_t = psi / c.nodes / adam_rate
     if cand.offload_param == "none":  # the updated 16-bit partitions go back to the GPUs
         opt_t += 2 * psi / g * gpn / node_pcie

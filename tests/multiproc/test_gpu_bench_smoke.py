@@ -56,6 +56,10 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
         assert (tmp_path / "logs" / f"{case['name']}.log").stat().st_size > 0
         if case["name"] != "plain_eager" and case["name"] != "1b_stage4":  # beside the planner's prediction
             assert case["plan_step_time_s"] > 0 and case["plan_peak_allocated_gib"] > 0
+    # planned on the host the warm-up probed, as a user's plan with a probed hostfile is
+    assert (tmp_path / "host.probe.json").exists() and doc["warm_up"]["host"]["cpu_adam"]["params_per_s"] > 0
+    adam = {a["figure"]: a["source"] for a in ran["7b_2layers_offload"]["plan_assumed"]}["CPU Adam"]
+    assert "measured on a node by `pipeline probe`" in adam
     stage4 = ran["1b_stage4"]  # the whole path: stages 1-2, a saved checkpoint, evaluate, export, transformers
     assert stage4["eval_loss"] > 0 and stage4["reload"].startswith("LlamaForCausalLM ")
     for step in ("evaluate", "export", "reload"):

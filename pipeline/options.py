@@ -1,0 +1,150 @@
+"""The options that several `pipeline` commands share, declared once (`HOSTFILE`, `WHERE`, `CHECKPOINT`, ...),
+the helpers that declare the rest (`opt`, `group`), their parsing callbacks, and `user_errors`, which turns a
+command's user errors into one line. pipeline/cli.py declares the commands."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from pipeline.errors import PipelineError
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """User errors become one line on stderr and exit code 2; no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except PipelineError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted; no partial outputs were left under final names", err=True)
+            sys.exit(130)
+        except (click.exceptions.Exit, click.ClickException, SystemExit):
+            raise
+        except OSError as e:
+            if (line := os_error_line(e)) is None:
+                raise
+            click.echo(f"error: {line}", err=True)
+            sys.exit(2)
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
+            click.echo(
+                "error: an internal error, not a mistake in your input: this is a bug in pipeline; please "
+                "report it with the traceback above",
+                err=True,
+            )
+            sys.exit(1)
+
+    return wrapper
+
+
+OS_SAYS_NO = {
+    errno.ENOSPC: "the disk is full: free space there, or write elsewhere",
+    errno.EDQUOT: "your disk quota is used up: free space, or write elsewhere",
+    errno.EROFS: "that file system is read-only: write elsewhere",
+    errno.EACCES: "no permission there: write elsewhere, or fix the folder's owner or mode",
+    errno.EPERM: "not permitted there: write elsewhere, or fix the folder's owner or mode",
+    errno.EFBIG: "the file is larger than that file system allows: write elsewhere",
+    errno.EIO: "the disk or mount failed: check it (dmesg, mount) and run the same command again",
+    errno.ESTALE: "the network mount went stale: remount it and run the same command again",
+    errno.ENOTCONN: "the mount is disconnected: remount it and run the same command again",
+    errno.ENODEV: "the device is gone: check the mount and run the same command again",
+}
+"""The operating system refusing on the user's side, what to do about each. Every stage writes under temporary
+names and renames when done, so nothing half-written is left looking complete; the command can be run again."""
+
+
+def os_error_line(e: OSError) -> str | None:
+    """One line for an OSError the user's system raised (a full or read-only disk, a permission, a vanished mount),
+    naming the path; None for one that is not the user's to fix."""
+    if e.errno not in OS_SAYS_NO:
+        return None
+    where = e.filename or "a file this command writes"
+    return (
+        f"{where}: {e.strerror or os.strerror(e.errno or 0)} ({errno.errorcode.get(e.errno or 0, e.errno)}): "
+        f"{OS_SAYS_NO[e.errno]}. Nothing half-written was left under a final name"
+    )
+
+
+def size(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    """A size option (512MB, 2GB, 1.5GiB) as a positive number of bytes."""
+    from pipeline.units import parse_size
+
+    try:
+        size = int(parse_size(value))
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    if size < 1:
+        raise click.BadParameter(f"{value}: expected a positive size such as 2GB")
+    return size
+
+
+def ratios(ctx: click.Context, param: click.Parameter, value: str) -> tuple[float, ...]:
+    try:
+        ratios = tuple(float(x) for x in value.split(","))
+    except ValueError:
+        ratios = ()
+    if len(ratios) != 3:
+        raise click.BadParameter(f"{value}: expected three ratios train,val,test such as 98,1,1")
+    return ratios
+
+
+def group(*decorators: Decorator) -> Decorator:
+    """Several options as one decorator, in the order given."""
+
+    def apply(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for d in reversed(decorators):
+            fn = d(fn)
+        return fn
+
+    return apply
+
+
+def opt(*decls: str, default: Any = None, help: str | None = None, **kw: Any) -> Decorator:
+    """An option that shows its default in --help when it has one."""
+    return click.option(*decls, default=default, show_default=default not in (None, False), help=help, **kw)
+
+
+def config_option(required: bool, help: str) -> Decorator:
+    return click.option("--config", required=required, default=None, help=help)
+
+
+HOSTFILE = click.option(
+    "--hostfile", default=None, help="DeepSpeed hostfile (see hostfiles/): the hosts, reached by ssh, and their slots."
+)
+MASTER_PORT = click.option(
+    "--master-port", type=click.IntRange(1, 65535), default=None, help="Rendezvous port (default: 29500)."
+)
+WHERE = group(
+    HOSTFILE,
+    click.option(
+        "--num-gpus",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Ranks on this machine when no hostfile is given (CPU runs: processes).",
+    ),
+    MASTER_PORT,
+)
+SETS = click.option("--set", "sets", multiple=True, help="Override a config field: section.key=value (repeatable).")
+SEED = click.option("--seed", type=int, default=1234, show_default=True)
+CHECKPOINT = click.option(
+    "--checkpoint", required=True, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG."
+)
+DEVICE = click.option(
+    "--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto (cuda when torch sees a GPU)."
+)
+AS_JSON = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
