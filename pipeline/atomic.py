@@ -1,17 +1,22 @@
 """Atomic writes: a file or a whole folder is written under a temporary name beside its target and renamed into
-place when complete, so a reader (or a rerun after a crash) sees the old one or the new one, never half of one."""
+place when complete, so a reader (or a rerun after a crash) sees the old one or the new one, never half of one.
+And one live writer per output (`OneWriter`): two would each rename their own result into place, and one would be
+silently gone."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 def umask() -> int:
@@ -70,6 +75,18 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 
 
 @contextlib.contextmanager
+def writing_to(where: Path) -> Iterator[None]:
+    """Name `where` in an OSError that a write under it raised without a file name (a file object's write or
+    flush on a full disk): the user's error line can then say which disk."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(where)) from e
+        raise
+
+
+@contextlib.contextmanager
 def replacing_dir(target: Path) -> Iterator[Path]:
     """A temporary folder `.NAME.tmp` beside `target` for the caller to fill; when the block ends without an error
     it replaces `target` whole, else it is removed. One left by a killed process is cleared at the next start."""
@@ -93,3 +110,59 @@ def file_in_the_way(path: Path) -> Path | None:
         if folder.exists():
             return None if folder.is_dir() else folder
     return None
+
+
+class OneWriter:
+    """An exclusive `flock` on the file `path` for one live writer of an output, taken with `acquire()` (or `with`)
+    and held until `release()` or the process's end. The kernel drops it when the process ends, however it ends
+    (SIGKILL, an OOM kill), so a killed writer never leaves a stale lock; the file stays and says who held it last.
+    `busy(holder)`: the error text when another process holds it (holder: its host, pid and start, if known)."""
+
+    def __init__(self, path: Path, busy: Callable[[dict[str, Any] | None], str]):
+        self.path, self.busy = Path(path), busy
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        """Take the lock (its folder must exist) or raise PipelineError naming who holds it."""
+        from pipeline.errors import PipelineError
+
+        f = open(self.path, "a+")  # noqa: SIM115 - held open while writing: the open file is the lock
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise PipelineError(self.busy(read_holder(self.path))) from None
+        f.seek(0)
+        f.truncate()
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        f.write(json.dumps(holder) + "\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> OneWriter:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def read_holder(path: Path) -> dict[str, Any] | None:
+    """Who last held the lock file `path` (host, pid, since), if it says."""
+    try:
+        value = json.loads(path.read_text() or "null")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def held_by(who: dict[str, Any] | None) -> str:
+    """' (pid P on HOST, since T)' for an error text, or nothing when unknown."""
+    return f" (pid {who.get('pid')} on {who.get('host')}, since {who.get('since')})" if who else ""

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -247,11 +248,20 @@ class Supervised:
         self.stopped_by: int | None = None
         script = str(PACKAGE / "pretrain.py")
         self.rank_args = cmd[cmd.index(script) :] if script in cmd else [script]
+        from pipeline.train.guards import SUPERVISOR_ENV
+
         self.console = Console(run_dir, " ".join(cmd))
+        me = psutil.Process()
+        env = os.environ | {SUPERVISOR_ENV: f"{socket.gethostname()}:{me.pid}:{me.create_time()}"}  # guards.Watchdog
         self.proc = subprocess.Popen(
-            cmd, env=os.environ.copy(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
-        self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        # A hang-up (a closed terminal, a lost ssh session) stops the run as SIGTERM does, unless it is ignored
+        # (`nohup pipeline pretrain ...`: the user asked the run to outlive the terminal).
+        stops = [signal.SIGTERM, signal.SIGINT]
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            stops.append(signal.SIGHUP)
+        self._previous = {s: signal.signal(s, self._on_signal) for s in stops}
         self._reader = threading.Thread(target=self.console.follow, args=(self.proc.stdout,), daemon=True)
         self._reader.start()
 
@@ -273,29 +283,33 @@ class Supervised:
     def _on_signal(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if self.stopped_by is not None:
-            click.echo(f"{name} again: ending the launch now (a checkpoint being written stays incomplete)", err=True)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
+            _say(f"{name} again: ending the launch now (a checkpoint being written stays incomplete)")
             return
         self.stopped_by = signum
         ranks = training_ranks(self.proc.pid, self.rank_args)
         if not ranks:
-            click.echo(
-                f"{name}: no training rank runs on this host; asking DeepSpeed's launcher to stop them (it gives "
-                "them 30 s to save)",
-                err=True,
-            )
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
+            _say(
+                f"{name}: no training rank runs on this host; asked DeepSpeed's launcher to stop them (it gives "
+                "them 30 s to save)"
+            )
             return
-        click.echo(
-            f"{name}: stopping the run; every rank saves a checkpoint at the end of its step (send it again to end "
-            "it now)",
-            err=True,
-        )
         for p in ranks:
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signal.SIGTERM)
+        _say(
+            f"{name}: stopping the run; every rank saves a checkpoint at the end of its step (send it again to end "
+            "it now)"
+        )
+
+
+def _say(line: str) -> None:
+    """A line on stderr that cannot fail the supervisor: after a hang-up the terminal is gone (EIO)."""
+    with contextlib.suppress(OSError):
+        click.echo(line, err=True)
 
 
 class Console:
@@ -324,11 +338,15 @@ class Console:
         self.continuation = False
 
     def follow(self, stream: Any) -> None:
+        terminal = True
         for line in iter(stream.readline, b""):
             self.keep(line)
-            if self.shown(line):
-                sys.stdout.buffer.write(line)
-                sys.stdout.flush()
+            if terminal and self.shown(line):
+                try:
+                    sys.stdout.buffer.write(line)
+                    sys.stdout.flush()
+                except OSError:  # the terminal went away (a hang-up, a closed pipe): launch.log still has it all
+                    terminal = False
 
     def shown(self, line: bytes) -> bool:
         if self.continuation and line.startswith(b"  "):  # the source line a Python warning prints under it
@@ -350,20 +368,27 @@ class Console:
     def keep(self, line: bytes) -> None:
         if self.path is None:
             return
-        if self.file is None and self.path.parent.parent.is_dir():
-            self.path.parent.mkdir(exist_ok=True)
-            self.file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
-            self.file.writelines(self.pending)
-            self.pending = []
-        if self.file is None:
-            self.pending.append(line)
-        else:
-            self.file.write(line)
-            self.file.flush()
+        try:
+            if self.file is None and self.path.parent.parent.is_dir():
+                self.path.parent.mkdir(exist_ok=True)
+                self.file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+                self.file.writelines(self.pending)
+                self.pending = []
+            if self.file is None:
+                self.pending.append(line)
+            else:
+                self.file.write(line)
+                self.file.flush()
+        except OSError as e:  # a full or read-only disk: the run's own checks say so; the log is not worth a crash
+            _say(f"cannot write {self.path} ({e.strerror or e}): its lines from here on are only on the terminal")
+            self.path, self.pending = None, []
+            self.close()
 
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
+            with contextlib.suppress(OSError):
+                self.file.close()
+            self.file = None
 
 
 def training_ranks(root: int, rank_args: list[str]) -> list[psutil.Process]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.atomic import file_in_the_way, make_temp_dir, sha256_file, write_json
+from pipeline.atomic import OneWriter, file_in_the_way, held_by, make_temp_dir, sha256_file, write_json, writing_to
 from pipeline.data.config import ShardConfig
 from pipeline.data.indexed import IndexedReader
 from pipeline.data.manifest import (
@@ -145,10 +145,29 @@ def _shard_ranges(n: int, row_bytes: int, cfg: ShardConfig) -> list[tuple[int, i
 
 
 def run(cfg: ShardConfig) -> ShardResult:
-    t0 = time.perf_counter()
+    """The stage, as the one live writer of its folder; a write that the disk refuses names the folder
+    (pipeline.atomic.writing_to)."""
     out = Path(cfg.output)
     if blocker := file_in_the_way(out):
         raise PipelineError(f"--output {out}: {blocker} is a file; give a folder for the shards")
+    try:
+        out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PipelineError(f"--output {out}: cannot create folder {out.absolute().parent} ({e.strerror})") from None
+
+    def busy(who: dict[str, Any] | None) -> str:
+        return (
+            f"--output {out}: another `pipeline shard` is writing it{held_by(who)}; two at once would leave only "
+            "one's shards. Wait for it to end, or give another --output"
+        )
+
+    with writing_to(out.absolute()), OneWriter(out.absolute().parent / f".{out.name}.lock", busy):
+        return _run(cfg)
+
+
+def _run(cfg: ShardConfig) -> ShardResult:
+    t0 = time.perf_counter()
+    out = Path(cfg.output)
     manifests = [read_tokenize_manifest(p) for p, _ in cfg.sources]
     shas = {m["tokenizer"]["sha256"] for m in manifests}
     if len(shas) > 1:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.atomic import file_in_the_way, sha256_file, tmp_path_for, write_json
+from pipeline.atomic import OneWriter, file_in_the_way, held_by, sha256_file, tmp_path_for, write_json, writing_to
 from pipeline.data.config import TokenizeConfig
 from pipeline.data.indexed import IndexedWriter, token_dtype
 from pipeline.data.manifest import manifest_header
@@ -332,6 +332,22 @@ def _refuse_lost_input(documents: int, stats: list[FileStats], sink: _ErrorSink)
 
 
 def run(cfg: TokenizeConfig) -> TokenizeResult:
+    """The stage, as the one live writer of its prefix; a write that the disk refuses names the output's folder
+    (pipeline.atomic.writing_to)."""
+    prefix = Path(cfg.output_prefix)
+    _check_writable(prefix)
+
+    def busy(who: dict[str, Any] | None) -> str:
+        return (
+            f"--output-prefix {prefix}: another `pipeline tokenize` is writing it{held_by(who)}; two at once "
+            "would leave only one's documents. Wait for it to end, or give another --output-prefix"
+        )
+
+    with writing_to(prefix.absolute().parent), OneWriter(prefix.parent / f".{prefix.name}.lock", busy):
+        return _run(cfg)
+
+
+def _run(cfg: TokenizeConfig) -> TokenizeResult:
     t0 = time.perf_counter()
     prefix = Path(cfg.output_prefix)
     _check_writable(prefix)

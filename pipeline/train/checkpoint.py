@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import re
 import shutil
 import socket
@@ -259,6 +260,22 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     if hosts := unshared_hosts(path, tag):
         raise not_shared(path, tag, hosts)
     return path, tag
+
+
+def writable_problem(run_dir: Path) -> str | None:
+    """Whether this process can write the run folder (or create it in its nearest existing parent): a read-only
+    mount or a folder of another user would otherwise show as a disk with no space, or fail at the first write."""
+    folder = Path(run_dir).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return f"run_dir {run_dir}: {folder} is on a read-only file system; put run_dir on a writable disk"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return (
+            f"run_dir {run_dir}: no permission to write in {folder} (owned by uid {folder.stat().st_uid}, you are "
+            f"{os.getuid()}); put run_dir where you can write, or fix the folder's owner or mode"
+        )
+    return None
 
 
 def space_problem(run_dir: Path, per_node_bytes: float, keep_last: int) -> str | None:

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -26,19 +27,54 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+SUPERVISOR_ENV = "PYTHON_PIPELINE_SUPERVISOR"
+"""HOST:PID:START of the `pipeline pretrain` that launched the run (pipeline.launch.Supervised). The PYTHON prefix
+is one DeepSpeed's multi-node runner exports to every node; the ranks of other hosts do not watch it."""
+
+
+def supervisor_gone(value: str | None, host: str) -> bool:
+    """Whether the launching `pipeline pretrain` of `value` (SUPERVISOR_ENV) has died: killed with SIGKILL (the
+    OOM killer, `docker kill`, `kill -9`), so that nothing forwards a stop to this rank any more. False when there is
+    none to watch (a launch with `deepspeed` directly) or it runs on another host."""
+    if not value:
+        return False
+    rest = value.split(":")
+    if len(rest) != 3 or rest[0] != host:
+        return False
+    import psutil
+
+    try:
+        p = psutil.Process(int(rest[1]))
+        return abs(p.create_time() - float(rest[2])) > 0.01 or p.status() == psutil.STATUS_ZOMBIE  # pid reused
+    except psutil.NoSuchProcess:
+        return True
+    except (ValueError, psutil.Error):
+        return False
+
+
 class Watchdog:
     """Exits this rank when it makes no progress (a micro-step, a validation batch) within `timeout_s`
     (train.comm_timeout_minutes): a peer that hangs
     (SIGSTOP, a stuck driver) leaves the others waiting in a collective that may never time out (DeepSpeed's CPU
     shared-memory all-reduce spins), so the launch would hang forever. Exiting makes the launcher stop every rank
-    and the launch fail. Saves are long and legitimate: the watchdog is paused around them."""
+    and the launch fail. Saves are long and legitimate: the watchdog is paused around them.
 
-    def __init__(self, timeout_s: float, rank: int):
-        self.timeout_s, self.rank = timeout_s, rank
+    It also watches the `pipeline pretrain` that launched the run (SUPERVISOR_ENV): killed, it can no longer
+    forward a stop, and the ranks would train on headless, holding the run folder and the GPUs. This rank then
+    stops as on SIGTERM (the ranks agree, save and exit), within `SUPERVISOR_POLL_S` and a step."""
+
+    SUPERVISOR_POLL_S = 2.0
+
+    def __init__(self, timeout_s: float, rank: int, launch_log: Path | None = None):
+        import socket
+
+        self.timeout_s, self.rank, self.launch_log = timeout_s, rank, launch_log
         self._last = time.monotonic()
         self._paused = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="pipeline-watchdog", daemon=True)
+        self._supervisor = os.environ.get(SUPERVISOR_ENV)
+        self._host = socket.gethostname()
 
     def start(self) -> None:
         self.beat()
@@ -60,7 +96,10 @@ class Watchdog:
         self._done.set()
 
     def _watch(self) -> None:
-        while not self._done.wait(min(10.0, self.timeout_s / 4)):
+        while not self._done.wait(min(self.SUPERVISOR_POLL_S, self.timeout_s / 4)):
+            if self._supervisor and supervisor_gone(self._supervisor, self._host):
+                self._supervisor = None
+                self._orphaned()
             idle = time.monotonic() - self._last
             if not self._paused and idle > self.timeout_s:
                 print(
@@ -71,6 +110,25 @@ class Watchdog:
                     flush=True,
                 )
                 os._exit(3)
+
+    def _orphaned(self) -> None:
+        """The launching command is gone: stop as on the SIGTERM it would have forwarded, and since its reader of
+        this rank's output went with it, write what follows to RUN_DIR/logs/launch.log instead of a dead pipe."""
+        os.kill(os.getpid(), signal.SIGTERM)
+        with contextlib.suppress(OSError):
+            if self.launch_log is not None:
+                self.launch_log.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.launch_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                os.dup2(fd, sys.stdout.fileno())
+                os.dup2(fd, sys.stderr.fileno())
+                os.close(fd)
+            if self.rank == 0:
+                print(
+                    "the `pipeline pretrain` that launched this run is gone (killed, or its session ended): every "
+                    "rank saves at the end of its step and stops; the same command resumes",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 class NonFinite:

@@ -165,7 +165,7 @@ class Trainer:
         cfg, rank = run.cfg, run.dist.rank
         if offload_devices(run.ds).optimizer != "none":
             share_cpu_cores(ranks_per_node(run.dist.world_size))
-        self.watchdog = Watchdog(cfg.train.comm_timeout_minutes * 60, rank)
+        self.watchdog = Watchdog(cfg.train.comm_timeout_minutes * 60, rank, run.run_dir / "logs" / "launch.log")
         self.checkpointer = Checkpointer(run, data_fingerprint=self.train_data.fingerprint, watchdog=self.watchdog)
         speed = choose_speed(cfg, run.ds, run.shape, run.plan.micro_batch_size, run.plan.seq_len, run.dist.device)
         if rank == 0:

@@ -15,10 +15,10 @@ from typing import Any
 from pipeline.atomic import write_json
 from pipeline.errors import PipelineError
 from pipeline.train import checkpoint as ckpt
+from pipeline.train import tracking
 from pipeline.train.prepare import Prepared
 from pipeline.train.resume import continuation_problems, resumable, schedule_note
 from pipeline.train.runlock import check_free
-from pipeline.train.tracking import missing_packages
 
 VERIFIED = ".shards-verified.json"
 """In the run folder: the shards whose checksums a launch verified, with the size and mtime of every file, so the
@@ -94,8 +94,10 @@ def before_launch(prepared: Prepared, world: int, per_node: int, more: Sequence[
 
     cfg, run_dir = prepared.cfg, Path(prepared.cfg.run_dir)
     check_free(run_dir)
-    problems: list[str] = missing_packages(cfg)
-    if cfg.checkpoint.enabled:  # on the first node's disk: the busiest
+    problems: list[str] = tracking.problems(cfg)
+    if unwritable := ckpt.writable_problem(run_dir):
+        problems.append(unwritable)
+    elif cfg.checkpoint.enabled:  # on the first node's disk: the busiest
         size = ckpt.checkpoint_size(prepared, world, per_node)
         if problem := ckpt.space_problem(run_dir, size, cfg.checkpoint.keep_last):
             problems.append(problem)

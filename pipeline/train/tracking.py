@@ -4,21 +4,30 @@ config once as parameters, and keeps the tracked runs' ids in RUN_DIR/tracking.j
 continues the same tracked run instead of starting another.
 
 On resume metrics.jsonl drops its lines past the checkpoint; a tracker cannot: W&B keeps the steps it already
-had (and ignores them when sent again), MLflow records the new values beside the old at those steps."""
+had (and ignores them when sent again), MLflow records the new values beside the old at those steps.
+
+metrics.jsonl is the record; a dashboard is not worth a lost run. Before launch each tracker is checked as far as
+it can be (`problems`: its package, its store, its credentials or offline mode); a tracker that fails later warns
+once and the run goes on without it."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import netrc
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from pipeline.atomic import write_json
 from pipeline.train.config import PretrainConfig
 
 IDS = "tracking.json"
+log = logging.getLogger(__name__)
 
 
 class Tracker(Protocol):
@@ -54,9 +63,49 @@ class _Wandb:
         self.run.finish()
 
 
+def _wandb_problem(cfg: PretrainConfig) -> str | None:
+    """W&B without a key and not offline fails at rank 0's first call, after the launch."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return None
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):  # what `wandb login` writes
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return (
+        "log.wandb_project is set but W&B has no API key here (WANDB_API_KEY, or `wandb login`) and WANDB_MODE is "
+        "not offline: set a key, or WANDB_MODE=offline to keep the run in RUN_DIR/wandb and `wandb sync` it later"
+    )
+
+
+DATABASES = ("sqlite", "postgresql", "mysql", "mssql")
+"""MLflow's database stores (a URI scheme, maybe with +driver): they need the full `mlflow` package."""
+
+
+def _mlflow_problem(cfg: PretrainConfig) -> str | None:
+    uri = str(cfg.log.mlflow_tracking_uri)
+    scheme = urlparse(uri).scheme.split("+")[0]
+    if scheme in DATABASES and importlib.util.find_spec("sqlalchemy") is None:
+        return (
+            f"log.mlflow_tracking_uri {uri}: a database store needs the full mlflow package (pip install mlflow; "
+            "mlflow-skinny has none), or use a folder: file:/path/to/mlruns"
+        )
+    if scheme not in ("", "file", "http", "https", "databricks", *DATABASES):
+        return (
+            f"log.mlflow_tracking_uri {uri}: MLflow has no store for '{scheme}:'; use file:/path/to/mlruns, "
+            "http(s)://server:5000, or a database such as sqlite:////path/to/mlflow.db"
+        )
+    return None
+
+
 class _Mlflow:
     def __init__(self, cfg: PretrainConfig, run_dir: Path, name: str, params: dict[str, Any], run_id: str | None):
         import mlflow
+
+        if urlparse(str(cfg.log.mlflow_tracking_uri)).scheme in ("", "file"):
+            # MLflow 3 refuses a folder store unless told; the README offers one: the user asked for it
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
         mlflow.set_tracking_uri(str(cfg.log.mlflow_tracking_uri))
         mlflow.set_experiment(cfg.log.mlflow_experiment)
@@ -84,11 +133,13 @@ class Backend:
     package: str
     pip: str
     open: Callable[[PretrainConfig, Path, str, dict[str, Any], str | None], Tracker]
+    problem: Callable[[PretrainConfig], str | None]
+    """What would make it fail after the launch, checked before (its store, its credentials), or None."""
 
 
 BACKENDS: dict[str, Backend] = {
-    "wandb": Backend("wandb_project", "wandb", "wandb", _Wandb),
-    "mlflow": Backend("mlflow_tracking_uri", "mlflow", "mlflow-skinny", _Mlflow),
+    "wandb": Backend("wandb_project", "wandb", "wandb", _Wandb, _wandb_problem),
+    "mlflow": Backend("mlflow_tracking_uri", "mlflow", "mlflow-skinny", _Mlflow, _mlflow_problem),
 }
 """Every tracking backend, by the name its run id is kept under in RUN_DIR/tracking.json. A new one is an entry
 here (and its `log` field in pipeline.train.config); nothing else names a backend."""
@@ -98,14 +149,19 @@ def enabled(cfg: PretrainConfig) -> dict[str, Backend]:
     return {name: b for name, b in BACKENDS.items() if getattr(cfg.log, b.field)}
 
 
-def missing_packages(cfg: PretrainConfig) -> list[str]:
-    """A tracker the config turns on whose package is not installed, as one line each."""
-    return [
-        f"log.{b.field} is set but {b.package} is not installed here: pip install {b.pip} (or "
-        "pip install -e '.[tracking]'), or unset it"
-        for b in enabled(cfg).values()
-        if importlib.util.find_spec(b.package) is None
-    ]
+def problems(cfg: PretrainConfig) -> list[str]:
+    """Each tracker the config turns on that would fail after the launch (its package not installed, a store it
+    cannot use, no credentials), as one line each."""
+    out = []
+    for b in enabled(cfg).values():
+        if importlib.util.find_spec(b.package) is None:
+            out.append(
+                f"log.{b.field} is set but {b.package} is not installed here: pip install {b.pip} (or "
+                "pip install -e '.[tracking]'), or unset it"
+            )
+        elif problem := b.problem(cfg):
+            out.append(problem)
+    return out
 
 
 def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -128,10 +184,25 @@ class Trackers:
         params = flat(cfg.to_dict())
         self.open: dict[str, Tracker] = {}
         for key, backend in enabled(cfg).items():
-            self.open[key] = backend.open(cfg, run_dir, name, params, self.ids.get(key))
+            try:
+                self.open[key] = backend.open(cfg, run_dir, name, params, self.ids.get(key))
+            except Exception as e:  # noqa: BLE001 - any failure of a tracker's library: the run goes on
+                self._failed(key, "start", e)
+                continue
             self.ids[key] = self.open[key].run_id
         if self.ids:
             write_json(run_dir / IDS, self.ids)
+
+    def _failed(self, key: str, doing: str, e: Exception) -> None:
+        """Warn once and go on without the tracker."""
+        self.open.pop(key, None)
+        log.warning(
+            "warning: tracking: %s failed to %s (%s: %s); the run goes on without it, metrics.jsonl keeps the record",
+            key,
+            doing,
+            type(e).__name__,
+            str(e).splitlines()[0][:300] if str(e) else "",
+        )
 
     @classmethod
     def factory(cls, cfg: PretrainConfig, run_dir: Path) -> Callable[[], Trackers] | None:
@@ -141,10 +212,16 @@ class Trackers:
     def log(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
         numbers = {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
-        for tracker in self.open.values():
-            tracker.log(numbers, step)
+        for key, tracker in list(self.open.items()):
+            try:
+                tracker.log(numbers, step)
+            except Exception as e:  # noqa: BLE001 - see _failed
+                self._failed(key, f"log step {step}", e)
 
     def close(self) -> None:
-        for tracker in self.open.values():
-            tracker.close()
+        for key, tracker in list(self.open.items()):
+            try:
+                tracker.close()
+            except Exception as e:  # noqa: BLE001 - see _failed
+                self._failed(key, "close", e)
         self.open = {}

@@ -79,13 +79,13 @@ def test_cpu_adam_ranks_are_bound_to_their_share_of_the_cores(shards: Path, tmp_
         assert r["torch_threads"] == share and r["env"]["OMP_NUM_THREADS"] == str(share), r
 
 
-def pipeline_pretrain(cfg: Path, log: Path, *extra: str) -> subprocess.Popen:
+def pipeline_pretrain(cfg: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`pipeline pretrain` as a user's shell starts it (its own process group, like a terminal's job)."""
     cmd = [str(Path(sys.executable).parent / "pipeline"), "pretrain", "--config", str(cfg), "--num-gpus", "2"]
     cmd += ["--master-port", str(launch.free_port()), *extra]
     f = open(log, "w")  # noqa: SIM115 - the child holds it
     return subprocess.Popen(
-        cmd, env=launch.env(), stdout=f, stderr=subprocess.STDOUT, cwd=launch.ROOT, start_new_session=True
+        cmd, env=launch.env() | (env or {}), stdout=f, stderr=subprocess.STDOUT, cwd=launch.ROOT, start_new_session=True
     )
 
 
@@ -118,14 +118,19 @@ def no_process_left(cfg: Path, timeout: float = 60) -> bool:
     return not processes_of(cfg)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "sig, code",
+    [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)],
+    ids=["SIGTERM", "SIGINT", "SIGHUP"],
+)
 def test_a_signal_to_pipeline_pretrain_stops_the_whole_run_saved_and_never_exits_0(
     shards: Path, tmp_path: Path, sig: int, code: int
 ) -> None:
-    """What `kill`, `docker stop`, Slurm and a terminal's Ctrl-C do to the command we tell users to run: every rank
-    saves at the end of its step and stops, no process is left training, and the exit code says it stopped early
-    (so `pipeline pretrain ... && pipeline export ...` exports nothing). While it trains, a second launch into its
-    run folder is refused before its launcher starts, whatever master port it picks."""
+    """What `kill`, `docker stop`, Slurm, a terminal's Ctrl-C and a closed terminal or lost ssh session (SIGHUP) do
+    to the command we tell users to run: every rank saves at the end of its step and stops, no process is left
+    training, and the exit code says it stopped early (so `pipeline pretrain ... && pipeline export ...` exports
+    nothing). While it trains, a second launch into its run folder is refused before its launcher starts, whatever
+    master port it picks."""
     run_dir = tmp_path / "run"
     cfg = launch.write_config(
         tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=100000, ckpt_interval=100000
@@ -156,6 +161,33 @@ def signalled_pipeline_pretrain(cfg: Path, run_dir: Path, tmp_path: Path, sig: i
     tag = ckpt.latest_complete(run_dir)
     assert tag is not None and int(tag[4:]) >= 3 and ckpt.read_marker(run_dir, tag)["step"] == int(tag[4:])
     assert no_process_left(cfg), [p.cmdline() for p in processes_of(cfg)]
+
+
+def test_a_killed_pipeline_pretrain_stops_its_ranks_saved_and_the_same_command_resumes(
+    shards: Path, tmp_path: Path
+) -> None:
+    """`kill -9` of the command (the OOM killer, `docker kill`) leaves nothing to forward a stop: the ranks notice
+    their launching command is gone within seconds, save at the end of their step and stop, so no training goes on
+    headless holding the run folder; the same command then resumes from that checkpoint and finishes."""
+    run_dir = tmp_path / "run"
+    cfg = launch.write_config(
+        tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=60, ckpt_interval=100000
+    )
+    with reaped(cfg):
+        slow = {"PIPELINE_FAULT_SLOW_MICRO_STEP": "0.1"}  # 0.2 s a step: the kill lands mid-run
+        proc = pipeline_pretrain(cfg, tmp_path / "a.log", env=slow)
+        launch.wait_for_step(run_dir, 3, proc)
+        proc.kill()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert no_process_left(cfg, timeout=90), [p.cmdline() for p in processes_of(cfg)]
+        tag = ckpt.latest_complete(run_dir)
+        assert tag is not None and 3 <= int(tag[4:]) < 60, tag
+        log = (run_dir / "logs" / "launch.log").read_text()
+        assert "the `pipeline pretrain` that launched this run is gone" in log and "Traceback" not in log, log[-3000:]
+        again = pipeline_pretrain(cfg, tmp_path / "b.log")
+        assert again.wait(timeout=300) == 0, (tmp_path / "b.log").read_text()[-3000:]
+        resumed = (tmp_path / "b.log").read_text()
+        assert f"resumed from {run_dir / tag}" in resumed and "done: step 60" in resumed, resumed[-3000:]
 
 
 def test_a_signal_to_one_rank_alone_stops_every_rank_and_is_not_relaunched(shards: Path, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pipeline.train.config import from_dict
-from pipeline.train.tracking import Trackers, missing_packages
+from pipeline.train.tracking import Trackers, problems
 
 
 @pytest.fixture
@@ -114,8 +114,72 @@ def test_a_tracker_without_its_package_is_refused_before_launch(monkeypatch: pyt
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
-    problems = missing_packages(config("file:/tmp/x"))
-    assert problems == [
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    found = problems(config("file:/tmp/x"))
+    assert found == [
         "log.wandb_project is set but wandb is not installed here: pip install wandb (or pip install -e "
         "'.[tracking]'), or unset it"
     ]
+
+
+def test_each_documented_form_is_checked_before_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's forms pass; W&B with neither a key nor offline mode, a database store without the full mlflow,
+    and an unknown scheme are refused before launch with what to set."""
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no `wandb login` here
+    no_key = problems(config(f"file:{tmp_path / 'mlruns'}"))
+    assert len(no_key) == 1 and "W&B has no API key here" in no_key[0] and "WANDB_MODE=offline" in no_key[0]
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    (tmp_path / "netrc").chmod(0o600)
+    assert problems(config(f"file:{tmp_path / 'mlruns'}")) == []  # after `wandb login`
+    assert problems(config(str(tmp_path / "mlruns"))) == []  # a plain folder
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert problems(config("http://localhost:5000")) == []
+    sqlite = problems(config(f"sqlite:///{tmp_path / 'mlflow.db'}"))
+    import importlib.util
+
+    if importlib.util.find_spec("sqlalchemy") is None:  # mlflow-skinny, as `pip install -e .[tracking]` brings
+        assert len(sqlite) == 1 and "needs the full mlflow package (pip install mlflow" in sqlite[0]
+    assert "MLflow has no store for 'mlruns:'" in problems(config("mlruns://x"))[0]
+
+
+def test_a_file_store_works_without_the_environment_variable_mlflow_asks_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow 3 refuses a folder store unless MLFLOW_ALLOW_FILE_STORE is set, which the README's form needs: the
+    trainer sets it for a file: or folder URI, the user asked for one."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = from_dict(
+        config(f"file:{tmp_path / 'mlruns'}").to_dict()
+        | {"log": {"mlflow_tracking_uri": f"file:{tmp_path / 'mlruns'}"}}
+    )
+    t = Trackers(cfg, run_dir)
+    t.log({"step": 1, "loss": 2.0})
+    t.close()
+    ids = json.loads((run_dir / "tracking.json").read_text())
+    assert mlflow_history(f"file:{tmp_path / 'mlruns'}", ids["mlflow"], "loss") == [(1, 2.0)]
+
+
+def test_a_tracker_that_fails_later_warns_once_and_the_run_goes_on(
+    tmp_path: Path, offline: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    t = Trackers(config(offline), run_dir)
+
+    def broken(numbers: dict[str, float], step: int) -> None:
+        raise ConnectionError("the server went away\nsecond line")
+
+    t.open["mlflow"].log = broken  # type: ignore[method-assign]
+    with caplog.at_level("WARNING"):
+        for step in (1, 2, 3):
+            t.log({"step": step, "loss": 1.0})
+    t.close()
+    warned = [r.getMessage() for r in caplog.records if "tracking: mlflow failed" in r.getMessage()]
+    assert len(warned) == 1 and "log step 1 (ConnectionError: the server went away)" in warned[0], warned
+    assert "metrics.jsonl keeps the record" in warned[0]
+    assert [h["loss"] for h in wandb_history(run_dir, runs=1) if "loss" in h] == [1.0, 1.0, 1.0]  # W&B went on

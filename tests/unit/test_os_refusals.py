@@ -1,0 +1,74 @@
+"""The operating system saying no on the user's side (a full disk, a read-only mount) is one line naming the path,
+what the system said and what to do, exit code 2, and nothing half-written under a final name: on real small
+tmpfs mounts (root only; skipped elsewhere, with the reason)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from tests.conftest import CORPUS, tokenizer_model
+from tests.multiproc import launch
+
+Mount = Callable[..., Path]
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[Mount]:
+    """mount(size, ro=False): a fresh tmpfs of `size` (e.g. 100k), unmounted after the test."""
+    mounted: list[Path] = []
+
+    def make(size: str, ro: bool = False) -> Path:
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        options = f"size={size}" + (",ro" if ro else "")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): the disk cases need root")
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def one_line_refusal(result: object, path: Path, said: str) -> None:
+    out = result.output  # type: ignore[attr-defined]
+    assert result.exit_code == 2, out  # type: ignore[attr-defined]
+    assert "Traceback" not in out and "a bug in pipeline" not in out, out
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and str(path) in errors[0] and said in errors[0], out
+
+
+def test_tokenize_into_a_full_disk_is_one_line_and_leaves_nothing_complete(mount: Mount, tokenized: Path) -> None:
+    disk = mount("100k")
+    out = disk / "corpus"
+    args = ["tokenize", str(CORPUS), "--output-prefix", str(out), "--tokenizer", str(tokenizer_model(tokenized))]
+    r = CliRunner().invoke(main, [*args, "--workers", "1"])
+    one_line_refusal(r, disk, "No space left on device (ENOSPC): the disk is full")
+    assert not list(disk.glob("corpus.*")), list(disk.iterdir())  # no .bin/.idx/.manifest.json under final names
+
+
+def test_shard_into_a_full_disk_is_one_line_and_leaves_nothing_complete(mount: Mount, tokenized: Path) -> None:
+    disk = mount("100k")
+    out = disk / "shards"
+    r = CliRunner().invoke(main, ["shard", str(tokenized), "--output", str(out), "--seq-len", "64"])
+    one_line_refusal(r, disk, "No space left on device (ENOSPC): the disk is full")
+    assert not (out / "manifest.json").exists()
+
+
+def test_a_run_dir_on_a_read_only_mount_is_named_before_anything_starts(
+    mount: Mount, shards: Path, tmp_path: Path
+) -> None:
+    """Not "0.0 GB free" (what the space check saw), and not a traceback from the first write: the mount named."""
+    ro = mount("1m", ro=True)
+    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=ro / "run", shards=shards, ds_config="zero1.json")
+    r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--num-gpus", "2", "--dry-run"])
+    one_line_refusal(r, ro, "is on a read-only file system; put run_dir on a writable disk")
+    assert "GB free" not in r.output
