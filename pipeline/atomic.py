@@ -116,22 +116,31 @@ class OneWriter:
     """An exclusive `flock` on the file `path` for one live writer of an output, taken with `acquire()` (or `with`)
     and held until `release()` or the process's end. The kernel drops it when the process ends, however it ends
     (SIGKILL, an OOM kill), so a killed writer never leaves a stale lock; the file stays and says who held it last.
-    `busy(holder)`: the error text when another process holds it (holder: its host, pid and start, if known)."""
+    `busy(holder)`: the error text when another process holds it (holder: its host, pid and start, if known).
+    `remove`: delete the file on release (a stage's output folder keeps nothing of the lock); a process that opened
+    it just before then finds its file gone after locking it, and tries again on the new one."""
 
-    def __init__(self, path: Path, busy: Callable[[dict[str, Any] | None], str]):
-        self.path, self.busy = Path(path), busy
+    def __init__(self, path: Path, busy: Callable[[dict[str, Any] | None], str], remove: bool = False):
+        self.path, self.busy, self.remove = Path(path), busy, remove
         self._file: IO[str] | None = None
 
     def acquire(self) -> None:
         """Take the lock (its folder must exist) or raise PipelineError naming who holds it."""
         from pipeline.errors import PipelineError
 
-        f = open(self.path, "a+")  # noqa: SIM115 - held open while writing: the open file is the lock
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            raise PipelineError(self.busy(read_holder(self.path))) from None
+        while True:
+            f = open(self.path, "a+")  # noqa: SIM115 - held open while writing: the open file is the lock
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                raise PipelineError(self.busy(read_holder(self.path))) from None
+            try:
+                if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            f.close()  # locked a file its holder removed on release: lock the one at the path now
         f.seek(0)
         f.truncate()
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -141,6 +150,9 @@ class OneWriter:
 
     def release(self) -> None:
         if self._file is not None:
+            if self.remove:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
             with contextlib.suppress(OSError):
                 fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
             self._file.close()

@@ -137,7 +137,7 @@ def shard(sources: tuple[str, ...], inspect_dir: str | None, model_dir: str | No
         click.echo(shard_stage.describe(options["output"]))
 
 
-@command(context_settings={"ignore_unknown_options": True})
+@command()
 @config_option(required=True, help="Pretrain YAML config (see configs/).")
 @WHERE
 @SETS

@@ -161,7 +161,7 @@ def run(cfg: ShardConfig) -> ShardResult:
             "one's shards. Wait for it to end, or give another --output"
         )
 
-    with writing_to(out.absolute()), OneWriter(out.absolute().parent / f".{out.name}.lock", busy):
+    with writing_to(out.absolute()), OneWriter(out.absolute().parent / f".{out.name}.lock", busy, remove=True):
         return _run(cfg)
 
 

@@ -343,7 +343,7 @@ def run(cfg: TokenizeConfig) -> TokenizeResult:
             "would leave only one's documents. Wait for it to end, or give another --output-prefix"
         )
 
-    with writing_to(prefix.absolute().parent), OneWriter(prefix.parent / f".{prefix.name}.lock", busy):
+    with writing_to(prefix.absolute().parent), OneWriter(prefix.parent / f".{prefix.name}.lock", busy, remove=True):
         return _run(cfg)
 
 

@@ -25,3 +25,11 @@ def zero_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[in
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
         runs[stage] = run_dir
     return runs
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `pytest -n 2` (make test) the tests that read the shared ZeRO runs go to one worker, so the three
+    launches behind them run once."""
+    for item in items:
+        if "zero_runs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("zero_runs"))

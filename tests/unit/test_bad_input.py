@@ -89,6 +89,9 @@ CASES = [
     ("pretrain --config {T}/badtype.yaml --num-gpus 2", "batch.micro_batch_size: expected an integer"),
     ("pretrain --config {T}/badtype.yaml --num-gpus 0", "'--num-gpus'"),
     ("pretrain --config {T}/badtype.yaml --hostfile {T}/nohosts", "--hostfile"),
+    ("pretrain --config {T}/badtype.yaml --num-gpu 2", "No such option '--num-gpu'. Did you mean '--num-gpus'?"),
+    ("pretrain --config {T}/badtype.yaml --bogus-flag", "No such option '--bogus-flag'"),
+    ("plan --probe {T}/none.json", "none.json: cannot read the probe"),
     # plan
     ("plan --hostfile {T}/nohosts", "--hostfile"),
     ("plan --hostfile {T}", "is a folder"),
@@ -225,3 +228,11 @@ def test_pretrain_refuses_before_the_launcher_starts(launch_work: dict[str, Path
     assert r.exit_code == 2 and expected in r.output, r.output
     assert "+ " not in r.output and "Traceback" not in r.output
     assert after == before, f"left behind: {set(after) - set(before)}"
+
+
+def test_python_m_pipeline_is_the_pipeline_command() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pipeline", "plan", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("Usage: pipeline plan"), out.stdout + out.stderr

@@ -1,0 +1,5 @@
+"""`python -m pipeline ...`: the same as the `pipeline` command."""
+
+from pipeline.cli import main
+
+main(prog_name="pipeline")
