@@ -332,14 +332,39 @@ def check(cfg: PretrainConfig) -> list[str]:
     return p
 
 
+class _OneKeyEach(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping: PyYAML would keep the last one without a word."""
+
+    twice: list[str]
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                self.twice.append(
+                    f"line {line}: '{key}' is given twice in one section (first on line {seen[key]}); "
+                    "YAML would keep the last silently: keep one"
+                )
+            seen.setdefault(key, line)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load(path: str | Path, sets: list[str] | None = None) -> PretrainConfig:
     path = Path(path)
     if not path.exists():
         raise ConfigError([f"{path}: no such config file (see configs/ for examples)"], str(path))
+    loader = _OneKeyEach(path.read_text())
+    loader.twice = []
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = loader.get_single_data() or {}
     except yaml.YAMLError as e:
         raise ConfigError([f"not valid YAML: {e}"], str(path)) from None
+    finally:
+        loader.dispose()
+    if loader.twice:
+        raise ConfigError(loader.twice, str(path))
     return from_dict(apply_overrides(raw, sets or []), str(path))
 
 

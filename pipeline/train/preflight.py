@@ -8,6 +8,7 @@ checkpoints, and the caller's own (the quick doctor's). The ranks make the same 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,11 @@ from pipeline.atomic import write_json
 from pipeline.errors import PipelineError
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import tracking
+from pipeline.train.dist import accelerator_name
 from pipeline.train.prepare import Prepared
 from pipeline.train.resume import continuation_problems, resumable, schedule_note
 from pipeline.train.runlock import check_free
+from pipeline.train.schedule import max_steps_for
 
 VERIFIED = ".shards-verified.json"
 """In the run folder: the shards whose checksums a launch verified, with the size and mtime of every file, so the
@@ -86,6 +89,47 @@ def init_weights_problem(init_from: str | None) -> str | None:
     return None
 
 
+EPOCHS_NOTED = 20
+"""More passes over the train split than this: almost surely a budget meant for more data (a note)."""
+
+
+def implausible(prepared: Prepared, per_node: int, accelerator: str) -> list[str]:
+    """Values that are legal but almost surely a mistake, as notes the user sees before the launch: a model field
+    the data replaces, a budget of many epochs, a learning rate whose exponent was dropped, a schedule that never
+    leaves warm-up, more CPU ranks than cores."""
+    cfg, plan, notes = prepared.cfg, prepared.plan, []
+    given = cfg.model.shape.get("max_seq_len")
+    if given is not None and int(given) < plan.seq_len:
+        notes.append(
+            f"note: model.shape.max_seq_len {given} is below the shards' seq_len {plan.seq_len}: the model is built "
+            f"for {plan.seq_len} (RoPE extends); set {plan.seq_len}, or leave it out"
+        )
+    steps = max_steps_for(cfg, plan)
+    train = prepared.manifest["splits"]["train"]["samples"]
+    if train and (epochs := steps * plan.global_batch_size / train) > EPOCHS_NOTED:
+        notes.append(
+            f"note: {steps:,} steps x {plan.global_batch_size} sequences are {epochs:,.0f} passes over the "
+            f"{train:,} training samples of {cfg.data.path}: the model will memorise them long before the end. "
+            "Did you mean a smaller train.max_tokens / max_steps, or more data?"
+        )
+    if cfg.optim.lr > 0.05 or cfg.optim.lr < 1e-7:
+        notes.append(
+            f"note: optim.lr {cfg.optim.lr:g} is far from pretraining's 1e-5 to 1e-2; write the exponent (3e-4, not 3)"
+        )
+    if cfg.optim.warmup_steps >= steps:
+        notes.append(
+            f"note: optim.warmup_steps {cfg.optim.warmup_steps} >= the run's {steps} steps: the learning rate "
+            f"never reaches optim.lr {cfg.optim.lr:g}"
+        )
+    cores = os.cpu_count() or 1
+    if accelerator == "cpu" and per_node > cores:
+        notes.append(
+            f"note: {per_node} CPU ranks share this machine's {cores} cores: each step waits for the slowest; "
+            f"--num-gpus {cores} or fewer runs faster"
+        )
+    return notes
+
+
 def before_launch(prepared: Prepared, world: int, per_node: int, more: Sequence[str] = ()) -> list[str]:
     """Every check above, and the disk for the run's checkpoints, in the launching process: raises one
     PipelineError listing every problem (with `more`, the caller's: the quick doctor's failures); returns the notes
@@ -126,6 +170,7 @@ def before_launch(prepared: Prepared, world: int, per_node: int, more: Sequence[
     problems += more
     if problems:
         raise PipelineError(problems[0] if len(problems) == 1 else "; ".join(problems))
+    notes += implausible(prepared, per_node, accelerator_name())
     if cfg.data.verify and datasets:
         remember_verified(datasets, run_dir)  # rank 0 need not read them again (an existing run folder)
     return notes

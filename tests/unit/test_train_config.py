@@ -284,3 +284,11 @@ def test_auto_deepspeed_config_comes_from_the_planner(shards: Path, tmp_path: Pa
     assert out.returncode == 0, out.stderr
     ds = json.loads(out.stdout[out.stdout.index("# deepspeed config:") + len("# deepspeed config:") :])
     assert ds["train_batch_size"] == 8 and "stage" in ds["zero_optimization"]
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys without a word; a config with one is refused, naming both lines."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("optim:\n  lr: 3.0e-4\n  min_lr: 1.0e-5\n  lr: 3.0e-3\ntrain: {max_steps: 3}\n")
+    with pytest.raises(ConfigError, match=r"line 4: 'lr' is given twice in one section \(first on line 2\)"):
+        load(path)
