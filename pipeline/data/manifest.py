@@ -93,6 +93,11 @@ def read_shard_manifest(path: str | Path) -> ShardManifest:
     """The manifest of a finished shard run; a clear error when there is none or it lacks what readers use."""
     file = Path(path) / "manifest.json"
     fix = "re-run `pipeline shard --overwrite`"
+    if not Path(path).exists():
+        where = "" if Path(path).is_absolute() else f" (a relative path, read from the working directory {Path.cwd()})"
+        raise PipelineError(
+            f"{path}: no such folder{where}; give the folder `pipeline shard --output` wrote, or an absolute path"
+        )
     m = _read(
         file,
         f"{path}: no manifest.json; not a finished `pipeline shard` output (run `pipeline shard ... --output DIR`)",

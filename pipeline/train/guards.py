@@ -140,8 +140,20 @@ class NonFinite:
     steps until one overflows, then skips that step and halves it), so there a skipped update with a finite loss is
     the loss scaler at work and counts for nothing; a non-finite loss still does."""
 
-    def __init__(self, cfg: PretrainConfig, plan: BatchPlan, rank: int, train_samples: int, skipped_steps: int = 0):
+    RIGHT_AFTER_RESUME = 3
+    """Steps after a resume in which a non-finite step points at the checkpoint as much as at the data."""
+
+    def __init__(
+        self,
+        cfg: PretrainConfig,
+        plan: BatchPlan,
+        rank: int,
+        train_samples: int,
+        skipped_steps: int = 0,
+        resumed_at: int | None = None,
+    ):
         self.cfg, self.plan, self.rank, self.train_samples = cfg, plan, rank, train_samples
+        self.resumed_at = resumed_at
         self.skipped_before = skipped_steps
         self.in_a_row = 0
         self.total = 0
@@ -173,10 +185,18 @@ class NonFinite:
                 if self.cfg.train.on_nonfinite == "stop"
                 else f"{self.in_a_row} in a row > train.max_nonfinite_in_a_row"
             )
+            resumed = ""
+            if self.resumed_at is not None and step - self.resumed_at <= self.RIGHT_AFTER_RESUME:
+                resumed = (
+                    f" This launch resumed at step {self.resumed_at}, {step - self.resumed_at} step(s) ago: a damaged "
+                    "checkpoint (its optimizer states) does the same. Check it with checkpoint.verify: true (every "
+                    "file's sha256, when the save recorded them), or resume from the one before "
+                    "(checkpoint.resume: TAG)."
+                )
             raise PipelineError(
                 f"step {step}: {what} ({why}); {applied} and nothing was saved, so {latest or 'no checkpoint'} "
                 f"stays the latest. The step's samples (train split ids): {shown}. Look at them, lower optim.lr, "
-                "or set train.on_nonfinite: skip; then resume with the same command"
+                f"or set train.on_nonfinite: skip; then resume with the same command.{resumed}"
             )
         if self.rank == 0:
             log.warning(

@@ -204,7 +204,14 @@ class Trainer:
         batches, stop, start = self._batches(), StopFlag(), state.step
         logger = StepLogger(run, engine, self.sink, state.step, self.max_steps)
         validator = Validator(run, self.val_data, self.sink, self.max_steps, progress=self.watchdog.beat)
-        nonfinite = NonFinite(run.cfg, run.plan, run.dist.rank, len(self.train_data), int(engine.skipped_steps))
+        nonfinite = NonFinite(
+            run.cfg,
+            run.plan,
+            run.dist.rank,
+            len(self.train_data),
+            int(engine.skipped_steps),
+            resumed_at=start if state.resumed else None,
+        )
         offload = activation_offload(run.ds, run.dist.device)
         self.watchdog.start()
         engine.train()

@@ -195,6 +195,7 @@ def launch_work(tmp_path: Path, shards: Path) -> dict[str, Path]:
         "noweights", shards, tmp_path / "runs/nw", f"{{preset: tiny, init_from: {tmp_path}/empty-model}}"
     )
     out["busy"] = config("busy", shards, tmp_path / "runs/busy")
+    out["relative"] = config("relative", Path("data/no-such-shards"), tmp_path / "runs/rel")
     (tmp_path / "runs/busy").mkdir(parents=True)
     (tmp_path / "ok.yaml").unlink()
     return out
@@ -208,6 +209,7 @@ LAUNCH_CASES = [
     ("seq", "seq_len 64 (the shards of data.path) vs the checkpoint's 32"),
     ("noweights", "empty-model: no .safetensors file there (it is empty)"),
     ("busy", "is in use by another training (pid"),
+    ("relative", "data/no-such-shards: no such folder (a relative path, read from the working directory /"),
 ]
 
 

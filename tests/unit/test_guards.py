@@ -47,3 +47,16 @@ def test_skip_policy_counts_and_stops_after_too_many_in_a_row(tmp_path: Path) ->
     assert guard.total == 3
     with pytest.raises(PipelineError, match="4 in a row > train.max_nonfinite_in_a_row"):
         guard.check(3.2, 4, TrainState(4, 16), tmp_path)
+
+
+def test_a_non_finite_step_right_after_a_resume_names_the_checkpoint_too(tmp_path: Path) -> None:
+    """A damaged optimizer-state file gives the same symptom as bad data: right after a resume the error says
+    so, later it does not."""
+    guard = _guard("bf16")
+    guard.resumed_at = 90
+    with pytest.raises(PipelineError, match="resumed at step 90, 2 step.s. ago: a damaged checkpoint") as e:
+        guard.check(math.nan, 0, TrainState(92, 368, resumed=True), tmp_path)
+    assert "checkpoint.verify: true" in str(e.value) and "lower optim.lr" in str(e.value)
+    with pytest.raises(PipelineError) as later:
+        guard.check(math.nan, 0, TrainState(120, 480, resumed=True), tmp_path)
+    assert "resumed at step" not in str(later.value)
