@@ -95,7 +95,7 @@ def size(ctx: click.Context, param: click.Parameter, value: str) -> int:
 
 def ratios(ctx: click.Context, param: click.Parameter, value: str) -> tuple[float, ...]:
     try:
-        ratios = tuple(float(x) for x in value.split(","))
+        ratios = tuple(float(x.strip().rstrip("%")) for x in value.split(","))  # 90%,5%,5% reads as 90,5,5
     except ValueError:
         ratios = ()
     if len(ratios) != 3:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, PipelineError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,18 +98,27 @@ class ShardConfig:
 
 def parse_sources(specs: tuple[str, ...]) -> tuple[tuple[tuple[str, float], ...], bool]:
     """`pipeline shard`'s PREFIX[:WEIGHT] arguments as (prefix, weight) pairs (weight 1 where none is given), and
-    whether any weight was given. A colon followed by something other than a number is part of the path."""
+    whether any weight was given. A colon followed by something other than a number is part of the path, unless
+    the part before it is a tokenize output (then the weight is a typo); a shard folder is refused naming it."""
     out, given = [], False
     for spec in specs:
         prefix, sep, weight = spec.rpartition(":")
         if sep and prefix and not weight.replace(".", "", 1).isdigit():
+            if not Path(spec + ".manifest.json").exists() and Path(prefix + ".manifest.json").exists():
+                raise PipelineError(
+                    f"{spec}: the weight '{weight}' after ':' is not a number; give PREFIX:WEIGHT such as {prefix}:2"
+                )
             prefix, sep = spec, ""
-        if sep and prefix:
-            try:
-                out.append((prefix, float(weight)))
-                given = True
-                continue
-            except ValueError:
-                pass
-        out.append((spec, 1.0))
+        if not sep or not prefix:
+            prefix = spec
+        if (Path(prefix) / "manifest.json").exists() and not Path(prefix + ".manifest.json").exists():
+            raise PipelineError(
+                f"{prefix}: a shard folder (`pipeline shard`'s output); give the tokenize prefix it was made from: "
+                "the PREFIX of PREFIX.bin, PREFIX.idx and PREFIX.manifest.json"
+            )
+        if sep and prefix != spec:
+            out.append((prefix, float(weight)))
+            given = True
+        else:
+            out.append((spec, 1.0))
     return tuple(out), given

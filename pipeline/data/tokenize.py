@@ -65,6 +65,11 @@ class TokenizeResult:
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(t["skipped_by_reason"].items()))
             lines.append(f"skipped {t['skipped']:,} records ({reasons}); first ones:")
             lines += [f"  {e}" for e in self.manifest["errors"]]
+            if t["skipped_by_reason"].get("invalid_utf8"):
+                lines.append(
+                    "  invalid UTF-8: a file saved in another encoding (Windows' cp1252, latin-1) is converted with "
+                    "`iconv -f cp1252 -t utf-8 IN > OUT`; then tokenize again"
+                )
         return "\n".join(lines)
 
 

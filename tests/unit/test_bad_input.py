@@ -70,6 +70,8 @@ CASES = [
     ("shard {PREFIX} --output {T}/s --seq-len 64 --split 1,2", "'--split': 1,2: expected three ratios"),
     ("shard {PREFIX} --output {T}/s --seq-len 64 --shard-size 0", "--shard-size"),
     ("shard {T}/nothing --output {T}/s --seq-len 64", "not a finished `pipeline tokenize` output"),
+    ("shard {PREFIX}:abc --output {T}/s --seq-len 64", "the weight 'abc' after ':' is not a number"),
+    ("shard {SHARDS} --output {T}/s --seq-len 64", "a shard folder (`pipeline shard`'s output); give the tokenize"),
     # evaluate
     ("evaluate --checkpoint {T} --batch-size 0", "'--batch-size'"),
     ("evaluate --checkpoint {T} --max-batches -1", "'--max-batches'"),

@@ -170,3 +170,17 @@ def test_a_held_out_split_too_small_to_compare_checkpoints_is_said(
     val = res.manifest["splits"]["val"]["samples"]
     assert 0 < val < 32 and f"the val split has only {val} samples" in caplog.text
     assert "larger --split share (e.g. 90,5,5)" in caplog.text
+
+
+def test_split_ratios_may_be_written_as_percentages(tokenized: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    args = [str(tokenized), "--seq-len", "64", "--split"]
+    r = CliRunner().invoke(main, ["shard", *args, "90%,5%,5%", "--output", str(tmp_path / "pct")])
+    assert r.exit_code == 0, r.output
+    plain = CliRunner().invoke(main, ["shard", *args, "90,5,5", "--output", str(tmp_path / "plain")])
+    assert plain.exit_code == 0, plain.output
+    got = [json.loads((tmp_path / d / "manifest.json").read_text())["splits"] for d in ("pct", "plain")]
+    assert got[0] == got[1]

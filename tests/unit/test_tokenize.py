@@ -62,7 +62,7 @@ def test_bad_records_are_skipped_counted_and_listed(tmp_path: Path, tokenized: P
     for n, (_, msg) in enumerate(BAD, start=1):
         if msg:
             assert any(e.startswith(f"{f}:{n}: {msg}") for e in res.manifest["errors"]), msg
-    assert "skipped 5 records" in res.summary
+    assert "skipped 5 records" in res.summary and "iconv -f cp1252 -t utf-8" in res.summary
 
 
 @pytest.mark.parametrize("n", range(2, len(BAD) + 1))
