@@ -98,8 +98,11 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
     """One configuration's memory, host RAM, step time (point and range) and throughput, for people."""
     c, s, cand = p.cluster, p.shape, e.candidate
     gb = cand.micro_batch_size * cand.grad_accum * c.world
+    unsaved = any(w.startswith("checkpoint disk") for w in e.warnings)
     lines = [
-        f"\n{title}: {cand.label()}" + ("" if e.fits else "  -- DOES NOT FIT: " + "; ".join(e.why_not)),
+        f"\n{title}: {cand.label()}"
+        + ("" if e.fits else "  -- DOES NOT FIT: " + "; ".join(e.why_not))
+        + ("  -- BUT ITS CHECKPOINTS DO NOT FIT THE DISK (below)" if e.fits and unsaved else ""),
         f"  global batch {gb} sequences x {p.seq_len} = {gb * p.seq_len / 1e6:.2f}M tokens per step; "
         f"buckets: reduce {cand.reduce_bucket:.0e}, prefetch {cand.prefetch_bucket:.0e}, "
         f"max live {cand.max_live:.0e}, sub-group {cand.sub_group:.0e}",

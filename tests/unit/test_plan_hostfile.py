@@ -14,6 +14,7 @@ def test_reference_hostfiles_carry_their_clusters() -> None:
     assert "cluster facts from hostfiles/4node4gpu: gpu=4090d cpu_mem=120GB cpu_cores=10" in r.output
     assert "defaults for network" in r.output and "120 GB RAM and 10 cores/node" in r.output
     assert "a safe save keeps 1 checkpoint(s) while writing the next" in r.output  # 2 x 20 GB > the 40 GB disk
+    assert "chosen: ZeRO-2" in r.output and "-- BUT ITS CHECKPOINTS DO NOT FIT THE DISK (below)" in r.output
     r = CliRunner().invoke(main, ["plan", "--model", "13b", "--hostfile", "hostfiles/4node4gpu", "--json"])
     d = json.loads(r.output)["best"]
     assert (
