@@ -141,7 +141,11 @@ class Plan:
             "model": self.shape.as_dict(),
             "params": self.shape.num_params(),
             "seq_len": self.seq_len,
-            "cluster": {**asdict(self.cluster), "gpu": asdict(self.cluster.gpu)},
+            "cluster": {
+                **asdict(self.cluster),
+                "gpu": asdict(self.cluster.gpu),
+                "measured": sorted(self.cluster.measured),
+            },
             "best": estimate_dict(self.best) if self.best else None,
             "runners_up": [estimate_dict(e) for e in self.ranked[1:6]],
             "advice": self.advice,

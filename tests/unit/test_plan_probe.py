@@ -58,6 +58,9 @@ def test_a_probe_beside_the_hostfile_replaces_the_facts_it_measured(tmp_path: Pa
     assert c.measured == {"cpu_adam", "cpu_mem_bw", "pcie", "gemm"} and not before.measured
     assert "measured by pipeline probe on node1 at 2026-12-05" in source and hf + ".probe.json" in source
     assert c.cpu_mem_bytes == before.cpu_mem_bytes and c.cpu_cores == before.cpu_cores  # not measured: unchanged
+    r = CliRunner().invoke(main, ["plan", "--hostfile", hf, "--model", "7b", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["cluster"]["measured"] == ["cpu_adam", "cpu_mem_bw", "gemm", "pcie"]
 
 
 def test_a_flag_wins_over_the_probe_and_a_probe_can_be_named(tmp_path: Path) -> None:
