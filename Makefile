@@ -37,8 +37,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[test,lint]' ninja
 	touch $(STAMP)
 
+# Two workers (pytest-xdist): a launch leaves a core idle a third of its time (the launcher's start, the ranks'
+# exit), which the other worker's tests fill. The tests that read the shared ZeRO runs stay on one worker
+# (tests/multiproc/conftest.py). TEST_WORKERS=0 runs them one after another.
+TEST_WORKERS ?= 2
+
 test: install ops
-	$(BIN)/python -m pytest -q -ra --durations=15 tests
+	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadgroup tests
 
 # DeepSpeed's ops built ahead, in parallel (on a fresh machine about 4 minutes instead of 6 one after another
 # inside the first tests that load them); a no-op once they are built.
@@ -47,7 +52,7 @@ ops: install
 
 # The inner loop: everything but the multi-process runs, in well under a minute.
 test-fast: install
-	$(BIN)/python -m pytest -q -ra -m "not slow and not dist" tests
+	$(BIN)/python -m pytest -q -ra -m "not slow and not dist" -n $(TEST_WORKERS) tests
 
 # In-process multi-rank tests over gloo (tests/distributed): barriers, broadcasts, resume decisions; about a minute.
 test-dist: install

@@ -27,18 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def engine_logits(run_dir: Path, tmp_path: Path) -> dict:
     out = tmp_path / f"{run_dir.name}-logits.pt"
-    cmd = [
-        str(Path(sys.executable).parent / "deepspeed"),
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(launch.free_port()),
-        str(ROOT / "tests/multiproc/engine_logits.py"),
-        str(run_dir.parent / f"{run_dir.name}.yaml"),
-        "step00000020",
-        str(out),
-    ]
-    res = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    config = run_dir.parent / f"{run_dir.name}.yaml"
+    res = launch.run_script(ROOT / "tests/multiproc/engine_logits.py", config, "step00000020", out)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out)
 

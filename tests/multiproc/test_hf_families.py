@@ -6,8 +6,6 @@ transformers reloads offline with the same architecture and the engine's logits.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -82,18 +80,7 @@ def transformers_losses(model_dir: Path, shards: Path, steps: int, seed: int = 1
 
 
 def engine_logits(config: Path, tag: str, out: Path) -> dict[str, torch.Tensor]:
-    cmd = [
-        str(Path(sys.executable).parent / "deepspeed"),
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(launch.free_port()),
-        str(Path(__file__).parent / "engine_logits.py"),
-        str(config),
-        tag,
-        str(out),
-    ]
-    res = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=600, cwd=launch.ROOT)
+    res = launch.run_script(Path(__file__).parent / "engine_logits.py", config, tag, out, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out)
 
