@@ -232,7 +232,7 @@ def step_time(
     off_par = cand.offload_param != "none"
     fetch_t = gathers * 2 * psi / g * gpn / (offload_rate(c, rates, cand.pin_memory) * f) if off_par else 0.0
     parts = [compute, net_t, copies_t, fetch_t]
-    n_coll = (3 * psi / cand.reduce_bucket) if cand.stage == 3 else 0.0
+    n_coll = (3 * psi / cand.reduce_bucket) if cand.stage == 3 and g > 1 else 0.0  # one GPU: no collective
     micro_t = max(parts) + OVERLAP_RESIDUE * (sum(parts) - max(parts)) + n_coll * COLLECTIVE_LATENCY_S
 
     opt_t = _optimizer(shape, c, cand, stack, rates, node_pcie, micro_t)
