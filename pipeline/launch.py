@@ -314,7 +314,8 @@ def _say(line: str) -> None:
 
 class Console:
     """The launch's output, every line in RUN_DIR/logs/launch.log (kept in memory until rank 0 makes the folder),
-    and on the terminal without DeepSpeed's INFO lines, each warning once, and a few known lines that say nothing to
+    and on the terminal without DeepSpeed's INFO lines, each warning and each error line once (every rank says an
+    error they agree on), and a few known lines that say nothing to
     a user (NOISE): they read their run's lines, not the launcher's bookkeeping (29 of 48 lines of a short run).
     The first line the terminal leaves out says where the rest is."""
 
@@ -354,8 +355,9 @@ class Console:
         self.continuation = False
         bare = self.STAMP.sub(b"", line)
         noise = bool(self.NOISE.search(line))
-        repeated = bool(self.WARNING.search(line)) and bare in self.seen
-        if self.WARNING.search(line):
+        once = bool(self.WARNING.search(line)) or line.startswith(b"error: ")  # each rank says the same error
+        repeated = once and bare in self.seen
+        if once:
             self.seen.add(bare)
             self.continuation = repeated or noise
         if not (self.INFO.match(line) or repeated or noise):

@@ -75,6 +75,38 @@ def test_the_terminal_shows_the_runs_lines_and_the_log_file_keeps_every_line(tmp
     assert kept.startswith(b"=== ") and kept.endswith(b"".join(lines))
 
 
+def test_an_error_every_rank_says_is_shown_once_and_a_dead_terminal_or_full_disk_does_not_stop_the_console(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks that agree on an error (a non-finite loss, a refused resume) each print it: the terminal shows it once.
+    A terminal gone (EIO after a hang-up) or a log file the disk refuses must not kill the supervisor's reader,
+    which would leave the ranks blocked on a full pipe."""
+    import errno
+    import io
+
+    from pipeline.launch import Console
+
+    error = b"error: step 92: loss nan (train.on_nonfinite is stop)\n"
+    console = Console(tmp_path / "run", "deepspeed ...")
+    assert [console.shown(line) for line in (error, error, b"step 3/3\n")] == [True, False, True]
+
+    class Broken(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: object) -> int:
+            raise OSError(errno.EIO, "Input/output error")
+
+    (tmp_path / "run").mkdir()
+    console = Console(tmp_path / "run", "deepspeed ...")
+    monkeypatch.setattr("sys.stdout", io.TextIOWrapper(io.BufferedWriter(Broken())))
+    console.follow(io.BytesIO(b"step 1/3\nstep 2/3\n"))  # the terminal is gone: no exception
+    assert (tmp_path / "run" / "logs" / "launch.log").read_bytes().endswith(b"step 1/3\nstep 2/3\n")
+    console.file.write = lambda b: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
+    console.keep(b"step 3/3\n")  # the disk is full: one warning, the lines go on to the terminal only
+    assert console.path is None and console.file is None
+
+
 def test_the_launchers_report_of_a_rank_that_stopped_on_a_signal_stays_in_the_log_file(tmp_path) -> None:
     """A rank stopped by SIGTERM/SIGINT saves and exits 143; DeepSpeed's launcher reports that as an ERROR line,
     which on the terminal reads like a crash after the run said it saved and stopped. Other exit codes stay."""
