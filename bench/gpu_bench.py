@@ -638,11 +638,9 @@ def run_stage4(case: Case, work: Path, logs: Path, smoke: bool, timeout: float) 
 
 
 def free_port() -> int:
-    import socket
+    from pipeline.doctor.cluster import rendezvous_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return rendezvous_port()
 
 
 def failure(code: int | None, timeout: float, log: Path) -> str:

@@ -259,6 +259,23 @@ def _link_speeds(hosts: list[str], reports: dict[str, Report], expected: float |
             )
 
 
+def rendezvous_port(lo: int = 20000, hi: int = 32000) -> int:
+    """A free TCP port in [lo, hi), below the kernel's ephemeral range (32768 and up on Linux): a port that bind(0)
+    found free lies in that range, and the next outgoing connection of any process (gloo opens many) can take it
+    before the rendezvous binds it."""
+    import random
+
+    for _ in range(500):
+        port = random.randrange(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise PipelineError(f"no free TCP port in {lo}-{hi} on this host for the rendezvous")
+
+
 def _bandwidth(
     ranks: list[tuple[str, int]],
     reports: dict[str, Report],
@@ -271,9 +288,7 @@ def _bandwidth(
     path between a node's own GPUs (P2P, or through host memory without it) is exercised with the network's."""
     hosts = list(dict.fromkeys(h for h, _ in ranks))
 
-    with socket.socket() as s:  # a port for the rendezvous; free here, and very likely on the first host
-        s.bind(("", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()  # free here, and very likely on the first host
 
     def rank(i: int) -> subprocess.CompletedProcess:
         host, local = ranks[i]

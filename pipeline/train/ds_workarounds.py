@@ -62,11 +62,43 @@ def release_shm_names(rank: int) -> None:
 def memoize_cpu_info() -> None:
     """DeepSpeed's op builder asks py-cpuinfo for the CPU's architecture and SIMD width each time it loads an op
     (the shared-memory comm op, CPU Adam, fused Adam on the CPU), and py-cpuinfo answers by starting a Python
-    subprocess: 1.1 s each, measured three times per rank at every launch (about 2.3 s before the first step on
-    this 2-core machine, and on GPU nodes for CPU Adam under offload). The CPU does not change within a process."""
+    subprocess: 1.1 s of CPU each, on every rank of every launch, for an answer that does not change. The answer
+    is kept in the process, and in the op cache (TORCH_EXTENSIONS_DIR/cpuinfo-KEY.json) for the next process, KEY
+    naming this CPU's model and flags (/proc/cpuinfo): another CPU asks py-cpuinfo again."""
     import functools
+    import hashlib
+    import json
 
     import cpuinfo
 
-    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.lru_cache(maxsize=1)(cpuinfo.get_cpu_info)
+    from pipeline.atomic import write_json
+    from pipeline.train.ops import extensions_dir
+
+    if hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        return
+    ask = cpuinfo.get_cpu_info
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        seen = [line for line in lines if line.startswith(("model name", "flags", "vendor_id"))][:3]
+        key = hashlib.sha256("\n".join(seen).encode()).hexdigest()[:16] if seen else None
+    except OSError:
+        key = None
+
+    @functools.lru_cache(maxsize=1)
+    def get_cpu_info() -> dict[str, Any]:
+        path = extensions_dir() / f"cpuinfo-{key}.json"
+        if key is not None:
+            try:
+                return dict(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                pass
+        info: dict[str, Any] = ask()
+        if key is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_json(path, info)
+            except OSError:
+                pass  # a read-only cache: asked again next time
+        return info
+
+    cpuinfo.get_cpu_info = get_cpu_info

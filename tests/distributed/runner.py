@@ -8,7 +8,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -17,9 +16,9 @@ from typing import Any
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.multiproc.launch import free_port
+
+    return free_port()
 
 
 def _rank_main(

@@ -27,6 +27,7 @@ def zero_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[in
     return runs
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under `pytest -n 2` (make test) the tests that read the shared ZeRO runs go to one worker, so the three
     launches behind them run once."""

@@ -6,7 +6,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,9 +16,15 @@ SCRIPT = ROOT / "pipeline" / "pretrain.py"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A rendezvous port below the ephemeral range (pipeline.doctor.cluster.rendezvous_port says why), in this
+    pytest-xdist worker's own slice of it: the other worker's launches never pick the same one."""
+    from pipeline.doctor.cluster import rendezvous_port
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    span = 12000 // max(1, count)
+    lo = 20000 + (int(worker) % max(1, count) if worker.isdigit() else 0) * span
+    return rendezvous_port(lo, lo + span)
 
 
 def env() -> dict[str, str]:
