@@ -367,7 +367,7 @@ def plan(**options: Any) -> None:
 @opt("--micro-batch-size", default=1, type=click.IntRange(1))
 @click.option("--quick", is_flag=True, help="Small sizes, about a second: checks that it runs, not the node.")
 @AS_JSON
-def probe(as_json: bool, **options: Any) -> None:
+def probe(as_json: bool, model: str | None, seq_len: int, micro_batch_size: int, **options: Any) -> None:
     """Measure on this node what `pipeline plan` otherwise assumes: host memory bandwidth, DeepSpeed's CPU Adam
     rate on its cores and, with a GPU, pinned copy and bf16 GEMM rates. Run it on one node of the cluster (about a
     minute); plans with the same --hostfile then use it and say which figures were measured."""
@@ -375,7 +375,13 @@ def probe(as_json: bool, **options: Any) -> None:
     from pipeline.train.ops import use_project_cache
 
     use_project_cache()  # CPU Adam loads from the project's op cache (`make ops` builds it)
-    doc, path = probing.run(**options)
+    gemm_shape = None
+    if model:
+        from pipeline.plan.search import planned_shape
+
+        shape, _ = planned_shape(model, None, 32000, seq_len)
+        gemm_shape = (shape.hidden_size, shape.ffn_hidden_size, seq_len * micro_batch_size)
+    doc, path = probing.run(gemm_shape=gemm_shape, **options)
     click.echo(json.dumps(doc, indent=2)) if as_json else probing.report(doc, path, click.echo)
 
 

@@ -231,56 +231,73 @@ def cluster_from_flags(
 ) -> tuple[Cluster, str]:
     """The cluster the planner plans for: nodes and GPUs per node from a hostfile when given, each node's facts from
     the flags given (`flags`, keys of CLUSTER_DEFAULTS; None: not given), else the hostfile's `# cluster:` line, else
-    CLUSTER_DEFAULTS; and a line saying which was which."""
-
+    CLUSTER_DEFAULTS, then what `pipeline probe` measured on a node (`probe_path`); and lines saying which was
+    which."""
     given = {k for k, v in flags.items() if v is not None}
-    values = {**CLUSTER_DEFAULTS, **{k: flags[k] for k in given}}
-    source = ""
     if hostfile:
         nodes, gpus_per_node = parse_hostfile(hostfile)
+    values, source = node_facts(hostfile, flags, given)
+    cluster = _cluster(nodes, gpus_per_node, values)
+    if probe := probe_path(hostfile, flags, values):
+        cluster, note = with_probe(cluster, probe, given)
+        source = f"{source}\n{note}" if source else note
+    return cluster, source
+
+
+def node_facts(
+    hostfile: str | None, flags: dict[str, str | None], given: set[str]
+) -> tuple[dict[str, str | None], str]:
+    """Each node's facts as text (flags, else the hostfile's `# cluster:` line, else CLUSTER_DEFAULTS), and a line
+    saying which came from where."""
+    values = {**CLUSTER_DEFAULTS, **{k: flags[k] for k in given}}
+    if hostfile:
         facts = hostfile_facts(hostfile)
         used = {k: v for k, v in facts.items() if k not in given}
-        values = {**values, **used}
         defaults = sorted(
             k
             for k in ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network")
             if k not in facts and k not in given
         )
-        source = (
+        return {**values, **used}, (
             f"cluster facts from {hostfile}: "
             + (" ".join(f"{k}={v}" for k, v in used.items()) or "none")
             + (f"; defaults for {', '.join(defaults)}" if defaults else "")
             + ("" if facts else " (the hostfile has no '# cluster:' line; see hostfiles/8node)")
         )
-    else:
-        assumed = [k for k in ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "network") if k not in given]
-        if assumed:
-            source = (
-                "assumed, not given: "
-                + " ".join(f"{k}={CLUSTER_DEFAULTS[k]}" for k in assumed)
-                + " (the seed cluster's node; give a --hostfile with a '# cluster:' line, or the flags)"
-            )
+    assumed = [k for k in ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "network") if k not in given]
+    if not assumed:
+        return values, ""
+    return values, (
+        "assumed, not given: "
+        + " ".join(f"{k}={CLUSTER_DEFAULTS[k]}" for k in assumed)
+        + " (the seed cluster's node; give a --hostfile with a '# cluster:' line, or the flags)"
+    )
 
-    def size(flag: str, allow_dir: bool = False) -> int:
-        text = values.get(flag)
-        if not text:
-            return 0
-        if allow_dir and os.path.isdir(text):
-            return shutil.disk_usage(text).free
-        try:
-            n = parse_size(text.replace("/s", "").replace("/S", ""))
-        except ValueError as e:
-            raise PipelineError(f"--{flag.replace('_', '-')}: {e}") from None
-        if not n > 0:
-            raise PipelineError(f"--{flag.replace('_', '-')} {text}: expected a positive size")
-        return n
 
+def _size(values: dict[str, str | None], flag: str, allow_dir: bool = False) -> int:
+    """A size fact in bytes (0 when not given); a folder: its free space."""
+    text = values.get(flag)
+    if not text:
+        return 0
+    if allow_dir and os.path.isdir(text):
+        return shutil.disk_usage(text).free
+    try:
+        n = parse_size(text.replace("/s", "").replace("/S", ""))
+    except ValueError as e:
+        raise PipelineError(f"--{flag.replace('_', '-')}: {e}") from None
+    if not n > 0:
+        raise PipelineError(f"--{flag.replace('_', '-')} {text}: expected a positive size")
+    return n
+
+
+def _cluster(nodes: int, gpus_per_node: int, values: dict[str, str | None]) -> Cluster:
+    """The Cluster of the facts' text, each checked."""
     try:
         card = lookup(str(values["gpu"]))
     except KeyError as e:
         raise PipelineError(str(e.args[0])) from None
     if values.get("gpu_mem"):
-        card = replace(card, memory_gib=size("gpu_mem") / 2**30)
+        card = replace(card, memory_gib=_size(values, "gpu_mem") / 2**30)
     network = str(values.get("network") or "")
     try:
         net = parse_gbps(network)
@@ -295,23 +312,29 @@ def cluster_from_flags(
         nodes,
         gpus_per_node,
         card,
-        size("cpu_mem"),
-        size("nvme", allow_dir=True),
+        _size(values, "cpu_mem"),
+        _size(values, "nvme", allow_dir=True),
         net,
-        cpu_mem_bw_gbs=size("cpu_mem_bw") / 1e9,
+        cpu_mem_bw_gbs=_size(values, "cpu_mem_bw") / 1e9,
         cpu_cores=cores,
-        disk_bytes=size("disk", allow_dir=True),
+        disk_bytes=_size(values, "disk", allow_dir=True),
     )
     if not cluster.cpu_mem_bytes or not cluster.cpu_mem_bw_gbs:
         raise PipelineError("--cpu-mem and --cpu-mem-bw must be positive sizes")
-    probe = flags.get("probe")
-    if hostfile and not probe:  # the hostfile's probe=FILE (beside it), else HOSTFILE.probe.json if there is one
-        named = Path(hostfile).parent / str(values["probe"]) if values.get("probe") else Path(hostfile + SUFFIX)
-        probe = str(named) if values.get("probe") or named.exists() else None
-    if probe:
-        cluster, note = with_probe(cluster, Path(probe), given)
-        source = f"{source}\n{note}" if source else note
-    return cluster, source
+    return cluster
+
+
+def probe_path(hostfile: str | None, flags: dict[str, str | None], values: dict[str, str | None]) -> Path | None:
+    """The probe to plan with: --probe, else the hostfile's probe=FILE (beside it), else HOSTFILE.probe.json when
+    there is one."""
+    if flags.get("probe"):
+        return Path(str(flags["probe"]))
+    if not hostfile:
+        return None
+    if values.get("probe"):
+        return Path(hostfile).parent / str(values["probe"])
+    beside = Path(hostfile + SUFFIX)
+    return beside if beside.exists() else None
 
 
 def with_probe(c: Cluster, path: Path, given: set[str]) -> tuple[Cluster, str]:

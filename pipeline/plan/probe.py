@@ -134,18 +134,13 @@ def probe_node(quick: bool = False, gemm_shape: tuple[int, int, int] | None = No
 
 
 def run(
-    hostfile: str | None, out: str | None, model: str | None, seq_len: int, micro_batch_size: int, quick: bool
+    hostfile: str | None, out: str | None, gemm_shape: tuple[int, int, int] | None, quick: bool
 ) -> tuple[dict[str, Any], Path]:
-    """`pipeline probe`: this node measured and written where `pipeline plan` reads it; (the probe, its file)."""
+    """`pipeline probe`: this node measured and written where `pipeline plan` reads it; (the probe, its file).
+    `gemm_shape`: see probe_node."""
     path = probe_file(hostfile, out)
     if not path.parent.is_dir():
         raise PipelineError(f"{path}: its folder does not exist; give --out in an existing folder")
-    gemm_shape = None
-    if model:
-        from pipeline.plan.search import planned_shape
-
-        shape, _ = planned_shape(model, None, 32000, seq_len)
-        gemm_shape = (shape.hidden_size, shape.ffn_hidden_size, seq_len * micro_batch_size)
     doc = probe_node(quick, gemm_shape)
     try:
         write_probe(doc, path)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pipeline
 from pipeline.model import resolve_shape
-from pipeline.plan.cluster import Candidate, cluster_from_flags
+from pipeline.plan.cluster import Candidate, Cluster, cluster_from_flags
 from pipeline.plan.estimate import Estimate
 from pipeline.plan.memory import GiB
 from pipeline.plan.search import Plan, search
@@ -94,6 +94,19 @@ def label_width(rows: list[Estimate]) -> int:
     return max([74] + [len(row_label(r.candidate)) for r in rows])
 
 
+def range_line(c: Cluster) -> str:
+    """What the printed range spans: every rate's factors (narrower for what `pipeline probe` measured) and the
+    network's efficiency."""
+    measured = (
+        f" ({', '.join(sorted(c.measured))}, measured: x{RANGE[0] ** MEASURED_SPREAD:.2f}-x"
+        f"{RANGE[1] ** MEASURED_SPREAD:.2f})"
+        if c.measured
+        else ""
+    )
+    network = "6-12 GB/s per 100 Gbps (sockets: no GPUDirect RDMA)" if not c.gpu.gpudirect else "90-98% of line rate"
+    return f"  the range: every rate x{RANGE[0]:g}-x{RANGE[1]:g}{measured} and the network's {network}"
+
+
 def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, title: str = "chosen") -> list[str]:
     """One configuration's memory, host RAM, step time (point and range) and throughput, for people."""
     c, s, cand = p.cluster, p.shape, e.candidate
@@ -159,15 +172,7 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
         f"{t['overhead']:,.2f} s (the parts of a micro-step overlap partly)",
         f"throughput {e.tokens_per_s:,.0f} tokens/s (range {tlo:,.0f}-{thi:,.0f}; physical ceiling at 100% of "
         f"peak: {e.ceiling_tokens_per_s:,.0f}), MFU {e.mfu:.1%} (PaLM count: 6N + 12*L*h*s per token)",
-        f"  the range: every rate x{RANGE[0]:g}-x{RANGE[1]:g}"
-        + (
-            f" ({', '.join(sorted(c.measured))}, measured: x{RANGE[0] ** MEASURED_SPREAD:.2f}-x"
-            f"{RANGE[1] ** MEASURED_SPREAD:.2f})"
-            if c.measured
-            else ""
-        )
-        + " and the network's "
-        + ("6-12 GB/s per 100 Gbps (sockets: no GPUDirect RDMA)" if not c.gpu.gpudirect else "90-98% of line rate"),
+        range_line(c),
         "assumed:",
         *(f"  {figure} {value} ({source})" for figure, value, source in e.assumed),
     ]

@@ -12,12 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import CORPUS, tokenizer_model
 from tests.multiproc import launch
 
-pytestmark = pytest.mark.slow
 PIPELINE = str(Path(sys.executable).parent / "pipeline")
 
 
