@@ -78,11 +78,11 @@ def test_the_deadline_skips_the_tail_never_the_head(tmp_path: Path) -> None:
         "--budget",
         "1",
         "--only",
-        "1b_zero2",
-        "plain_eager",
+        "plain_eager",  # the cheapest case (no launcher) as the head
+        "7b_2layers_offload",
     ]
     out = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     first, second = json.loads((tmp_path / "results.json").read_text())["cases"]
-    assert first["name"] == "1b_zero2" and first["tokens_per_s"] > 0  # over budget before it started: still run
-    assert second["name"] == "plain_eager" and "s left" in second["skipped"]
+    assert first["name"] == "plain_eager" and first["tokens_per_s"] > 0  # over budget before it started: still run
+    assert second["name"] == "7b_2layers_offload" and "s left" in second["skipped"]

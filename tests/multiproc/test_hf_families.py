@@ -1,7 +1,12 @@
 """Continued pretraining of Hugging Face models (Llama 3.1, Mistral, Qwen2, Qwen3), each a tiny random model built
-here and saved as its hub folder would be: through the real `deepspeed` launcher on 2 CPU ranks, the engine starts
-from exactly the model transformers loads (same loss on the same samples), trains, and exports a folder that
-transformers reloads offline with the same architecture and the engine's logits."""
+here and saved as its hub folder would be: through DeepSpeed's launcher on 2 CPU ranks, the engine starts from
+exactly the model transformers loads (same loss on the same samples), trains, and exports a folder that transformers
+reloads offline with the same architecture and the engine's logits.
+
+What depends on the family (the weight mapping in and out, tied embeddings, head_dim, q/k norms) is checked for
+each; what does not (ZeRO-1's load path, the engine's view of a saved checkpoint) once, on the families where it
+could differ: ZeRO-1 frozen steps on Llama, the engine's own logits on Llama and on Qwen2, whose tied embedding is
+the one ZeRO-3 partitions and consolidates differently. Each launch costs 13 s of a 2-core machine."""
 
 from __future__ import annotations
 
@@ -26,6 +31,12 @@ from tests.multiproc import launch
 pytestmark = pytest.mark.slow
 
 MICRO, GLOBAL = 2, 8
+ZERO1_FROZEN = {"llama"}
+"""Families whose ZeRO-1 load is checked step by step against transformers (the path is the family's mapping, which
+ZeRO-3's first step checks for every family, then ZeRO-1's plain copy)."""
+ENGINE_LOGITS = {"llama", "qwen2"}
+"""Families whose export is compared with a real engine that loaded the checkpoint (2 ranks); the others with the
+checkpoint as `pipeline evaluate` loads it, which llama and qwen2 show equal to the engine's."""
 
 
 @pytest.fixture(scope="module")
@@ -85,19 +96,15 @@ def engine_logits(config: Path, tag: str, out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_continued_pretraining_starts_from_the_model_trains_and_exports(
-    family: str, tokenizer: Path, tmp_path: Path
-) -> None:
-    model_dir, shards = model_and_data(family, tokenizer, tmp_path)
-    reference = transformers_losses(model_dir, shards, steps=3)
-    model = f"{{init_from: {model_dir}}}"
+EXACT = {"rtol": 1e-5, "atol": 1e-5}
 
-    # ZeRO-1 at a learning rate of 1e-30 (0 is refused as a config error; this one moves no fp32 weight): every
-    # step's loss is transformers' loss on the same samples.
-    frozen = tmp_path / "zero1"
+
+def zero1_frozen_steps_are_transformers_losses(model: str, shards: Path, reference: list[float], tmp: Path) -> None:
+    """ZeRO-1 at a learning rate of 1e-30 (0 is refused as a config error; this one moves no fp32 weight): every
+    step's loss is transformers' loss on the same samples."""
+    frozen = tmp / "zero1"
     cfg = launch.write_config(
-        tmp_path / "z1.yaml",
+        tmp / "z1.yaml",
         run_dir=frozen,
         shards=shards,
         ds_config="zero1.json",
@@ -113,6 +120,18 @@ def test_continued_pretraining_starts_from_the_model_trains_and_exports(
     got = launch.losses(frozen)
     for step in (1, 2, 3):
         assert abs(got[step] - reference[step - 1]) <= 1e-5 * reference[step - 1], (step, got, reference)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_continued_pretraining_starts_from_the_model_trains_and_exports(
+    family: str, tokenizer: Path, tmp_path: Path
+) -> None:
+    model_dir, shards = model_and_data(family, tokenizer, tmp_path)
+    reference = transformers_losses(model_dir, shards, steps=3)
+    model = f"{{init_from: {model_dir}}}"
+
+    if family in ZERO1_FROZEN:
+        zero1_frozen_steps_are_transformers_losses(model, shards, reference, tmp_path)
 
     # ZeRO-3 (the weights loaded into partitioned parameters) trains from the same start.
     run_dir = tmp_path / "zero3"
@@ -162,17 +181,21 @@ def test_continued_pretraining_starts_from_the_model_trains_and_exports(
     source = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     assert type(theirs) is type(source) and len(theirs) == len(source) and theirs.eos_token_id == 2
     assert theirs.encode("To be, or not to be") == source.encode("To be, or not to be")
-    tag = ckpt.latest_complete(run_dir)
-    assert tag is not None
-    engine = engine_logits(cfg, tag, tmp_path / "logits.pt")
+    val_data = ShardedDataset(shards, "val")
     with torch.no_grad():
-        logits = reloaded(input_ids=engine["input_ids"]).logits
-    torch.testing.assert_close(logits, engine["logits"], rtol=1e-5, atol=1e-5)
+        ours = load_model(open_run(run_dir), torch.device("cpu"), val_data.manifest["tokenizer"])
+        if family in ENGINE_LOGITS:
+            tag = ckpt.latest_complete(run_dir)
+            assert tag is not None
+            expected = engine_logits(cfg, tag, tmp_path / "logits.pt")
+            # the checkpoint as `pipeline evaluate` loads it in one process: the engine's logits
+            torch.testing.assert_close(ours(input_ids=expected["input_ids"]).logits, expected["logits"], **EXACT)
+        else:
+            ids = torch.from_numpy(val_data[0][:-1].astype("int64"))[None]
+            expected = {"input_ids": ids, "logits": ours(input_ids=ids).logits}
+        torch.testing.assert_close(reloaded(input_ids=expected["input_ids"]).logits, expected["logits"], **EXACT)
 
-    # Evaluation of the checkpoint (one process) and the trainer's validation work for the family.
-    with torch.no_grad():
-        ours = load_model(open_run(run_dir), torch.device("cpu"), ShardedDataset(shards, "val").manifest["tokenizer"])
-        torch.testing.assert_close(ours(input_ids=engine["input_ids"]).logits, engine["logits"], rtol=1e-5, atol=1e-5)
+    # The trainer's validation and `pipeline evaluate` work for the family.
     res = evaluate_run(
         EvalConfig(checkpoint=str(run_dir), max_batches=2, output=str(tmp_path / "e.json"), max_new_tokens=4)
     )

@@ -123,8 +123,9 @@ def test_cuts_only_where_the_rule_says() -> None:
 
 @pytest.mark.slow
 def test_memory_of_one_huge_document_stays_flat(tmp_path: Path, tokenized: Path) -> None:
-    """A 200 MB single-document .txt peaks at about the RSS of an 8 MB one (both in pieces; one process does all
-    the work, so its peak RSS is the whole cost). Measured: 147 MB against 135 MB."""
+    """An 80 MB single-document .txt peaks at about the RSS of an 8 MB one (both in pieces; one process does all
+    the work, so its peak RSS is the whole cost): a document held whole would add its 72 MB of text and more.
+    Measured at 200 MB: 147 MB against 135 MB (README); 80 MB keeps the test at a third of that time."""
     from tests.unit.test_tokenize import _peak_rss_mb
 
     model = str(Path(str(tokenized) + ".tokenizer.model"))
@@ -133,11 +134,11 @@ def test_memory_of_one_huge_document_stays_flat(tmp_path: Path, tokenized: Path)
     small, huge = tmp_path / "small.txt", tmp_path / "huge.txt"
     small.write_bytes(block)
     with open(huge, "wb") as f:
-        for _ in range(25):
+        for _ in range(10):
             f.write(block)
     a = _peak_rss_mb(["tokenize", str(small), "--tokenizer", model, "--output-prefix", str(tmp_path / "s")])
     b = _peak_rss_mb(["tokenize", str(huge), "--tokenizer", model, "--output-prefix", str(tmp_path / "h")])
     manifest = json.loads((tmp_path / "h.manifest.json").read_text())
     assert manifest["totals"]["documents"] == 1 and manifest["long_documents"]["documents_in_pieces"] == 1
-    assert (tmp_path / "h.bin").stat().st_size > 24 * (tmp_path / "s.bin").stat().st_size
-    assert b - a < 40, f"peak RSS grew from {a:.0f} MB to {b:.0f} MB with a 25x larger document"
+    assert (tmp_path / "h.bin").stat().st_size > 9 * (tmp_path / "s.bin").stat().st_size
+    assert b - a < 40, f"peak RSS grew from {a:.0f} MB to {b:.0f} MB with a 10x larger document"
