@@ -9,6 +9,7 @@ One sequence per document here, so document indices are 0..n.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from pipeline.atomic import sha256_file
 from pipeline.errors import PipelineError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
@@ -40,11 +42,15 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class IndexedWriter:
     """Streams documents to `bin_path`; lengths are spooled to a side file so memory stays flat.
 
-    Call `add(ids)` per document, then `finish(idx_path)`. Paths are the caller's (temporary) names.
+    Call `add(ids)` per document, then `finish(idx_path)`. Paths are the caller's (temporary) names. After
+    `finish`, `files` holds each file's size and sha256 (the .bin hashed as it is written), for the manifest that
+    lets a later stage tell the files were changed after they were written.
     """
 
-    def __init__(self, bin_path: Path, dtype: np.dtype):
+    def __init__(self, bin_path: Path, dtype: np.dtype, count_ids: int = 0):
+        """`count_ids`: the vocabulary size, to count each id's occurrences in `id_counts` as they are written."""
         self.dtype = np.dtype(dtype)
+        self.id_counts = np.zeros(count_ids, dtype=np.int64)
         self.bin_path = Path(bin_path)
         self._bin: BinaryIO = open(self.bin_path, "wb")
         self._len_path = self.bin_path.with_name(self.bin_path.name + ".lengths")
@@ -52,12 +58,21 @@ class IndexedWriter:
         self.documents = 0
         self.tokens = 0
         self._open_doc = 0  # tokens of a document whose last piece has not come yet
+        self._sha = hashlib.sha256()
+        self.files: dict[str, dict[str, int | str]] = {}
+
+    def _write(self, arr: np.ndarray) -> None:
+        data = arr.tobytes()
+        self._sha.update(data)
+        if len(self.id_counts) and len(arr):
+            self.id_counts += np.bincount(arr, minlength=len(self.id_counts))[: len(self.id_counts)]
+        self._bin.write(data)
 
     def add(self, ids: np.ndarray) -> None:
         arr = np.asarray(ids)
         if arr.dtype != self.dtype:
             arr = arr.astype(self.dtype)
-        self._bin.write(arr.tobytes())
+        self._write(arr)
         self._lens.write(struct.pack("<i", len(arr)))
         self.documents += 1
         self.tokens += len(arr)
@@ -68,7 +83,7 @@ class IndexedWriter:
         flat = np.asarray(flat_ids)
         if flat.dtype != self.dtype:
             flat = flat.astype(self.dtype)
-        self._bin.write(flat.tobytes())
+        self._write(flat)
         ends = []
         for n, last in zip(lengths.tolist(), lasts.tolist(), strict=True):
             self._open_doc += n
@@ -90,7 +105,7 @@ class IndexedWriter:
         flat = np.asarray(flat_ids)
         if flat.dtype != self.dtype:
             flat = flat.astype(self.dtype)
-        self._bin.write(flat.tobytes())
+        self._write(flat)
         self._lens.write(np.asarray(lengths, dtype="<i4").tobytes())
         self.documents += len(lengths)
         self.tokens += len(flat)
@@ -124,6 +139,10 @@ class IndexedWriter:
             out.flush()
             os.fsync(out.fileno())
         os.unlink(self._len_path)
+        self.files = {
+            "bin": {"bytes": self.bin_path.stat().st_size, "sha256": self._sha.hexdigest()},
+            "idx": {"bytes": Path(idx_path).stat().st_size, "sha256": sha256_file(idx_path)},
+        }
 
     def abort(self) -> None:
         for f in (self._bin, self._lens):

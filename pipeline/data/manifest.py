@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from pipeline import __version__
+from pipeline.atomic import sha256_file
 from pipeline.errors import PipelineError
 
 
@@ -53,6 +54,8 @@ class TokenizeManifest(TypedDict, total=False):
     version: str
     tokenizer: TokenizerInfo
     dtype: str
+    files: dict[str, dict[str, Any]]
+    """bin and idx: the bytes and sha256 the run wrote (absent in manifests of versions before 2026-12-05)."""
     append_eos: bool
     totals: dict[str, Any]
     errors: list[str]
@@ -84,6 +87,28 @@ def read_tokenize_manifest(prefix: str | Path) -> TokenizeManifest:
         f"{path}: not found; {prefix} is not a finished `pipeline tokenize` output (run it, or check the prefix)",
         "re-run `pipeline tokenize`",
     )  # type: ignore[return-value]
+
+
+def check_tokenized_files(prefix: str | Path, manifest: TokenizeManifest) -> None:
+    """Refuse a tokenize output whose .bin or .idx is not what the run wrote (its size, then its sha256): replaced
+    by another run, cut short by a copy, edited. Such files can still be read, and would be sharded and trained on
+    without a word."""
+    for ext, wrote in (manifest.get("files") or {}).items():
+        path = Path(f"{prefix}.{ext}")
+        fix = f"re-run `pipeline tokenize` for {prefix}, or put back the file it wrote"
+        if not path.exists():
+            raise PipelineError(f"{path}: missing, though {prefix}.manifest.json lists it; {fix}")
+        size = path.stat().st_size
+        if size != wrote["bytes"]:
+            raise PipelineError(
+                f"{path}: {size:,} bytes, but `pipeline tokenize` wrote {wrote['bytes']:,} "
+                f"({prefix}.manifest.json): it was changed after tokenizing; {fix}"
+            )
+        if sha256_file(path) != wrote["sha256"]:
+            raise PipelineError(
+                f"{path}: its content differs from what `pipeline tokenize` wrote (sha256 in {prefix}.manifest.json): "
+                f"it was changed after tokenizing; {fix}"
+            )
 
 
 SHARD_MANIFEST_NEEDS = ("fingerprint", "seq_len", "sample_width", "dtype", "tokenizer", "splits")

@@ -28,6 +28,7 @@ from pipeline.data.config import ShardConfig
 from pipeline.data.indexed import IndexedReader
 from pipeline.data.manifest import (
     TokenizeManifest,
+    check_tokenized_files,
     manifest_header,
     padding_id,
     read_shard_manifest,
@@ -169,6 +170,8 @@ def _run(cfg: ShardConfig) -> ShardResult:
     t0 = time.perf_counter()
     out = Path(cfg.output)
     manifests = [read_tokenize_manifest(p) for p, _ in cfg.sources]
+    for (prefix, _), m in zip(cfg.sources, manifests, strict=True):
+        check_tokenized_files(prefix, m)
     shas = {m["tokenizer"]["sha256"] for m in manifests}
     if len(shas) > 1:
         listing = "; ".join(

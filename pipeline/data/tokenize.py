@@ -70,6 +70,7 @@ class TokenizeResult:
                     "  invalid UTF-8: a file saved in another encoding (Windows' cp1252, latin-1) is converted with "
                     "`iconv -f cp1252 -t utf-8 IN > OUT`; then tokenize again"
                 )
+        lines += [f"note: {n}" for n in self.manifest.get("notes", [])]
         return "\n".join(lines)
 
 
@@ -260,6 +261,7 @@ def _manifest(
             "trained": trained,
         },
         "dtype": dtype.name,
+        "files": writer.files,  # what shard checks its input against: a file changed since is not this run's
         "append_eos": cfg.append_eos,
         "text_key": cfg.text_key,
         "inputs": [
@@ -368,7 +370,7 @@ def _run(cfg: TokenizeConfig) -> TokenizeResult:
     progress = Progress(sum(_input_size(s) for s in sources), "tokenize", cfg.progress)
     bin_tmp = tmp_path_for(prefix.with_name(prefix.name + ".bin"))
     idx_tmp = tmp_path_for(prefix.with_name(prefix.name + ".idx"))
-    writer = IndexedWriter(bin_tmp, dtype)
+    writer = IndexedWriter(bin_tmp, dtype, count_ids=tok.vocab_size if trained else 0)
 
     def consume(i: int, nbytes: int, lengths: np.ndarray, lasts: np.ndarray, flat: np.ndarray) -> None:
         docs = writer.add_pieces(lengths, lasts, flat)
@@ -411,5 +413,23 @@ def _run(cfg: TokenizeConfig) -> TokenizeResult:
         "documents_in_pieces": cut_stats["documents_in_pieces"],
         "unchecked_cuts": cut_stats["unchecked_cuts"],
     }
+    manifest["notes"] = _vocabulary_notes(writer.id_counts, cfg.vocab_size) if trained else []
     write_json(prefix.with_name(prefix.name + ".manifest.json"), manifest)
     return TokenizeResult(prefix, manifest)
+
+
+RARE = 10
+"""Occurrences under which a piece's embedding barely trains."""
+
+
+def _vocabulary_notes(counts: Any, asked: int) -> list[str]:
+    """A note when the trained tokenizer has more pieces than the text supports: most of them occur fewer than RARE
+    times in the tokenized corpus (a --vocab-size of 100,000 on a few thousand documents)."""
+    rare = int((counts < RARE).sum())
+    if rare <= len(counts) // 2:
+        return []
+    return [
+        f"--vocab-size {asked:,}: {rare:,} of the tokenizer's {len(counts):,} pieces occur fewer than {RARE} times "
+        f"in these {int(counts.sum()):,} tokens, so their embeddings will barely train; a smaller --vocab-size "
+        "(or more text) suits this corpus"
+    ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -86,7 +87,31 @@ def run_as_script() -> None:
         code = main()
     except SystemExit as exit_request:  # --help, argparse errors
         code = exit_request.code if isinstance(exit_request.code, int) else 2
-    except BaseException:  # noqa: B036 - report, then leave without interpreter teardown (below)
-        traceback.print_exc()
+    except BaseException as e:  # noqa: B036 - report, then leave without interpreter teardown (below)
+        if (line := peer_lost(e)) is not None:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
         code = 1
     exit_now(code)
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
+"""What gloo and NCCL say in the ranks whose peer died mid-collective (gloo raises a plain RuntimeError)."""
+
+
+def peer_lost(e: BaseException) -> str | None:
+    """One line, without the traceback, for a rank whose collective failed because another rank stopped: the
+    cause is that rank's own error (or a lost node), which the user should read instead of a page of gloo's frames
+    from every survivor. None for any other exception."""
+    import torch.distributed as dist
+
+    text = str(e)
+    if not (isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(m in text for m in PEER_LOST))):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    first = re.sub(r"^\[[^\]]*\] ", "", first).split(". ")[0]  # gloo's source location and advice
+    return (
+        f"error: a collective failed on this rank because another rank stopped or the network between them "
+        f"failed ({first[:200]}); the first error above, from the rank that stopped, says why"
+    )

@@ -184,3 +184,45 @@ def test_split_ratios_may_be_written_as_percentages(tokenized: Path, tmp_path: P
     assert plain.exit_code == 0, plain.output
     got = [json.loads((tmp_path / d / "manifest.json").read_text())["splits"] for d in ("pct", "plain")]
     assert got[0] == got[1]
+
+
+def test_tokenized_files_changed_after_tokenizing_are_refused(tokenized: Path, tmp_path: Path) -> None:
+    """A .bin or .idx replaced, cut short or edited after `pipeline tokenize` wrote it is still readable; shard
+    checks it against the sizes and sha256 the manifest recorded, and names the file."""
+    import shutil
+
+    def copy() -> Path:
+        prefix = tmp_path / f"copy{len(list(tmp_path.iterdir()))}" / "corpus"
+        prefix.parent.mkdir()
+        for ext in (".bin", ".idx", ".manifest.json", ".tokenizer.model"):
+            shutil.copy(str(tokenized) + ext, str(prefix) + ext)
+        return prefix
+
+    files = json.loads(Path(str(tokenized) + ".manifest.json").read_text())["files"]
+    assert files["bin"]["bytes"] == Path(str(tokenized) + ".bin").stat().st_size
+    assert files["bin"]["sha256"] == shard_stage.sha256_file(str(tokenized) + ".bin")
+
+    cut = copy()
+    with open(str(cut) + ".bin", "r+b") as f:
+        f.truncate(files["bin"]["bytes"] - 2)
+    with pytest.raises(PipelineError, match=rf"corpus\.bin: {files['bin']['bytes'] - 2:,} bytes, but .* wrote"):
+        shard_into([(cut, 1.0)], tmp_path / "s1", seq_len=32)
+
+    edited = copy()
+    data = bytearray(Path(str(edited) + ".bin").read_bytes())
+    data[10] ^= 0xFF  # same size, other tokens
+    Path(str(edited) + ".bin").write_bytes(bytes(data))
+    with pytest.raises(PipelineError, match=r"corpus\.bin: its content differs .* re-run `pipeline tokenize`"):
+        shard_into([(edited, 1.0)], tmp_path / "s2", seq_len=32)
+
+    gone = copy()
+    Path(str(gone) + ".idx").unlink()
+    with pytest.raises(PipelineError, match=r"corpus\.idx: missing, though .*manifest\.json lists it"):
+        shard_into([(gone, 1.0)], tmp_path / "s3", seq_len=32)
+    assert not (tmp_path / "s1").exists() and not (tmp_path / "s2").exists()
+
+    older = copy()  # a manifest from before the files were recorded still shards
+    manifest = json.loads(Path(str(older) + ".manifest.json").read_text())
+    del manifest["files"]
+    Path(str(older) + ".manifest.json").write_text(json.dumps(manifest))
+    assert shard_into([(older, 1.0)], tmp_path / "s4", seq_len=32).manifest["seq_len"] == 32

@@ -3,6 +3,7 @@ stopped at, one-line errors, atomicity when interrupted or killed, flat memory."
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import subprocess
@@ -184,3 +185,24 @@ def test_memory_does_not_grow_with_corpus_size(tmp_path: Path, tokenized: Path) 
     assert os.path.getsize(tmp_path / "l.bin") > 25 * os.path.getsize(tmp_path / "s.bin")
     assert b - a < 40, f"peak RSS grew from {a:.0f} MB to {b:.0f} MB with 30x the input"
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
+
+
+def test_a_vocabulary_larger_than_the_text_supports_is_said(tmp_path: Path) -> None:
+    """--train-tokenizer --vocab-size 100000 on a small corpus: legal, almost surely a mistake (most pieces would
+    occur a few times, their embeddings barely trained); the summary says so, the demo-sized vocabulary does not."""
+    runner = CliRunner()
+    big = runner.invoke(
+        main,
+        ["tokenize", str(CORPUS), "--output-prefix", str(tmp_path / "big"), "--train-tokenizer", "--vocab-size",
+         "100000", "--workers", "1"],
+    )  # fmt: skip
+    assert big.exit_code == 0, big.output
+    assert "note: --vocab-size 100,000: " in big.output and "occur fewer than 10 times" in big.output
+    manifest = json.loads((tmp_path / "big.manifest.json").read_text())
+    assert manifest["notes"] and manifest["tokenizer"]["vocab_size"] > 10_000
+    fitting = runner.invoke(
+        main,
+        ["tokenize", str(CORPUS), "--output-prefix", str(tmp_path / "fit"), "--train-tokenizer", "--vocab-size",
+         "600", "--workers", "1"],
+    )  # fmt: skip
+    assert fitting.exit_code == 0 and "note:" not in fitting.output, fitting.output
