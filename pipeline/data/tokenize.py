@@ -108,19 +108,22 @@ def _chunks(
         size = 0
         nbytes = 0
         cutter = Cutter(rules, cfg.piece_chars)
+        in_pieces = False
         for rec in read_records(src, cfg.text_key, cfg.max_record_bytes):
             nbytes += rec.nbytes
             if rec.text is None:
                 sink.add(stats[i], rec.line, rec.error or "bad record", rec.reason or "other")
                 continue
             pieces = cutter.feed(rec.text)
+            in_pieces = in_pieces or bool(pieces)  # a document read in blocks may be cut in any of them
             if rec.last:
                 rest = cutter.end()
                 cut_stats["unchecked_cuts"] += cutter.unchecked
                 cutter.unchecked = 0
                 pieces.append(rest)
-                if len(pieces) > 1:
+                if in_pieces:
                     cut_stats["documents_in_pieces"] += 1
+                in_pieces = False
             for k, piece in enumerate(pieces):
                 items.append((piece, rec.last and k == len(pieces) - 1))
                 size += len(piece)

@@ -324,7 +324,7 @@ def check(cfg: PretrainConfig) -> list[str]:
     if t.max_nonfinite_in_a_row < 1:
         p.append("train.max_nonfinite_in_a_row: expected 1 or more")
     if cfg.eval.interval < 1 or cfg.eval.batches < 0:
-        p.append("eval.interval must be >= 1 and eval.batches >= 0")
+        p.append("eval.interval must be >= 1 and eval.batches >= 0 (eval.batches: 0 turns validation off)")
     if cfg.checkpoint.interval < 1 or cfg.checkpoint.keep_last < 1:
         p.append("checkpoint.interval and checkpoint.keep_last must be >= 1")
     if cfg.log.interval < 1:
