@@ -30,7 +30,6 @@ Usage: python bench/gpu_bench.py [--smoke] [--out DIR] [--logs DIR] [--budget SE
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import platform
@@ -448,7 +447,11 @@ def run_pipeline(
     }
     cfg_path = work / f"{case.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
-    cmd = node_launcher(ROOT / "pipeline" / "pretrain.py", "--config", str(cfg_path))
+    from pipeline.launch import node_launcher_command  # one rank, without the front end's start: 3 s a case
+
+    cmd = node_launcher_command(
+        ROOT / "pipeline" / "pretrain.py", "--config", str(cfg_path), num_gpus=1, port=free_port()
+    )
     log = logs / f"{case.name}.log"
     code, wall = run_group(cmd, child_env(smoke), timeout, log)
     metrics = run_dir / "metrics.jsonl"
@@ -631,15 +634,6 @@ def free_port() -> int:
     from pipeline.doctor.cluster import rendezvous_port
 
     return rendezvous_port()
-
-
-def node_launcher(script: Path, *args: str) -> list[str]:
-    """One rank on this machine through DeepSpeed's node launcher (`python -m deepspeed.launcher.launch`), the
-    command `deepspeed --num_gpus 1` builds and runs for one node, without the front end's own Python start (3 s a
-    case, of a GPU lease)."""
-    world = base64.urlsafe_b64encode(json.dumps({"localhost": [0]}).encode()).decode()
-    launcher = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}"]
-    return [*launcher, "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args]
 
 
 def failure(code: int | None, timeout: float, log: Path) -> str:

@@ -312,6 +312,17 @@ def _say(line: str) -> None:
         click.echo(line, err=True)
 
 
+def node_launcher_command(script: Path, *args: str, num_gpus: int, port: int) -> list[str]:
+    """DeepSpeed's launcher for this one node (`python -m deepspeed.launcher.launch`), which starts the ranks,
+    watches them and stops them all when one fails: exactly what `deepspeed --num_gpus N` builds and runs for a
+    single node, without the front end's own Python start (3 s). The tests and the GPU bench launch through it."""
+    import base64
+
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(num_gpus))}).encode()).decode()
+    launcher = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}"]
+    return [*launcher, "--master_addr=127.0.0.1", f"--master_port={port}", str(script), *args]
+
+
 class Console:
     """The launch's output, every line in RUN_DIR/logs/launch.log (kept in memory until rank 0 makes the folder),
     and on the terminal without DeepSpeed's INFO lines, each warning and each error line once (every rank says an

@@ -28,7 +28,7 @@ from pipeline.data.indexed import IndexedWriter, token_dtype
 from pipeline.data.manifest import manifest_header
 from pipeline.data.pieces import Cutter, safe_rules
 from pipeline.data.readers import Source, read_records, resolve_inputs
-from pipeline.data.tokenizer import Tokenizer, tokenizer_sha256, train_sentencepiece
+from pipeline.data.tokenizer import Tokenizer, tokenizer_sha256, train_sentencepiece, vocabulary_notes
 from pipeline.errors import PipelineError
 from pipeline.progress import Progress
 
@@ -416,23 +416,6 @@ def _run(cfg: TokenizeConfig) -> TokenizeResult:
         "documents_in_pieces": cut_stats["documents_in_pieces"],
         "unchecked_cuts": cut_stats["unchecked_cuts"],
     }
-    manifest["notes"] = _vocabulary_notes(writer.id_counts, cfg.vocab_size) if trained else []
+    manifest["notes"] = vocabulary_notes(writer.id_counts, cfg.vocab_size) if trained else []
     write_json(prefix.with_name(prefix.name + ".manifest.json"), manifest)
     return TokenizeResult(prefix, manifest)
-
-
-RARE = 10
-"""Occurrences under which a piece's embedding barely trains."""
-
-
-def _vocabulary_notes(counts: Any, asked: int) -> list[str]:
-    """A note when the trained tokenizer has more pieces than the text supports: most of them occur fewer than RARE
-    times in the tokenized corpus (a --vocab-size of 100,000 on a few thousand documents)."""
-    rare = int((counts < RARE).sum())
-    if rare <= len(counts) // 2:
-        return []
-    return [
-        f"--vocab-size {asked:,}: {rare:,} of the tokenizer's {len(counts):,} pieces occur fewer than {RARE} times "
-        f"in these {int(counts.sum()):,} tokens, so their embeddings will barely train; a smaller --vocab-size "
-        "(or more text) suits this corpus"
-    ]

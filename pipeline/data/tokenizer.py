@@ -150,6 +150,23 @@ def train_sentencepiece(
     return output
 
 
+RARE = 10
+"""Occurrences under which a piece's embedding barely trains."""
+
+
+def vocabulary_notes(counts: Any, asked: int) -> list[str]:
+    """A note when the trained tokenizer has more pieces than the text supports: most of them occur fewer than RARE
+    times in the tokenized corpus (a --vocab-size of 100,000 on a few thousand documents)."""
+    rare = int((counts < RARE).sum())
+    if rare <= len(counts) // 2:
+        return []
+    return [
+        f"--vocab-size {asked:,}: {rare:,} of the tokenizer's {len(counts):,} pieces occur fewer than {RARE} times "
+        f"in these {int(counts.sum()):,} tokens, so their embeddings will barely train; a smaller --vocab-size "
+        "(or more text) suits this corpus"
+    ]
+
+
 def check_tokenizer(shape: ModelShape, tok: TokenizerInfo, source: str) -> None:
     """Refuse data tokenized with a tokenizer that is not the model's: ids past the model's vocabulary, different
     end/begin-of-sequence ids, or (when the model folder carries a tokenizer) a different vocabulary size. `source`

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
@@ -68,16 +67,13 @@ log: {{interval: 1, tensorboard: true}}
 
 
 def command(config: Path, *, num_gpus: int = 2, port: int | None = None, sets: tuple[str, ...] = ()) -> list[str]:
-    """DeepSpeed's launcher for one node (`python -m deepspeed.launcher.launch`), which starts the ranks, watches
-    them and stops them all when one fails, exactly the command `deepspeed --num_gpus N` builds and runs for a
-    single node. The tests about the `deepspeed` front end itself (hostfiles, .deepspeed_env, ssh) call it in
-    test_launch.py and test_multinode.py; here it would only add a Python start of 3 s to every launch."""
-    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(num_gpus))}).encode()).decode()
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}"]
-    cmd += ["--master_addr=127.0.0.1", f"--master_port={port or free_port()}", str(SCRIPT), "--config", str(config)]
-    for s in sets:
-        cmd += ["--set", s]
-    return cmd
+    """DeepSpeed's node launcher (pipeline.launch.node_launcher_command). The tests about the `deepspeed` front end
+    itself (hostfiles, .deepspeed_env, ssh) call it in test_launch.py and test_multinode.py; here it would only add
+    a Python start of 3 s to every launch."""
+    from pipeline.launch import node_launcher_command
+
+    args = ["--config", str(config), *(a for s in sets for a in ("--set", s))]
+    return node_launcher_command(SCRIPT, *args, num_gpus=num_gpus, port=port or free_port())
 
 
 def launcher_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -100,8 +96,9 @@ def run(config: Path, timeout: int = 900, extra_env: dict[str, str] | None = Non
 
 def run_script(script: Path, *args: str | Path, num_gpus: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
     """A test's own rank script (engine_memory.py, engine_logits.py) under DeepSpeed's launcher, with its args."""
-    cmd = command(Path("-"), num_gpus=num_gpus)
-    cmd = cmd[: cmd.index(str(SCRIPT))] + [str(script), *map(str, args)]
+    from pipeline.launch import node_launcher_command
+
+    cmd = node_launcher_command(script, *map(str, args), num_gpus=num_gpus, port=free_port())
     return subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
