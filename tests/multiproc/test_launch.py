@@ -228,7 +228,12 @@ def test_a_run_sends_its_metrics_to_wandb_and_mlflow_as_to_metrics_jsonl(
     tracking = f"log: {{interval: 1, tensorboard: false, wandb_project: tests, mlflow_tracking_uri: '{uri}'}}"
     cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json", steps=4)
     cfg.write_text(cfg.read_text().replace("log: {interval: 1, tensorboard: true}", tracking))
-    env = {**launch.env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
+    env = {
+        **launch.env(mlflow=True),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "MLFLOW_ALLOW_FILE_STORE": "true",
+    }
     out = launch.run(cfg, extra_env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     logged = [(s, loss) for s, loss in sorted(launch.losses(run_dir).items())]
