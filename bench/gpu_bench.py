@@ -23,8 +23,8 @@ whole log in OUT/logs/. MFU is given by the PaLM count the trainer logs (6N + 12
 and torchtitan count) and by the causal-attention count (6N + 6*L*h*s). No case writes a checkpoint.
 
 `--smoke` runs every step and case's code path on the CPU at a tiny size (a test runs it, so the script cannot rot
-between leases); a case whose CPU run would repeat an earlier one's (the GPU-only switches fall back there) names
-that case instead of running it again.
+between leases); a case whose CPU run would repeat an earlier one's (the GPU-only switches fall back there, and
+layers and micro-batch change sizes, not code) names that case instead of running it again.
 Usage: python bench/gpu_bench.py [--smoke] [--out DIR] [--logs DIR] [--budget SECONDS] [--only CASE ...]"""
 
 from __future__ import annotations
@@ -643,14 +643,14 @@ def failure(code: int | None, timeout: float, log: Path) -> str:
 
 def cpu_path(case: Case) -> tuple[Any, ...]:
     """What a smoke case runs on the CPU, where compile is off unless asked for and the GPU-only attention and
-    kernel choices fall back to torch's (pipeline.model.kernels): two cases with the same key run the same code."""
+    kernel choices fall back to torch's (pipeline.model.kernels): two cases with the same key run the same code.
+    Sizes (layers, micro-batch) change what the GPU measures, not which code runs, so they are not in the key."""
     overrides = json.dumps(case.ds_overrides, sort_keys=True)
     return (
         case.preset,
-        case.layers,
         case.seq_len,
-        case.micro_batch_size,
         case.ds_config,
+        case.activation_checkpointing,
         overrides,
         bool(case.compile),
     )
