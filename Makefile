@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # DeepSpeed picks its accelerator from the installed torch (cuda when it sees a GPU, else cpu); set
 # DS_ACCELERATOR to override.
-# DeepSpeed's JIT-built ops live in the venv (pipeline/train/ops.py says why; the pipeline sets the same folder
+# DeepSpeed's JIT-built ops live in the venv (pipeline/train/runtime/ops.py says why; the pipeline sets the same folder
 # itself whatever the entry point), built by the venv's own ninja (two ninja versions rebuild each other's ops).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export PATH := $(abspath $(BIN)):$(PATH)
@@ -51,7 +51,7 @@ test: install ops
 # DeepSpeed's ops built ahead, in parallel (on a fresh machine about 4 minutes instead of 6 one after another
 # inside the first tests that load them); a no-op once they are built.
 ops: install
-	$(BIN)/python -m pipeline.train.ops
+	$(BIN)/python -m pipeline.train.runtime.ops
 
 # The inner loop: everything but the multi-process runs, in well under a minute.
 test-fast: install

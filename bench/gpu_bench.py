@@ -248,7 +248,7 @@ def preflight(out: Path) -> dict[str, Any]:
 
 def warm_up(smoke: bool, out: Path) -> dict[str, Any]:
     from pipeline.plan.probe import gemm_rates, probe_node, write_probe
-    from pipeline.train.ops import build
+    from pipeline.train.runtime.ops import build
 
     built: list[Any] = []
     builder = threading.Thread(target=lambda: built.extend(build(["fused_adam", "cpu_adam"], jobs=2)), daemon=True)
@@ -447,7 +447,7 @@ def run_pipeline(
     }
     cfg_path = work / f"{case.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
-    from pipeline.launch import node_launcher_command  # one rank, without the front end's start: 3 s a case
+    from pipeline.launch.command import node_launcher_command  # one rank, without the front end's start: 3 s a case
 
     cmd = node_launcher_command(
         ROOT / "pipeline" / "pretrain.py", "--config", str(cfg_path), num_gpus=1, port=free_port()

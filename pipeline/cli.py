@@ -41,9 +41,9 @@ def command(**settings: Any) -> Decorator:
 
 
 def _where(options: dict[str, Any]) -> Any:
-    from pipeline import launch
+    from pipeline.launch.command import Where
 
-    return launch.Where(**{k: options.pop(k) for k in ("hostfile", "num_gpus", "master_port")})
+    return Where(**{k: options.pop(k) for k in ("hostfile", "num_gpus", "master_port")})
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -198,7 +198,7 @@ def evaluate(launched: bool, **options: Any) -> None:
     cfg = stage.EvalConfig(**options)
     if launched:  # this process is one rank of the launch below
         from pipeline.evaluate.distributed import evaluate_on_rank
-        from pipeline.train.dist import exit_now
+        from pipeline.train.runtime.dist import exit_now
 
         evaluate_on_rank(cfg)  # rank 0 writes the results file; the command that launched the ranks prints it
         exit_now(0)
@@ -372,7 +372,7 @@ def probe(as_json: bool, model: str | None, seq_len: int, micro_batch_size: int,
     rate on its cores and, with a GPU, pinned copy and bf16 GEMM rates. Run it on one node of the cluster (about a
     minute); plans with the same --hostfile then use it and say which figures were measured."""
     from pipeline.plan import probe as probing
-    from pipeline.train.ops import use_project_cache
+    from pipeline.train.runtime.ops import use_project_cache
 
     use_project_cache()  # CPU Adam loads from the project's op cache (`make ops` builds it)
     gemm_shape = None

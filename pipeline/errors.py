@@ -18,8 +18,8 @@ class ConfigError(PipelineError):
 
 
 class SaidOnRankZero(PipelineError):
-    """The same user error on every rank, decided by rank 0 (pipeline.train.dist.on_rank0): rank 0 prints it, the
-    other ranks exit with it silently, so the user reads it once."""
+    """The same user error on every rank, decided by rank 0 (pipeline.train.runtime.dist.on_rank0): rank 0 prints
+    it, the other ranks exit with it silently, so the user reads it once."""
 
 
 EXIT_STOPPED = 143

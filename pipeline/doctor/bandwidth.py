@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 
@@ -31,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
-    from pipeline.train.env import apply_env_files
+    from pipeline.train.runtime.env import apply_env_files
 
     apply_env_files()  # .deepspeed_env, as the run's ranks get it (NCCL_IB_*, NCCL_P2P_DISABLE, ...)
     if args.iface:
@@ -91,6 +90,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    from pipeline.train.runtime.dist import exit_now  # torch is imported by then: this costs nothing
+
+    exit_now(main())

@@ -132,7 +132,7 @@ def accelerator(r: Report) -> bool:
         r.add("accelerator", FAIL, f"torch does not import: {e}", "reinstall torch")
         return False
     if not torch.cuda.is_available():
-        from pipeline.train.dist import unusable_gpu
+        from pipeline.train.runtime.dist import unusable_gpu
 
         r.facts["gpus"] = []
         if problem := unusable_gpu():  # a GPU torch cannot use: `pipeline pretrain` refuses to train on the CPU
@@ -367,6 +367,20 @@ def run_checks(needs: Needs, *, first: bool = True, quick: bool = False) -> Repo
     deepspeed_ops(r, needs, gpu)
     network(r, needs)
     return r
+
+
+def before_launch(needs: Needs) -> tuple[list[str], list[str]]:
+    """The quick checks as `pipeline pretrain` runs them before every launch: (the lines to show, one per WARN and
+    FAIL; the problems, one per FAIL, which join the launch's one error unless --skip-doctor)."""
+    shown, failed = [], []
+    for c in run_checks(needs, quick=True).checks:
+        if c.status in (WARN, FAIL):
+            shown.append(f"doctor: {c.status} {c.name}: {c.detail}" + (f" ({c.fix})" if c.fix else ""))
+        if c.status == FAIL:
+            failed.append(
+                f"the local check '{c.name}' failed ({c.detail}); fix it, or launch anyway with --skip-doctor"
+            )
+    return shown, failed
 
 
 def _addresses() -> list[str]:

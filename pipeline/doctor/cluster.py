@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import socket
 import subprocess
@@ -18,56 +17,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.atomic import write_text
 from pipeline.doctor.checks import FAIL, PASS, WARN, Check, Needs, Report, nearest_existing, run_checks
+from pipeline.doctor.remote import ask_every, last_line, parse_tagged, remote_python, ssh
 from pipeline.errors import PipelineError
 from pipeline.plan.cluster import cluster_from_flags
 from pipeline.plan.hostfile import hostfile_facts
-from pipeline.train.env import read_env_files
 from pipeline.units import parse_gbps
-
-EXPORT_PREFIXES = ("PYTHON", "MV2", "UCX", "MLFLOW", "NCCL", "GLOO", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")
-"""Variables forwarded to every host: DeepSpeed's own list (runner.EXPORT_ENVS and the accelerator's) plus those
-this pipeline's runs read."""
-
-
-def exports() -> str:
-    found = {k: v for k, v in os.environ.items() if k.startswith(EXPORT_PREFIXES)}
-    found.update(read_env_files())
-    return "".join(f"export {k}={shlex.quote(v)}; " for k, v in found.items())
-
-
-def ssh(host: str, command: str, timeout: float, ssh_port: int | None = None) -> subprocess.CompletedProcess:
-    """`command` on `host` over ssh as DeepSpeed's launcher runs it (no password prompt), with a timeout."""
-    cmd = ["ssh", "-o", "PasswordAuthentication=no", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(timeout)}"]
-    cmd += ["-p", str(ssh_port)] if ssh_port else []
-    try:
-        return subprocess.run([*cmd, host, command], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(cmd, 124, "", f"no answer within {timeout:g} s")
-
-
-def ask_every(hosts: list[str], command: str, timeout: float) -> dict[str, subprocess.CompletedProcess]:
-    """`command` on every host at once over ssh (`ssh`), each answer by host."""
-    with ThreadPoolExecutor(min(32, len(hosts))) as pool:
-        return dict(zip(hosts, pool.map(lambda h: ssh(h, command, timeout), hosts), strict=True))
-
-
-def last_line(res: subprocess.CompletedProcess) -> str:
-    """What a failed remote command said last (its exit code when it said nothing)."""
-    return (res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1]
-
-
-def remote_python(module: str, args: list[str]) -> str:
-    return f"{exports()}cd {shlex.quote(os.getcwd())}; {shlex.quote(sys.executable)} -m {module} " + " ".join(
-        shlex.quote(a) for a in args
-    )
-
-
-def _parse(tag: str, out: str) -> Any:
-    for line in out.splitlines():
-        if line.startswith(tag + " "):
-            return json.loads(line[len(tag) + 1 :])
-    return None
 
 
 def doctor(
@@ -111,7 +67,11 @@ def doctor(
         )
         args = ["--needs", json.dumps(asdict(n))] + ([] if first else ["--not-first"])
         res = ssh(h, remote_python("pipeline.doctor.checks", args), timeout)
-        return h, _parse("DOCTOR-JSON", res.stdout), (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
+        return (
+            h,
+            parse_tagged("DOCTOR-JSON", res.stdout),
+            (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1],
+        )
 
     with ThreadPoolExecutor(len(reachable)) as pool:
         for h, got, err in pool.map(checks, reachable):
@@ -159,7 +119,7 @@ def _reach(reports: dict[str, Report], timeout: float) -> list[str]:
 
 def _write_shared_probe(run_dir: str | None) -> Path | None:
     """A file in run_dir (or the nearest folder above it that exists) that every host must see: the run folder
-    has to be one folder shared by all nodes (pipeline.train.checkpoint.unshared_hosts)."""
+    has to be one folder shared by all nodes (pipeline.train.checkpoint.files.unshared_hosts)."""
     if not run_dir:
         return None
     probe = nearest_existing(Path(run_dir)) / f".pipeline-doctor-{socket.gethostname()}-{os.getpid()}"
@@ -316,7 +276,7 @@ def _bandwidth(
     _link_speeds(hosts, reports, expected)
     with ThreadPoolExecutor(len(ranks)) as pool:
         results = list(pool.map(rank, range(len(ranks))))
-    got = _parse("DOCTOR-BW", results[0].stdout)
+    got = parse_tagged("DOCTOR-BW", results[0].stdout)
     first = reports[hosts[0]]
     if got is None:
         errs = "; ".join(f"{h}: {last_line(r)}" for (h, _), r in zip(ranks, results, strict=True) if r.returncode != 0)
@@ -351,8 +311,8 @@ def needs_for_config(config_path: str, sets: list[str], cluster: Any, master_por
     """What the config's run needs of each host: its folders, NVMe path, and the plan's host RAM, room for two
     checkpoints and NVMe bytes on `cluster`; with a note when the plan cannot be made (no shards yet)."""
     from pipeline.train import forecast
-    from pipeline.train.config import load
-    from pipeline.train.ds_config import load_ds_config, offload_devices
+    from pipeline.train.setup.config import load
+    from pipeline.train.setup.ds_config import load_ds_config, offload_devices
 
     cfg = load(config_path, sets)
     needs = Needs(run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port)
@@ -409,9 +369,7 @@ def write_env(path: Path, found: dict[str, str]) -> list[str]:
             notes.append(f"added {key}={value}")
         elif have[key] != value:
             notes.append(f"kept your {key}={have[key]} (the checks found {value})")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in lines if line.strip()))
-    os.replace(tmp, path)
+    write_text(path, "".join(f"{line}\n" for line in lines if line.strip()))
     return notes
 
 
@@ -456,7 +414,7 @@ def run(
 
 def write_found_env(reports: list[Report]) -> list[str]:
     """`--write-env`: what the checks found, added to the last env file DeepSpeed reads; one line per change."""
-    from pipeline.train.env import env_file_paths
+    from pipeline.train.runtime.env import env_file_paths
 
     target = Path(env_file_paths()[-1])
     return [f"{target}: {note}" for note in write_env(target, env_findings(reports)) or ["nothing to add"]]

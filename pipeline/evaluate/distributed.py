@@ -13,10 +13,10 @@ from pipeline.errors import PipelineError
 from pipeline.evaluate.run import EvalConfig, Inputs, generate, open_inputs, perplexity, write_result
 from pipeline.model import loss_chunk_tokens
 from pipeline.plan.memory import evaluation_batch
-from pipeline.train.consolidate import consolidated_state, materialize
-from pipeline.train.dist import Dist, init_distributed, on_rank0
+from pipeline.train.checkpoint.consolidate import consolidated_state, materialize
 from pipeline.train.engine import build_for
-from pipeline.train.weights import fill_parameters, parameter_shapes, weight_mismatch
+from pipeline.train.runtime.dist import Dist, init_distributed, on_rank0
+from pipeline.train.runtime.weights import fill_parameters, parameter_shapes, weight_mismatch
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from pipeline.data.manifest import TokenizerInfo, model_token_ids, read_shard_ma
 from pipeline.data.tokenizer import Tokenizer, check_tokenizer
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model
-from pipeline.train import checkpoint as ckpt
-from pipeline.train.consolidate import consolidated_state, consolidated_tensors, materialize
-from pipeline.train.dist import unusable_gpu
-from pipeline.train.weights import parameter_shapes, weight_mismatch
+from pipeline.train.checkpoint import files as ckpt
+from pipeline.train.checkpoint.consolidate import consolidated_state, consolidated_tensors, materialize
+from pipeline.train.runtime.dist import unusable_gpu
+from pipeline.train.runtime.weights import parameter_shapes, weight_mismatch
 
 PROMPTS_FROM_DATA = 4
 """Prompts taken from the evaluated split when --prompts is not given."""

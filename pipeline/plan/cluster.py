@@ -90,7 +90,7 @@ class Candidate:
     between the forward and the backward (DeepSpeed's CheckpointHiddenStatesOffload, 0.19.8)."""
     moment_bytes: float = 8.0
     """The optimizer's state bytes per parameter besides the fp32 master weights (Adam's m and v: 8; the
-    optimizer table pipeline.train.optimizers says each one's)."""
+    optimizer table pipeline.train.setup.optimizers says each one's)."""
     zenflow_interval: int = 0
     """zero_optimization.zenflow.update_interval (0: no ZenFlow). ZenFlow updates the top-k gradient columns on
     the GPU at every step and the rest on the CPU every `zenflow_interval` steps, overlapped with the next steps:

@@ -23,7 +23,7 @@ def candidate_from_ds(
     moment_bytes: float = 8.0,
 ) -> Candidate:
     """The configuration a DeepSpeed JSON describes; fields it leaves out (or "auto") take DeepSpeed's defaults.
-    `moment_bytes`: the optimizer's (pipeline.train.optimizers), which the JSON does not say."""
+    `moment_bytes`: the optimizer's (pipeline.train.setup.optimizers), which the JSON does not say."""
     zero = ds.get("zero_optimization") or {}
 
     def num(key: str, default: float) -> float:

@@ -73,7 +73,7 @@ def candidates(
 def feature_variants(base: Candidate) -> list[Candidate]:
     """`base` and what DeepSpeed 0.19's offload features make of it (pipeline.plan.cluster.FEATURES): activation
     offload where activations are checkpointed; under CPU optimizer offload bf16 master weights (and states), and
-    ZenFlow on ZeRO-1/2 (ZeRO-3 with ZenFlow does not run in DeepSpeed 0.19.8: pipeline.train.ds_config), whose
+    ZenFlow on ZeRO-1/2 (ZeRO-3 with ZenFlow does not run in DeepSpeed 0.19.8: pipeline.train.setup.ds_config), whose
     CPU update every `grad_accum` steps replaces accumulation, so the same tokens reach each full update."""
     out = [base]
     if base.activation_checkpointing:

@@ -14,11 +14,11 @@ from pipeline.data.manifest import TokenizerInfo, model_token_ids
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model, kernels, pretraining_class, transformers_helper
 from pipeline.plan.cluster import offload_devices
-from pipeline.train.config import PretrainConfig
-from pipeline.train.dist import accelerator_name, on_rank0
-from pipeline.train.ds_config import zero_stage
-from pipeline.train.optimizers import OPTIMIZERS
-from pipeline.train.weights import init_weights, load_initial_weights
+from pipeline.train.runtime.dist import accelerator_name, on_rank0
+from pipeline.train.runtime.weights import init_weights, load_initial_weights
+from pipeline.train.setup.config import PretrainConfig
+from pipeline.train.setup.ds_config import zero_stage
+from pipeline.train.setup.optimizers import OPTIMIZERS
 
 
 def build_for(shape: ModelShape, ds: dict[str, Any], tok: TokenizerInfo) -> Any:

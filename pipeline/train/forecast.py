@@ -23,9 +23,9 @@ from pipeline.plan.gpus import capped, lookup
 from pipeline.plan.report import describe_estimate, header
 from pipeline.plan.search import Plan, search
 from pipeline.plan.timing import Measured, Rates, rates_from_run
-from pipeline.train.config import PretrainConfig, load
-from pipeline.train.ds_config import BatchPlan, batch_plan, load_ds_config
-from pipeline.train.optimizers import OPTIMIZERS
+from pipeline.train.setup.config import PretrainConfig, load
+from pipeline.train.setup.ds_config import BatchPlan, batch_plan, load_ds_config
+from pipeline.train.setup.optimizers import OPTIMIZERS
 
 
 @dataclass
@@ -153,7 +153,7 @@ def forecast_run(
 ) -> tuple[Forecast, RunMeasured, dict[str, Any]]:
     """The plan for exactly what a run ran (its resolved config and DeepSpeed JSON, on the cluster it recorded)
     beside what it measured."""
-    from pipeline.train.prepare import cpu_card
+    from pipeline.train.setup.prepare import cpu_card
 
     rd = Path(run_dir)
     for name in ("config.yaml", "ds_config.json"):

@@ -21,10 +21,16 @@ from pipeline.atomic import write_json, write_text
 from pipeline.data.loader import ShardedDataset, build_loader
 from pipeline.errors import EXIT_STOPPED
 from pipeline.plan.cluster import offload_devices
-from pipeline.train import faults, ops
-from pipeline.train.checkpointer import Checkpointer
-from pipeline.train.config import dump
-from pipeline.train.dist import (
+from pipeline.train import faults
+from pipeline.train.checkpoint.checkpointer import Checkpointer
+from pipeline.train.engine import activation_offload, build_engine, choose_speed
+from pipeline.train.parts.guards import NonFinite, Watchdog
+from pipeline.train.parts.metrics import MetricsSink, StepLogger
+from pipeline.train.parts.tracking import Trackers
+from pipeline.train.parts.validate import Validator
+from pipeline.train.preflight import verify_shards
+from pipeline.train.runtime import ops
+from pipeline.train.runtime.dist import (
     apply_memory_cap,
     environment,
     init_distributed,
@@ -34,17 +40,12 @@ from pipeline.train.dist import (
     ranks_per_node,
     share_cpu_cores,
 )
-from pipeline.train.engine import activation_offload, build_engine, choose_speed
-from pipeline.train.guards import NonFinite, Watchdog
-from pipeline.train.metrics import MetricsSink, StepLogger
-from pipeline.train.preflight import verify_shards
-from pipeline.train.prepare import Prepared, Run
-from pipeline.train.runlock import LOCK_NAME, RunLock
-from pipeline.train.schedule import lr_at, max_steps_for
+from pipeline.train.setup.config import dump
+from pipeline.train.setup.prepare import Prepared, Run
+from pipeline.train.setup.runlock import LOCK_NAME, RunLock
+from pipeline.train.setup.schedule import lr_at, max_steps_for
 from pipeline.train.state import TrainState
 from pipeline.train.step import train_step
-from pipeline.train.tracking import Trackers
-from pipeline.train.validate import Validator
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import sys
 import traceback
 
 from pipeline.errors import PipelineError, SaidOnRankZero
-from pipeline.train.config import dump, load
-from pipeline.train.prepare import Prepared, prepare
+from pipeline.train.setup.config import dump, load
+from pipeline.train.setup.prepare import Prepared, prepare
 
 DESCRIPTION = """Stage 3: pretraining through DeepSpeed. Launch as `deepspeed [--hostfile H | --num_gpus N]
 pipeline/pretrain.py --config CONFIG.yaml [--set key=value ...] [--dry-run]`; `pipeline pretrain` builds that
@@ -81,7 +81,7 @@ def describe(prepared: Prepared) -> str:
 
 def run_as_script() -> None:
     """Exit codes as a launcher expects them, and no interpreter teardown (`exit_now` says why)."""
-    from pipeline.train.dist import exit_now
+    from pipeline.train.runtime.dist import exit_now
 
     try:
         code = main()

@@ -1,7 +1,7 @@
 """What `pipeline pretrain` decides before the launcher starts, so that every mistake is in one error naming the
 field and both values, exit code 2, and nothing left behind, instead of a message per rank 10-75 s in: the run
-folder free (pipeline.train.runlock), the shards whole (sizes, and checksums with data.verify), the checkpoint it
-would continue (the rules: pipeline.train.resume), `model.init_from` with weights, room on the disk for the
+folder free (pipeline.train.setup.runlock), the shards whole (sizes, and checksums with data.verify), the checkpoint it
+would continue (the rules: pipeline.train.checkpoint.resume), `model.init_from` with weights, room on the disk for the
 checkpoints, and the caller's own (the quick doctor's). The ranks make the same checks through the same functions
 (a run launched with `deepspeed` directly), rank 0 deciding for all."""
 
@@ -15,13 +15,13 @@ from typing import Any
 
 from pipeline.atomic import write_json
 from pipeline.errors import PipelineError
-from pipeline.train import checkpoint as ckpt
-from pipeline.train import tracking
-from pipeline.train.dist import accelerator_name
-from pipeline.train.prepare import Prepared
-from pipeline.train.resume import continuation_problems, resumable, schedule_note
-from pipeline.train.runlock import check_free
-from pipeline.train.schedule import max_steps_for
+from pipeline.train.checkpoint import files as ckpt
+from pipeline.train.checkpoint.resume import continue_from, resumable
+from pipeline.train.parts import tracking
+from pipeline.train.runtime.dist import accelerator_name
+from pipeline.train.setup.prepare import Prepared
+from pipeline.train.setup.runlock import check_free
+from pipeline.train.setup.schedule import max_steps_for
 
 VERIFIED = ".shards-verified.json"
 """In the run folder: the shards whose checksums a launch verified, with the size and mtime of every file, so the
@@ -158,13 +158,11 @@ def before_launch(prepared: Prepared, world: int, per_node: int, more: Sequence[
     if found is not None:
         tag, marker, warnings = found
         notes += warnings
-        if cannot := continuation_problems(prepared, world, marker):
-            problems.append(
-                f"cannot resume {run_dir}/{tag}: " + "; ".join(cannot) + ". Use a new run_dir to start fresh (to "
-                "carry these weights onto new data or another shape: pipeline export, then model.init_from)"
-            )
-        elif note := schedule_note(prepared, marker):
-            notes.append(note)
+        try:
+            if note := continue_from(prepared, world, tag, marker):
+                notes.append(note)
+        except PipelineError as e:  # one of the launch's problems, said together
+            problems.append(str(e))
     elif problem := init_weights_problem(cfg.model.init_from):
         problems.append(problem)
     problems += more

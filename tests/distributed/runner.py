@@ -1,6 +1,6 @@
 """`run_distributed(fn, world_size=2)`: W processes on this machine, one process group over gloo (DeepSpeed's CPU
-accelerator), each calling `fn(rank, world_size, *args)` after pipeline.train.dist.init_distributed, as every rank
-of a launch does. Seconds, not a launcher start: for barriers, broadcasts and decisions that every rank must share
+accelerator), each calling `fn(rank, world_size, *args)` after pipeline.train.runtime.dist.init_distributed, as every
+rank of a launch does. Seconds, not a launcher start: for barriers, broadcasts and decisions that every rank must share
 (OLMo-core's `run_distributed_test`). `fn` must be a module-level function (it is pickled by name)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _rank_main(
         MASTER_PORT=str(port),
     )
     try:
-        from pipeline.train.dist import init_distributed
+        from pipeline.train.runtime.dist import init_distributed
 
         init_distributed(timeout_minutes=2)
         out.put((rank, "ok", fn(rank, world, *args)))
@@ -45,7 +45,7 @@ def _rank_main(
         out.join_thread()  # the queue's feeder thread must write before the process goes
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)  # no interpreter teardown: the gloo shutdown race (pipeline.train.dist.exit_now)
+        os._exit(0)  # no interpreter teardown: the gloo shutdown race (pipeline.train.runtime.dist.exit_now)
 
 
 def run_distributed(

@@ -20,10 +20,10 @@ def _run(rank: int, world: int, config: str) -> Any:
     """This rank's Run of `config`, and a builder of its engine for the Checkpointer."""
     import torch
 
-    from pipeline.train.config import load
-    from pipeline.train.dist import Dist
     from pipeline.train.engine import build_engine
-    from pipeline.train.prepare import Run, prepare
+    from pipeline.train.runtime.dist import Dist
+    from pipeline.train.setup.config import load
+    from pipeline.train.setup.prepare import Run, prepare
 
     cfg = load(config)
     run = Run.on(prepare(cfg, world), Dist(rank, world, torch.device("cpu")))
@@ -36,8 +36,8 @@ def _save_damage_resume(rank: int, world: int, config: str) -> dict[str, Any]:
     import deepspeed.comm as dist
 
     from pipeline.errors import PipelineError
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.checkpointer import Checkpointer
+    from pipeline.train.checkpoint import files as ckpt
+    from pipeline.train.checkpoint.checkpointer import Checkpointer
     from pipeline.train.state import TrainState
 
     run, build = _run(rank, world, config)

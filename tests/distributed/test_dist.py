@@ -1,4 +1,5 @@
-"""pipeline.train.dist across two real ranks: rank 0 decides, every rank gets the same answer or the same error."""
+"""pipeline.train.runtime.dist across two real ranks: rank 0 decides, every rank gets the same answer or the same
+error."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.dist
 
 def _decide(rank: int, world: int, mode: str) -> tuple[str, Any, list[int]]:
     from pipeline.errors import PipelineError
-    from pipeline.train.dist import on_rank0
+    from pipeline.train.runtime.dist import on_rank0
 
     called: list[int] = []
 

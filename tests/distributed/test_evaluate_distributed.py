@@ -21,11 +21,11 @@ def _save_then_load_partitioned(rank: int, world: int, config: str) -> Any:
     from pipeline.data.loader import ShardedDataset
     from pipeline.evaluate.distributed import load_partitioned, zero3_inference_config
     from pipeline.evaluate.run import EvalConfig, open_inputs
-    from pipeline.train.checkpointer import Checkpointer
-    from pipeline.train.config import dump, load
-    from pipeline.train.dist import Dist
+    from pipeline.train.checkpoint.checkpointer import Checkpointer
     from pipeline.train.engine import build_engine
-    from pipeline.train.prepare import Run, prepare
+    from pipeline.train.runtime.dist import Dist
+    from pipeline.train.setup.config import dump, load
+    from pipeline.train.setup.prepare import Run, prepare
     from pipeline.train.state import TrainState
 
     cfg = load(config)

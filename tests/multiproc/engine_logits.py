@@ -13,10 +13,10 @@ def main() -> int:
     import deepspeed.comm as dist
 
     from pipeline.data.loader import ShardedDataset
-    from pipeline.train.config import load
-    from pipeline.train.dist import init_distributed
     from pipeline.train.engine import build_engine
-    from pipeline.train.prepare import prepare
+    from pipeline.train.runtime.dist import init_distributed
+    from pipeline.train.setup.config import load
+    from pipeline.train.setup.prepare import prepare
 
     cfg = load(config)
     p = prepare(cfg, int(os.environ["WORLD_SIZE"]))

@@ -19,10 +19,10 @@ def main() -> int:
     import deepspeed.comm as dist
 
     from pipeline.data.loader import ShardedDataset, collate_samples
-    from pipeline.train.config import load
-    from pipeline.train.dist import init_distributed
     from pipeline.train.engine import build_engine
-    from pipeline.train.prepare import prepare
+    from pipeline.train.runtime.dist import init_distributed
+    from pipeline.train.setup.config import load
+    from pipeline.train.setup.prepare import prepare
     from pipeline.train.step import lm_loss
 
     cfg = load(config, sets)

@@ -76,10 +76,10 @@ log: {{interval: 1, tensorboard: true}}
 
 
 def command(config: Path, *, num_gpus: int = 2, port: int | None = None, sets: tuple[str, ...] = ()) -> list[str]:
-    """DeepSpeed's node launcher (pipeline.launch.node_launcher_command). The tests about the `deepspeed` front end
-    itself (hostfiles, .deepspeed_env, ssh) call it in test_launch.py and test_multinode.py; here it would only add
-    a Python start of 3 s to every launch."""
-    from pipeline.launch import node_launcher_command
+    """DeepSpeed's node launcher (pipeline.launch.command.node_launcher_command). The tests about the `deepspeed`
+    front end itself (hostfiles, .deepspeed_env, ssh) call it in test_launch.py and test_multinode.py; here it would
+    only add a Python start of 3 s to every launch."""
+    from pipeline.launch.command import node_launcher_command
 
     args = ["--config", str(config), *(a for s in sets for a in ("--set", s))]
     return node_launcher_command(SCRIPT, *args, num_gpus=num_gpus, port=port or free_port())
@@ -105,7 +105,7 @@ def run(config: Path, timeout: int = 900, extra_env: dict[str, str] | None = Non
 
 def run_script(script: Path, *args: str | Path, num_gpus: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
     """A test's own rank script (engine_memory.py, engine_logits.py) under DeepSpeed's launcher, with its args."""
-    from pipeline.launch import node_launcher_command
+    from pipeline.launch.command import node_launcher_command
 
     cmd = node_launcher_command(script, *map(str, args), num_gpus=num_gpus, port=free_port())
     return subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)

@@ -70,7 +70,7 @@ def test_exported_tokenizer_matches_pipeline_tokenizer(zero_runs: dict[int, Path
 
 def test_trained_model_beats_fresh_init_on_held_out_data(zero_runs: dict[int, Path], tmp_path: Path) -> None:
     from pipeline.model import build_model
-    from pipeline.train.weights import init_weights
+    from pipeline.train.runtime.weights import init_weights
 
     res = evaluate_run(
         EvalConfig(checkpoint=str(zero_runs[1]), split="val", output=str(tmp_path / "e.json"), max_new_tokens=8)

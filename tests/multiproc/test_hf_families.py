@@ -22,7 +22,7 @@ from pipeline.data.config import ShardConfig, TokenizeConfig
 from pipeline.data.loader import ShardedDataset, collate_samples, rank_batches
 from pipeline.evaluate.run import EvalConfig, export, load_model, open_run
 from pipeline.evaluate.run import run as evaluate_run
-from pipeline.train import checkpoint as ckpt
+from pipeline.train.checkpoint import files as ckpt
 from pipeline.train.step import lm_loss
 from tests.conftest import CORPUS
 from tests.hf_families import CONFIGS, FAMILIES, write_model, write_tokenizer

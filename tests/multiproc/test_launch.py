@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.train import checkpoint as ckpt
+from pipeline.train.checkpoint import files as ckpt
 from tests.multiproc import launch
 
 pytestmark = pytest.mark.slow

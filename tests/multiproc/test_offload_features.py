@@ -17,7 +17,7 @@ import torch
 
 from pipeline.plan.cluster import ZENFLOW_TOPK
 from pipeline.plan.memory import ZENFLOW_STATE_BYTES
-from pipeline.train import checkpoint as ckpt
+from pipeline.train.checkpoint import files as ckpt
 from tests.multiproc import launch
 
 pytestmark = pytest.mark.slow

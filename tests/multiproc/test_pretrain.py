@@ -12,9 +12,9 @@ import torch
 
 from pipeline.data.loader import ShardedDataset, collate_samples, rank_batches
 from pipeline.model import llama_config, resolve_shape
-from pipeline.train import checkpoint as ckpt
-from pipeline.train.config import load
-from pipeline.train.schedule import lr_at
+from pipeline.train.checkpoint import files as ckpt
+from pipeline.train.setup.config import load
+from pipeline.train.setup.schedule import lr_at
 from tests.multiproc import launch
 from tests.multiproc.conftest import STEPS
 
@@ -26,8 +26,8 @@ def reference_losses(config: Path, shards: Path) -> list[float]:
     from transformers import LlamaForCausalLM
 
     from pipeline.train.engine import param_groups
+    from pipeline.train.runtime.weights import init_weights
     from pipeline.train.step import lm_loss
-    from pipeline.train.weights import init_weights
 
     cfg = load(config)
     ds = ShardedDataset(shards, "train")

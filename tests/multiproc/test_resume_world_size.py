@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train import checkpoint as ckpt
+from pipeline.train.checkpoint import files as ckpt
 from tests.multiproc import launch
 from tests.multiproc.conftest import STEPS
 

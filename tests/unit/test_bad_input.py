@@ -150,9 +150,9 @@ def test_internal_errors_say_they_are_bugs(work: dict[str, str], monkeypatch: py
 def launch_work(tmp_path: Path, shards: Path) -> dict[str, Path]:
     """Run configs whose launch `pipeline pretrain` must refuse before the launcher starts: shards damaged three
     ways, a run folder whose checkpoint is of another model or seq_len, init_from without weights."""
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train.config import load
-    from pipeline.train.prepare import prepare
+    from pipeline.train.checkpoint import files as ckpt
+    from pipeline.train.setup.config import load
+    from pipeline.train.setup.prepare import prepare
 
     def config(name: str, data: Path, run_dir: Path, model: str = "{preset: tiny}") -> Path:
         path = tmp_path / f"{name}.yaml"
@@ -219,7 +219,7 @@ LAUNCH_CASES = [
 def test_pretrain_refuses_before_the_launcher_starts(launch_work: dict[str, Path], case: str, expected: str) -> None:
     """One line naming the field and both values, exit 2, nothing written, and no launcher started (the command
     it would run is printed as `+ deepspeed ...` only when it launches)."""
-    from pipeline.train.runlock import RunLock
+    from pipeline.train.setup.runlock import RunLock
 
     lock = RunLock(launch_work["T"] / "runs/busy")
     lock.acquire()  # another live training holds that folder

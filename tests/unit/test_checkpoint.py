@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.train import checkpoint as ckpt
+from pipeline.train.checkpoint import files as ckpt
 
 
 def _save(run: Path, step: int, complete: bool = True) -> str:
@@ -75,7 +75,7 @@ def test_a_run_folder_on_each_nodes_own_disk_is_refused_naming_the_hosts(tmp_pat
     refuse, naming the hosts, instead of starting again from step 0."""
     import socket
 
-    from pipeline.train.resume import resumable
+    from pipeline.train.checkpoint.resume import resumable
 
     here = socket.gethostname()
     for step in (500, 1000):
@@ -97,7 +97,7 @@ def test_a_run_folder_on_each_nodes_own_disk_is_refused_naming_the_hosts(tmp_pat
 
 
 def test_a_shared_run_folder_of_several_hosts_resumes(tmp_path: Path) -> None:
-    from pipeline.train.resume import resumable
+    from pipeline.train.checkpoint.resume import resumable
 
     _save_on_hosts(tmp_path, 10, {"a.pt": "node-a", "b.pt": "node-b"}, here=False)  # all visible: shared
     found = resumable(tmp_path, "auto", False)
@@ -107,7 +107,7 @@ def test_a_shared_run_folder_of_several_hosts_resumes(tmp_path: Path) -> None:
 def test_checkpoints_none_of_which_is_intact_never_restart_the_run_from_step_0(tmp_path: Path) -> None:
     import socket
 
-    from pipeline.train.resume import resumable
+    from pipeline.train.checkpoint.resume import resumable
 
     for step in (10, 20):
         _save_on_hosts(tmp_path, step, {"mp_rank_00_model_states.pt": socket.gethostname()})

@@ -12,10 +12,14 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.doctor.cluster import write_env
+from tests.multiproc.launch import free_port
 
 
 def test_local_doctor_lists_each_check_and_passes_here() -> None:
-    res = CliRunner().invoke(main, ["doctor"])
+    # A free master port of this test's own: the default 29500 may be a run's beside the tests (the port check's
+    # FAIL on a taken port: test_pretrain_stops_on_a_failed_local_check_unless_skipped)
+    port = ["--master-port", str(free_port())]
+    res = CliRunner().invoke(main, ["doctor", *port])
     assert res.exit_code == 0, res.output
     for name in (
         "ulimit -l",
@@ -29,7 +33,7 @@ def test_local_doctor_lists_each_check_and_passes_here() -> None:
     ):
         assert any(line.split("  ")[1:2] and name in line for line in res.output.splitlines()), name
     assert "0 FAIL" in res.output
-    as_json = CliRunner().invoke(main, ["doctor", "--json"])
+    as_json = CliRunner().invoke(main, ["doctor", "--json", *port])
     (report,) = json.loads(as_json.output)
     assert {c["status"] for c in report["checks"]} <= {"PASS", "WARN"}
     assert report["facts"]["versions"]["deepspeed"]
@@ -81,7 +85,8 @@ def test_config_checks_data_disk_and_ram_and_hosts_are_compared(shards: Path, tm
         f"run_dir: {tmp_path}/run\ndata: {{path: {shards}}}\nbatch: {{micro_batch_size: 2, "
         "global_batch_size: 8}\ntrain: {max_steps: 3, precision: fp32}\n"
     )
-    res = CliRunner().invoke(main, ["doctor", "--config", str(cfg), "--json"])
+    port = str(free_port())
+    res = CliRunner().invoke(main, ["doctor", "--config", str(cfg), "--json", "--master-port", port])
     assert res.exit_code == 0, res.output
     (report,) = json.loads(res.output[res.output.index("[") :])
     checks = {c["name"]: c for c in report["checks"]}

@@ -1,4 +1,4 @@
-"""pipeline.train.ds_config: the batch arithmetic against the world size."""
+"""pipeline.train.setup.ds_config: the batch arithmetic against the world size."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 
 def test_976_sequences_on_7_nodes_are_refused_with_the_choices() -> None:
     from pipeline.errors import ConfigError
-    from pipeline.train.config import from_dict
-    from pipeline.train.ds_config import batch_plan
+    from pipeline.train.setup.config import from_dict
+    from pipeline.train.setup.ds_config import batch_plan
 
     cfg = from_dict({"batch": {"micro_batch_size": 2, "global_batch_size": 976}, "train": {"max_steps": 1}})
     with pytest.raises(
@@ -21,8 +21,8 @@ def test_976_sequences_on_7_nodes_are_refused_with_the_choices() -> None:
 
 
 def _resolve(ds: dict, *, precision: str = "bf16", global_batch: int = 8, checkpointing: bool = False) -> dict:
-    from pipeline.train.config import from_dict
-    from pipeline.train.ds_config import batch_plan, resolve
+    from pipeline.train.setup.config import from_dict
+    from pipeline.train.setup.ds_config import batch_plan, resolve
 
     cfg = from_dict(
         {
@@ -109,8 +109,8 @@ def test_the_optimizer_table_is_what_the_config_offers_and_what_the_planner_pric
 
     from pipeline.model import PRESETS
     from pipeline.plan.memory import checkpoint_bytes, state_split
-    from pipeline.train.config import OptimSection
-    from pipeline.train.optimizers import OPTIMIZERS
+    from pipeline.train.setup.config import OptimSection
+    from pipeline.train.setup.optimizers import OPTIMIZERS
 
     assert set(typing.get_args(typing.get_type_hints(OptimSection)["name"])) == set(OPTIMIZERS)
     adam, bnb = OPTIMIZERS["adamw"], OPTIMIZERS["adamw8bit"]

@@ -1,4 +1,4 @@
-"""pipeline.train.env: the env files every rank applies, and P2P off for several GeForce cards on a node."""
+"""pipeline.train.runtime.env: the env files every rank applies, and P2P off for several GeForce cards on a node."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train.env import apply_env_files, p2p_default, read_env_files
+from pipeline.train.runtime.env import apply_env_files, p2p_default, read_env_files
 
 
 def test_env_files_apply_unless_the_environment_says_otherwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

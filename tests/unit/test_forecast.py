@@ -23,8 +23,8 @@ from pipeline.plan.timing import (
     step_time,
 )
 from pipeline.train import forecast
-from pipeline.train.config import dump, from_dict
-from pipeline.train.ds_config import batch_plan, load_ds_config, resolve
+from pipeline.train.setup.config import dump, from_dict
+from pipeline.train.setup.ds_config import batch_plan, load_ds_config, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 

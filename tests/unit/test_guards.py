@@ -1,4 +1,4 @@
-"""pipeline.train.guards: what a skipped update or a non-finite loss does to the run."""
+"""pipeline.train.parts.guards: what a skipped update or a non-finite loss does to the run."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.train.config import from_dict
-from pipeline.train.ds_config import batch_plan
-from pipeline.train.guards import NonFinite
+from pipeline.train.parts.guards import NonFinite
+from pipeline.train.setup.config import from_dict
+from pipeline.train.setup.ds_config import batch_plan
 from pipeline.train.state import TrainState
 
 

@@ -18,8 +18,8 @@ from pipeline.data import tokenize as tokenizing
 from pipeline.data.config import ShardConfig, TokenizeConfig
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.model.families import model_shape, read_config, shape_from_config
-from pipeline.train.config import load
-from pipeline.train.prepare import prepare
+from pipeline.train.setup.config import load
+from pipeline.train.setup.prepare import prepare
 from tests.conftest import CORPUS, ROOT
 from tests.hf_families import CONFIGS, FAMILIES, write_model, write_tokenizer
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.model import build_model, kernels, resolve_shape
-from pipeline.train.config import TrainSection, _choices
+from pipeline.train.setup.config import TrainSection, _choices
 from pipeline.train.step import lm_loss, reduce_token_losses
 
 TINY = resolve_shape("tiny", {}, 300)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train.dist import local_ranks_problem
+from pipeline.train.runtime.dist import local_ranks_problem
 from tests.multiproc import launch
 
 
@@ -47,7 +47,7 @@ def test_the_terminal_shows_the_runs_lines_and_the_log_file_keeps_every_line(tmp
     """DeepSpeed's INFO lines, a warning's repeats (whatever their timestamps) and a few known lines that say
     nothing to a user stay out of the terminal; RUN_DIR/logs/launch.log keeps everything, from before rank 0 made
     the folder too."""
-    from pipeline.launch import Console
+    from pipeline.launch.supervise import Console
 
     lines = [
         b"[2026-12-02 02:33:44,014] [WARNING] [runner.py:214:fetch_hostfile] Unable to find hostfile, will proceed "
@@ -84,7 +84,7 @@ def test_an_error_every_rank_says_is_shown_once_and_a_dead_terminal_or_full_disk
     import errno
     import io
 
-    from pipeline.launch import Console
+    from pipeline.launch.supervise import Console
 
     error = b"error: step 92: loss nan (train.on_nonfinite is stop)\n"
     console = Console(tmp_path / "run", "deepspeed ...")
@@ -110,7 +110,7 @@ def test_an_error_every_rank_says_is_shown_once_and_a_dead_terminal_or_full_disk
 def test_the_launchers_report_of_a_rank_that_stopped_on_a_signal_stays_in_the_log_file(tmp_path) -> None:
     """A rank stopped by SIGTERM/SIGINT saves and exits 143; DeepSpeed's launcher reports that as an ERROR line,
     which on the terminal reads like a crash after the run said it saved and stopped. Other exit codes stay."""
-    from pipeline.launch import Console
+    from pipeline.launch.supervise import Console
 
     stopped = (
         b"[2026-12-02 07:05:20,415] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u', 'pretrain.py', "
@@ -128,7 +128,7 @@ def test_a_lost_host_stops_the_restarts_at_once_naming_it(capsys: pytest.Capture
     import shutil
     import time
 
-    from pipeline.launch import run_with_restarts
+    from pipeline.launch.supervise import run_with_restarts
 
     if shutil.which("ssh") is None:
         pytest.skip("no ssh client (apt-get install openssh-client)")

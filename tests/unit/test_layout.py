@@ -1,6 +1,7 @@
-"""The package's import direction: data <- train <- evaluate; plan needs only the model shape; nothing imports
-the CLI (cli.py and its options.py). Read from the source (every import, also those inside functions), so a
-cycle cannot creep back in."""
+"""The package's import direction: data <- train <- evaluate; plan needs only the model shape; launch uses the
+stages and nothing but the CLI uses launch; nothing imports the CLI (cli.py and its options.py). Inside train/,
+its components point down: runtime/ <- setup/ <- checkpoint/ <- parts/ <- the loop's own modules. Read from the
+source (every import, also those inside functions), so a cycle cannot creep back in."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ ALLOWED = {
     "evaluate": {"data", "train", "plan"},
     "model": set(),
     "doctor": {"train", "plan"},
+    "launch": {"data", "train", "evaluate", "plan", "doctor"},
 }
+# train/'s components, bottom first: each may import its own and those below it. The top (the loop and what only it
+# uses) may import all. The leaves (the run's position, the fault hooks, one step) are open to every component and
+# import only leaves.
+TRAIN_FLOORS = ["runtime", "setup", "checkpoint", "parts"]
+TRAIN_LEAVES = {"state", "faults", "step"}
 
 
 def _part(module: str) -> str:
@@ -55,7 +62,7 @@ def test_imports_point_one_way() -> None:
                 bad.append(f"{name} imports the CLI")
                 continue
             if (
-                name in ("pipeline.cli", "pipeline.__main__", "pipeline.launch", "pipeline.pretrain")
+                name in ("pipeline.cli", "pipeline.__main__", "pipeline.pretrain")
                 or target in LEAVES
                 or target.startswith("pipeline.model")
             ):
@@ -64,6 +71,33 @@ def test_imports_point_one_way() -> None:
             if other != own and other not in ALLOWED.get(own, set()):
                 bad.append(f"{name} imports {target}")
     assert not bad, "imports against the direction data <- train <- evaluate, plan <- model:\n" + "\n".join(bad)
+
+
+def _train_floor(module: str) -> float:
+    """A module of train/'s floor: its component's index, a leaf -1, the top (main, loop, engine, ...) the last."""
+    parts = module.split(".")
+    if parts[2] in TRAIN_LEAVES:
+        return -1
+    return TRAIN_FLOORS.index(parts[2]) if parts[2] in TRAIN_FLOORS else len(TRAIN_FLOORS)
+
+
+def test_train_components_point_down() -> None:
+    bad = []
+    modules = [p for p in sorted((PKG / "train").rglob("*.py")) if p.name != "__init__.py"]
+    for path in modules:
+        name = _module_name(path)
+        for target in _imports(path):
+            if target.startswith("pipeline.train.") and _train_floor(target) > _train_floor(name):
+                bad.append(f"{name} imports {target}")
+    assert not bad, "train/ imports pointing up (runtime <- setup <- checkpoint <- parts <- the loop):\n" + "\n".join(
+        bad
+    )
+    # every module is in a component or named on top: a new file is placed on purpose
+    top = sorted(p.stem for p in (PKG / "train").glob("*.py") if p.stem != "__init__")
+    assert top == ["engine", "faults", "forecast", "loop", "main", "preflight", "state", "step"]
+    assert sorted(p.name for p in (PKG / "train").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
+        TRAIN_FLOORS
+    )
 
 
 def test_the_layout_is_by_stage() -> None:
@@ -76,7 +110,6 @@ def test_the_layout_is_by_stage() -> None:
         "atomic.py",
         "cli.py",
         "errors.py",
-        "launch.py",
         "options.py",
         "pretrain.py",
         "progress.py",

@@ -14,8 +14,8 @@ from pipeline.model import PRESETS, ModelShape
 from pipeline.plan.cluster import Candidate, Cluster
 from pipeline.plan.estimate import estimate
 from pipeline.plan.gpus import GPUS
-from pipeline.train.config import from_dict
-from pipeline.train.ds_config import batch_plan, resolve
+from pipeline.train.setup.config import from_dict
+from pipeline.train.setup.ds_config import batch_plan, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""pipeline.train.prepare: the planner's card for this GPU under a memory cap."""
+"""pipeline.train.setup.prepare: the planner's card for this GPU under a memory cap."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pipeline.errors import PipelineError
 
 
 def test_auto_plan_uses_the_memory_cap() -> None:
-    from pipeline.train.prepare import planning_card
+    from pipeline.train.setup.prepare import planning_card
 
     h200 = 143 * 10**9
     assert planning_card("NVIDIA H200", h200, None).memory_gib == pytest.approx(h200 / 2**30)
@@ -21,10 +21,10 @@ def test_auto_plan_uses_the_memory_cap() -> None:
 def test_a_resumed_run_of_another_length_says_its_schedule_is_re_stretched(shards) -> None:
     """An 80-step run resumed with train.max_steps 140: the cosine schedule is stretched to 140 steps, which moves
     the learning rate at the resume step; the launcher and rank 0 say so, with both rates."""
-    from pipeline.train.config import from_dict
-    from pipeline.train.prepare import prepare
-    from pipeline.train.resume import schedule_note
-    from pipeline.train.schedule import lr_at
+    from pipeline.train.checkpoint.resume import schedule_note
+    from pipeline.train.setup.config import from_dict
+    from pipeline.train.setup.prepare import prepare
+    from pipeline.train.setup.schedule import lr_at
 
     raw = {
         "data": {"path": str(shards)},

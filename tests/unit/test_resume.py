@@ -1,12 +1,12 @@
-"""pipeline.train.resume: which checkpoint a launch continues from, and why it may not."""
+"""pipeline.train.checkpoint.resume: which checkpoint a launch continues from, and why it may not."""
 
 from __future__ import annotations
 
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.train.checkpoint import Marker
-from pipeline.train.resume import choose_resume, resume_problems
+from pipeline.train.checkpoint.files import Marker
+from pipeline.train.checkpoint.resume import choose_resume, resume_problems
 
 TAGS = ["step00000005", "step00000010"]
 SHAPE = {"hidden_size": 64, "num_layers": 2}

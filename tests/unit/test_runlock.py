@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.train.runlock import RunLock, check_free, holder
+from pipeline.train.setup.runlock import RunLock, check_free, holder
 
 HOLD = """
 import sys, time
-from pipeline.train.runlock import RunLock
+from pipeline.train.setup.runlock import RunLock
 lock = RunLock(sys.argv[1])
 lock.acquire()
 print("held", flush=True)

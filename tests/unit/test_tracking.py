@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.train.config import from_dict
-from pipeline.train.tracking import Trackers, problems
+from pipeline.train.parts.tracking import Trackers, problems
+from pipeline.train.setup.config import from_dict
 
 
 @pytest.fixture

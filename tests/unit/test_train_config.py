@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.train.config import from_dict, load
-from pipeline.train.ds_config import batch_plan, load_ds_config, resolve
-from pipeline.train.schedule import lr_at
+from pipeline.train.setup.config import from_dict, load
+from pipeline.train.setup.ds_config import batch_plan, load_ds_config, resolve
+from pipeline.train.setup.schedule import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"batch": {"micro_batch_size": 2, "global_batch_size": 16}, "train": {"max_steps": 100, "precision": "fp32"}}

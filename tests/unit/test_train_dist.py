@@ -1,11 +1,11 @@
-"""pipeline.train.dist without a process group: each rank's device."""
+"""pipeline.train.runtime.dist without a process group: each rank's device."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline.train.dist import device_for, local_rank_from_env
+from pipeline.train.runtime.dist import device_for, local_rank_from_env
 
 
 def test_each_rank_gets_the_gpu_of_its_local_rank() -> None:
@@ -35,7 +35,7 @@ def test_cpu_adam_binding_leaves_no_cpu_idle(
     DeepSpeed would count physical cores; else unbound, the logical CPUs shared out as threads."""
     from deepspeed.utils.numa import parse_range_list
 
-    from pipeline.train.dist import core_binding
+    from pipeline.train.runtime.dist import core_binding
 
     got_args, got_threads, why = core_binding(physical, logical, ranks)
     assert (got_args, got_threads) == (args, threads), why

@@ -1,9 +1,9 @@
-"""pipeline.train.weights: how parameters are grouped for ZeRO-3 filling."""
+"""pipeline.train.runtime.weights: how parameters are grouped for ZeRO-3 filling."""
 
 from __future__ import annotations
 
 from pipeline.model import PRESETS, build_model
-from pipeline.train.weights import parameter_groups
+from pipeline.train.runtime.weights import parameter_groups
 
 
 def test_parameter_groups_keep_order_and_bound_each_group() -> None:

@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import torch
 
 from pipeline.errors import PipelineError, SaidOnRankZero
-from pipeline.train.ds_workarounds import memoize_cpu_info, release_shm_names
-from pipeline.train.env import apply_env_files, p2p_default, recorded
-from pipeline.train.ops import use_project_cache
+from pipeline.train.runtime.ds_workarounds import memoize_cpu_info, release_shm_names
+from pipeline.train.runtime.env import apply_env_files, p2p_default, recorded
+from pipeline.train.runtime.ops import use_project_cache
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.data.loader import ShardedDataset, collate_samples, rank_batches
-from pipeline.train.metrics import MetricsSink
+from pipeline.train.parts.metrics import MetricsSink
 from pipeline.train.step import micro_step_loss
 
 if TYPE_CHECKING:
-    from pipeline.train.prepare import Run
+    from pipeline.train.setup.prepare import Run
     from pipeline.train.state import TrainState
 
 log = logging.getLogger(__name__)

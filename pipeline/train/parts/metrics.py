@@ -19,7 +19,7 @@ from pipeline.atomic import write_text
 from pipeline.plan.gpus import peak_tflops_for_device
 
 if TYPE_CHECKING:
-    from pipeline.train.prepare import Run
+    from pipeline.train.setup.prepare import Run
     from pipeline.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class MetricsSink:
         if not self.active:
             return
         if trackers is not None:
-            self._trackers = trackers()  # W&B, MLflow (pipeline.train.tracking), rank 0 only
+            self._trackers = trackers()  # W&B, MLflow (pipeline.train.parts.tracking), rank 0 only
         path = run_dir / "metrics.jsonl"
         if resumed_at is not None:
             truncate_metrics(path, resumed_at)

@@ -72,7 +72,7 @@ def memoize_cpu_info() -> None:
     import cpuinfo
 
     from pipeline.atomic import write_json
-    from pipeline.train.ops import extensions_dir
+    from pipeline.train.runtime.ops import extensions_dir
 
     if hasattr(cpuinfo.get_cpu_info, "cache_info"):
         return

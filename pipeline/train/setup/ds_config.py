@@ -10,8 +10,8 @@ from typing import Any
 
 from pipeline.errors import ConfigError
 from pipeline.plan.cluster import fp32_grad_accumulation, offload_devices  # offload_devices: the doctor's too
-from pipeline.train.config import PretrainConfig
-from pipeline.train.optimizers import OPTIMIZERS
+from pipeline.train.setup.config import PretrainConfig
+from pipeline.train.setup.optimizers import OPTIMIZERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
 SUPPORTED_MATRIX = """supported combinations:
   optimizer adamw     : ZeRO 0-3, with or without CPU/NVMe offload, bf16/fp16/fp32 (fp16 needs a GPU)
   optimizer adamw8bit : ZeRO 0-2 without any offload (bitsandbytes; GPU, and CPU for tests)
-  (pipeline.train.optimizers.OPTIMIZERS)
+  (pipeline.train.setup.optimizers.OPTIMIZERS)
   train.compile       : ZeRO 0-2 (null: on for a CUDA GPU with ZeRO 0-2)
   bf16 master/states  : bf16 precision, ZeRO 1-3 (bf16_optimizer_states needs bf16_master_weights_and_grads)
   zenflow             : ZeRO 1-2 with offload_optimizer cpu, grad_accum 1, integer update/select intervals

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from pipeline.atomic import write_json
-from pipeline.train.config import PretrainConfig
+from pipeline.train.setup.config import PretrainConfig
 
 IDS = "tracking.json"
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ BACKENDS: dict[str, Backend] = {
     "mlflow": Backend("mlflow_tracking_uri", "mlflow", "mlflow-skinny", _Mlflow, _mlflow_problem),
 }
 """Every tracking backend, by the name its run id is kept under in RUN_DIR/tracking.json. A new one is an entry
-here (and its `log` field in pipeline.train.config); nothing else names a backend."""
+here (and its `log` field in pipeline.train.setup.config); nothing else names a backend."""
 
 
 def enabled(cfg: PretrainConfig) -> dict[str, Backend]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from pipeline.train.config import PretrainConfig
-from pipeline.train.ds_config import BatchPlan
+from pipeline.train.setup.config import PretrainConfig
+from pipeline.train.setup.ds_config import BatchPlan
 
 
 def lr_at(step: int, cfg: PretrainConfig, max_steps: int) -> float:

@@ -16,9 +16,9 @@ from pipeline.errors import PipelineError
 from pipeline.model import ModelShape
 from pipeline.model.families import model_shape
 from pipeline.plan.gpus import GPU, capped, lookup
-from pipeline.train.config import PretrainConfig
-from pipeline.train.dist import Dist, accelerator_name, host_ram_bytes, ranks_per_node
-from pipeline.train.ds_config import BatchPlan, batch_plan, load_ds_config, resolve
+from pipeline.train.runtime.dist import Dist, accelerator_name, host_ram_bytes, ranks_per_node
+from pipeline.train.setup.config import PretrainConfig
+from pipeline.train.setup.ds_config import BatchPlan, batch_plan, load_ds_config, resolve
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

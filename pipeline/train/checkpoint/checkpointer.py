@@ -1,8 +1,8 @@
 """The checkpointer of a run: when to save (every `checkpoint.interval` steps, on a stop, at the end), how (every
 rank writes its shards, rank 0 the marker and `latest`, with barriers around), and resume from end to end (which
 tag, whether it may be resumed, the universal form for another world size, loading, the CPU-Adam repair). The
-loop only calls `resume`, `maybe_save` and `finish`; the pure rules are in pipeline.train.resume, the files in
-pipeline.train.checkpoint."""
+loop only calls `resume`, `maybe_save` and `finish`; the pure rules are in pipeline.train.checkpoint.resume, the
+files in pipeline.train.checkpoint.files."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.atomic import sha256_file
 from pipeline.errors import PipelineError
-from pipeline.train import checkpoint as ckpt
 from pipeline.train import faults
-from pipeline.train.dist import on_rank0, ranks_per_node
-from pipeline.train.ds_config import zero_stage
-from pipeline.train.ds_workarounds import replay_adam_beta_powers
-from pipeline.train.prepare import Run
-from pipeline.train.resume import continuation_problems, resumable, schedule_note
-from pipeline.train.schedule import max_steps_for
+from pipeline.train.checkpoint import files as ckpt
+from pipeline.train.checkpoint.resume import continue_from, resumable
+from pipeline.train.runtime.dist import on_rank0, ranks_per_node
+from pipeline.train.runtime.ds_workarounds import replay_adam_beta_powers
+from pipeline.train.setup.ds_config import zero_stage
+from pipeline.train.setup.prepare import Run
+from pipeline.train.setup.schedule import max_steps_for
 
 if TYPE_CHECKING:
     from pipeline.train.state import TrainState
@@ -106,12 +106,7 @@ class Checkpointer:
         if found is None:
             return None
         tag, marker, _ = found
-        if problems := continuation_problems(self.run, self.run.dist.world_size, marker, self.data_fingerprint):
-            raise PipelineError(
-                f"cannot resume {run_dir}/{tag}: " + "; ".join(problems) + ". Use a new run_dir to start fresh (to "
-                "carry these weights onto new data or another shape: pipeline export, then model.init_from)"
-            )
-        if note := schedule_note(self.run, marker):
+        if note := continue_from(self.run, self.run.dist.world_size, tag, marker, self.data_fingerprint):
             log.warning("%s", note)
         return tag, marker
 

@@ -5,7 +5,7 @@ DeepSpeed JIT-compiles an op the first time a process loads it (about a minute e
 caches it under TORCH_EXTENSIONS_DIR. Unset, torch keeps one cache per user that every checkout and venv shares,
 and a second venv's compiler flags make it rebuild what the first built. This project keeps its own cache inside
 the venv (`sys.prefix/torch_extensions`), whatever the entry point: `pipeline`, `deepspeed pipeline/pretrain.py`
-on every node, or the tests. `python -m pipeline.train.ops` (what `make ops` runs) builds them ahead."""
+on every node, or the tests. `python -m pipeline.train.runtime.ops` (what `make ops` runs) builds them ahead."""
 
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 from pipeline.data.loader import GlobalOrder
 from pipeline.errors import PipelineError
-from pipeline.train.checkpoint import latest_complete
-from pipeline.train.config import PretrainConfig
-from pipeline.train.ds_config import BatchPlan
+from pipeline.train.checkpoint.files import latest_complete
+from pipeline.train.setup.config import PretrainConfig
+from pipeline.train.setup.ds_config import BatchPlan
 
 if TYPE_CHECKING:
     from pipeline.train.state import TrainState
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 SUPERVISOR_ENV = "PYTHON_PIPELINE_SUPERVISOR"
-"""HOST:PID:START of the `pipeline pretrain` that launched the run (pipeline.launch.Supervised). The PYTHON prefix
-is one DeepSpeed's multi-node runner exports to every node; the ranks of other hosts do not watch it."""
+"""HOST:PID:START of the `pipeline pretrain` that launched the run (pipeline.launch.supervise.Supervised). The PYTHON
+prefix is one DeepSpeed's multi-node runner exports to every node; the ranks of other hosts do not watch it."""
 
 
 def supervisor_gone(value: str | None, host: str) -> bool:

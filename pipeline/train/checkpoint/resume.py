@@ -1,7 +1,7 @@
 """The resume decision, every rule of it: which checkpoint a launch continues (`resumable`: the policy, damaged and
 unshared checkpoints), whether this config may continue it (`continuation_problems`) and what changed in its
 schedule (`schedule_note`). `pipeline pretrain` asks before launch (pipeline.train.preflight), rank 0's
-Checkpointer asks again at start; the files themselves are pipeline.train.checkpoint's."""
+Checkpointer asks again at start; the files themselves are pipeline.train.checkpoint.files's."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.train import checkpoint as ckpt
-from pipeline.train.checkpoint import Marker
-from pipeline.train.ds_config import zero_stage
-from pipeline.train.optimizers import OPTIMIZERS
-from pipeline.train.prepare import Prepared
-from pipeline.train.schedule import lr_at, max_steps_for
+from pipeline.train.checkpoint import files as ckpt
+from pipeline.train.checkpoint.files import Marker
+from pipeline.train.setup.ds_config import zero_stage
+from pipeline.train.setup.optimizers import OPTIMIZERS
+from pipeline.train.setup.prepare import Prepared
+from pipeline.train.setup.schedule import lr_at, max_steps_for
 
 
 def choose_resume(policy: str, complete_tags: list[str], run_dir: str) -> str | None:
@@ -114,7 +114,7 @@ def resumable(run_dir: Path, policy: str, verify: bool) -> tuple[str, ckpt.Marke
 def continuation_problems(
     prepared: Prepared, world: int, marker: ckpt.Marker, data_fingerprint: str | None = None
 ) -> list[str]:
-    """Why this config cannot continue `marker`'s checkpoint (pipeline.train.resume.resume_problems); the data's
+    """Why this config cannot continue `marker`'s checkpoint (`resume_problems`); the data's
     fingerprint is its shards' manifest's unless given (the trainer's, as its checkpoints record it)."""
     from pipeline.plan.cluster import offload_devices
 
@@ -128,6 +128,20 @@ def continuation_problems(
         optimizer=prepared.cfg.optim.name,
         seq_len=prepared.plan.seq_len,
     )
+
+
+def continue_from(
+    prepared: Prepared, world: int, tag: str, marker: ckpt.Marker, data_fingerprint: str | None = None
+) -> str | None:
+    """The decision to continue checkpoint `tag`, the same before launch and on rank 0 at start: the refusal (one
+    PipelineError naming every reason) when this config cannot continue it, else a note when the run's length
+    changed (None when nothing changed)."""
+    if cannot := continuation_problems(prepared, world, marker, data_fingerprint):
+        raise PipelineError(
+            f"cannot resume {prepared.run_dir}/{tag}: " + "; ".join(cannot) + ". Use a new run_dir to start fresh "
+            "(to carry these weights onto new data or another shape: pipeline export, then model.init_from)"
+        )
+    return schedule_note(prepared, marker)
 
 
 def schedule_note(prepared: Prepared, marker: ckpt.Marker) -> str | None:

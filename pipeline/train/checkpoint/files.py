@@ -1,7 +1,7 @@
 """Checkpoint layout in a run folder: DeepSpeed tags `step{N:08d}`, a completion marker per tag, our own
 `latest` file (same format as DeepSpeed's, written only after the marker), keep-last-K pruning, damage checks, the
 universal form for another world size, and what a checkpoint costs on disk. Pure file work; the `Checkpointer`
-(pipeline.train.checkpointer) decides when to save and what to resume from."""
+(pipeline.train.checkpoint.checkpointer) decides when to save and what to resume from."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from pipeline.atomic import replacing_dir, sha256_file, write_json, write_text
 from pipeline.errors import PipelineError
 from pipeline.plan.memory import checkpoint_bytes
 from pipeline.train import faults
-from pipeline.train.ds_config import zero_stage
-from pipeline.train.optimizers import OPTIMIZERS
+from pipeline.train.setup.ds_config import zero_stage
+from pipeline.train.setup.optimizers import OPTIMIZERS
 
 if TYPE_CHECKING:
-    from pipeline.train.prepare import Prepared
+    from pipeline.train.setup.prepare import Prepared
 
 log = logging.getLogger("pipeline.pretrain")
 MARKER = "pipeline_complete.json"
