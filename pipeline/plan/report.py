@@ -1,4 +1,5 @@
-"""Rendering of a plan for people (`pipeline plan`), and the README's table of what fits each reference cluster."""
+"""Rendering of a plan for people (`pipeline plan`), and the table of what fits each reference cluster
+(docs/planning.md)."""
 
 from __future__ import annotations
 
@@ -211,7 +212,7 @@ def fits_table(rows: list[tuple[str, str, Plan]], token_budget: float = 1e9) -> 
 
 
 REFERENCE_HOSTFILES = ("8node", "4node4gpu")
-"""The clusters users name, as hostfiles/ describes them: the rows of the README's "what fits where" table."""
+"""The clusters users name, as hostfiles/ describes them: the rows of docs/planning.md's "what fits where" table."""
 
 
 def reference_fits_table(
@@ -222,7 +223,7 @@ def reference_fits_table(
     mfu: float | None,
     budget: float,
 ) -> str:
-    """`plan --fits-table`: the README's table of presets 1b-70b on each reference hostfile."""
+    """`plan --fits-table`: docs/planning.md's table of presets 1b-70b on each reference hostfile."""
 
     hostfiles = Path(pipeline.__file__).resolve().parents[1] / "hostfiles"
     rows = []

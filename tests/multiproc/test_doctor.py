@@ -104,11 +104,13 @@ def test_two_hosts_bandwidth_interface_and_version_mismatch(hosts: dict) -> None
 def test_an_unreachable_host_fails_within_the_timeout_and_the_others_report(hosts: dict) -> None:
     hostfile = hosts["work"] / "three"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\nnode2 slots=1\nnode3 slots=1\n")
-    out, took = doctor(hosts, hostfile, "--timeout", "10")
+    # 30 s a step: the hosts that answer import torch and DeepSpeed for their checks, which on a machine busy
+    # with a second job takes well over the 10 s it takes here idle; the host that hangs costs one timeout
+    out, took = doctor(hosts, hostfile, "--timeout", "30")
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert any(line.startswith("node2") and "FAIL" in line and "not reachable" in line for line in lines), out.stdout
     assert any(line.startswith("node3") and "FAIL" in line and "Could not resolve" in line for line in lines)
     assert any(line.startswith("node0") and "/dev/shm" in line for line in lines), out.stdout
     assert any(line.startswith("node1") and "versions" in line for line in lines), out.stdout
-    assert took < 10 * 3 + 60, f"took {took:.0f} s"
+    assert took < 30 * 3 + 60, f"took {took:.0f} s"

@@ -178,9 +178,9 @@ def test_plan_takes_a_hugging_face_config() -> None:
 
 
 def test_readme_recipe_plan_is_what_the_planner_prints() -> None:
-    """The lines the README quotes for "continue Qwen2.5-7B" come from step 1 of its recipe, and the recipe's config
-    fits the seed cluster as the README says."""
-    readme = (ROOT / "README.md").read_text()
+    """The lines docs/continued-pretraining.md quotes for "continue Qwen2.5-7B" come from step 1 of its recipe, and the
+    recipe's config fits the seed cluster as that page says."""
+    readme = (ROOT / "docs" / "continued-pretraining.md").read_text()
     quoted = readme.split("<!-- qwen-plan -->")[1].strip().strip("`").strip().splitlines()
     res = CliRunner().invoke(
         main,

@@ -125,6 +125,7 @@ def test_a_damaged_probe_is_refused_naming_the_file(tmp_path: Path, text: str, e
         cluster_from_flags(hf, 1, 1, NO_FLAGS | {"probe": str(tmp_path / "missing.json")})
 
 
+@pytest.mark.slow  # loads DeepSpeed's CPU Adam op: minutes of compiling where it is not built yet
 def test_pipeline_probe_measures_this_node_and_the_plan_uses_it(tmp_path: Path) -> None:
     """The real probe (DeepSpeed's CPU Adam op, a host copy) at --quick sizes, then a plan with its hostfile."""
     hf = hostfile(tmp_path)

@@ -1,4 +1,5 @@
-"""pipeline.plan.report: what a plan prints (the assumed MFU, NVMe's resume limit) and the README's fits table."""
+"""pipeline.plan.report: what a plan prints (the assumed MFU, NVMe's resume limit) and the fits table of
+docs/planning.md."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_an_nvme_plan_says_it_cannot_resume() -> None:
 
 def test_the_readme_fits_table_is_what_the_planner_says() -> None:
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "planning.md").read_text()
     block = readme.split("<!-- fits-table -->")[1].strip()
     r = CliRunner().invoke(main, ["plan", "--fits-table"])
     assert r.exit_code == 0 and block == r.output.strip(), "regenerate with `pipeline plan --fits-table`"

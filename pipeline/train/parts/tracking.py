@@ -104,7 +104,7 @@ class _Mlflow:
         import mlflow
 
         if urlparse(str(cfg.log.mlflow_tracking_uri)).scheme in ("", "file"):
-            # MLflow 3 refuses a folder store unless told; the README offers one: the user asked for it
+            # MLflow 3 refuses a folder store unless told; docs/pretrain.md offers one: the user asked for it
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
         mlflow.set_tracking_uri(str(cfg.log.mlflow_tracking_uri))
