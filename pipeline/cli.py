@@ -193,9 +193,10 @@ def evaluate(launched: bool, **options: Any) -> None:
     rank per GPU and the model is split across them with ZeRO-3 (70B on the training cluster); the results file
     is the same."""
     from pipeline.evaluate import run as stage
+    from pipeline.evaluate.inputs import EvalConfig
 
     where = _where(options)
-    cfg = stage.EvalConfig(**options)
+    cfg = EvalConfig(**options)
     if launched:  # this process is one rank of the launch below
         from pipeline.evaluate.distributed import evaluate_on_rank
         from pipeline.train.runtime.dist import exit_now
@@ -217,9 +218,9 @@ def evaluate(launched: bool, **options: Any) -> None:
 @opt("--max-shard-size", default="2GB", help="Largest safetensors file.", callback=size)
 def export(checkpoint: str, output: str, dtype: str, max_shard_size: int) -> None:
     """Export a checkpoint to a Hugging Face model folder (safetensors, config, tokenizer)."""
-    from pipeline.evaluate import run as stage
+    from pipeline.evaluate.export import export as export_checkpoint
 
-    out = stage.export(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_size)
+    out = export_checkpoint(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_size)
     click.echo(
         f"exported {checkpoint} to {out} ({dtype}); load it with "
         f"AutoModelForCausalLM.from_pretrained('{out}') and AutoTokenizer.from_pretrained('{out}')"
@@ -353,11 +354,11 @@ def plan(**options: Any) -> None:
     margin; time as a point and a low-high range beside the physical ceiling. A hostfile's `# cluster:` line
     (see hostfiles/) gives the nodes' GPU, RAM, cores, memory bandwidth, disk and network; flags override it."""
     from pipeline.plan.command import PlanRequest
-    from pipeline.train import forecast
+    from pipeline.train.forecast_report import plan as plan_command
 
     ctx = click.get_current_context()
     given = {k for k in ctx.params if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
-    if code := forecast.plan(PlanRequest.from_options(options, given), click.echo):
+    if code := plan_command(PlanRequest.from_options(options, given), click.echo):
         sys.exit(code)
 
 

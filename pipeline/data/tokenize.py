@@ -14,9 +14,8 @@ import multiprocessing as mp
 import os
 import random
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,29 +23,16 @@ import numpy as np
 
 from pipeline.atomic import OneWriter, file_in_the_way, held_by, sha256_file, tmp_path_for, write_json, writing_to
 from pipeline.data.config import TokenizeConfig
+from pipeline.data.encode import ErrorSink, FileStats, chunks, encode_all, refuse_lost_input, worker_init
 from pipeline.data.indexed import IndexedWriter, token_dtype
 from pipeline.data.manifest import manifest_header
-from pipeline.data.pieces import Cutter, safe_rules
+from pipeline.data.pieces import safe_rules
 from pipeline.data.readers import Source, read_records, resolve_inputs
 from pipeline.data.tokenizer import Tokenizer, tokenizer_sha256, train_sentencepiece, vocabulary_notes
 from pipeline.errors import PipelineError
 from pipeline.progress import Progress
 
 log = logging.getLogger(__name__)
-CHUNK_BYTES = 1 << 20
-CHUNK_DOCS = 4096
-MAX_LISTED_ERRORS = 10
-
-
-@dataclass
-class FileStats:
-    path: str
-    kind: str
-    documents: int = 0
-    tokens: int = 0
-    skipped: Counter = field(default_factory=Counter)
-    first_error: str = ""
-    """`line: message` of the file's first skipped record."""
 
 
 @dataclass
@@ -72,102 +58,6 @@ class TokenizeResult:
                 )
         lines += [f"note: {n}" for n in self.manifest.get("notes", [])]
         return "\n".join(lines)
-
-
-class _ErrorSink:
-    """Counts bad records by reason, keeps the first few as `file:line: message`, or raises when on_error=fail."""
-
-    def __init__(self, on_error: str):
-        self.on_error = on_error
-        self.listed: list[str] = []
-        self.by_reason: Counter = Counter()
-
-    def add(self, stats: FileStats, line: int, message: str, reason: str) -> None:
-        where = f"{stats.path}:{line}: {message}"
-        if self.on_error == "fail":
-            raise PipelineError(where + " (use --on-error skip to count and skip such records)")
-        stats.skipped[reason] += 1
-        stats.first_error = stats.first_error or f"line {line}: {message}"
-        self.by_reason[reason] += 1
-        if len(self.listed) < MAX_LISTED_ERRORS:
-            self.listed.append(where)
-
-
-def _chunks(
-    sources: list[Source],
-    cfg: TokenizeConfig,
-    stats: list[FileStats],
-    sink: _ErrorSink,
-    rules: tuple[str, ...],
-    cut_stats: Counter,
-) -> Iterator[tuple[int, list[tuple[str, bool]], int]]:
-    """(source index, [(text, ends its document)], raw bytes) chunks, in input order. A document longer than a
-    piece is cut into pieces (pipeline.data.pieces), so no chunk holds much more than CHUNK_BYTES of text."""
-    for i, src in enumerate(sources):
-        items: list[tuple[str, bool]] = []
-        size = 0
-        nbytes = 0
-        cutter = Cutter(rules, cfg.piece_chars)
-        in_pieces = False
-        for rec in read_records(src, cfg.text_key, cfg.max_record_bytes):
-            nbytes += rec.nbytes
-            if rec.text is None:
-                sink.add(stats[i], rec.line, rec.error or "bad record", rec.reason or "other")
-                continue
-            pieces = cutter.feed(rec.text)
-            in_pieces = in_pieces or bool(pieces)  # a document read in blocks may be cut in any of them
-            if rec.last:
-                rest = cutter.end()
-                cut_stats["unchecked_cuts"] += cutter.unchecked
-                cutter.unchecked = 0
-                pieces.append(rest)
-                if in_pieces:
-                    cut_stats["documents_in_pieces"] += 1
-                in_pieces = False
-            for k, piece in enumerate(pieces):
-                items.append((piece, rec.last and k == len(pieces) - 1))
-                size += len(piece)
-                if size >= CHUNK_BYTES or len(items) >= CHUNK_DOCS:
-                    yield i, items, nbytes
-                    items, size, nbytes = [], 0, 0
-        if items or nbytes:
-            yield i, items, nbytes
-
-
-# Worker side: the tokenizer is loaded once per process.
-_WORKER_TOKENIZER: Tokenizer | None = None
-
-
-def _worker_init(path: str) -> None:
-    global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = Tokenizer(path)
-
-
-def encode_chunk(
-    tok: Tokenizer, items: list[tuple[str, bool]], eos_id: int | None, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pure: [(text, ends its document)] -> (token count per item, ends-a-document flags, concatenated ids), each
-    document's last piece followed by `eos_id` when given."""
-    arrays = tok.encode_batch([t for t, _ in items])
-    lasts = np.fromiter((last for _, last in items), dtype=bool, count=len(items))
-    if eos_id is not None:
-        eos = np.array([eos_id], dtype=dtype)
-        parts = [p for a, last in zip(arrays, lasts, strict=True) for p in ((a, eos) if last else (a,))]
-        lengths = np.fromiter(
-            (len(a) + int(last) for a, last in zip(arrays, lasts, strict=True)), dtype=np.int64, count=len(arrays)
-        )
-    else:
-        parts = list(arrays)
-        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-    flat = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
-    return lengths, lasts, flat
-
-
-def _worker_encode(
-    items: list[tuple[str, bool]], eos_id: int | None, dtype: str
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    assert _WORKER_TOKENIZER is not None
-    return encode_chunk(_WORKER_TOKENIZER, items, eos_id, np.dtype(dtype))
 
 
 def _sample_documents(sources: list[Source], cfg: TokenizeConfig) -> list[str]:
@@ -241,7 +131,7 @@ def _manifest(
     cfg: TokenizeConfig,
     sources: list[Source],
     stats: list[FileStats],
-    sink: _ErrorSink,
+    sink: ErrorSink,
     writer: IndexedWriter,
     tok: Tokenizer,
     tok_path: Path,
@@ -297,50 +187,6 @@ def _manifest(
     return manifest
 
 
-def _encode_all(
-    chunks: Iterator[tuple[int, list[tuple[str, bool]], int]],
-    tok: Tokenizer,
-    eos_id: int | None,
-    dtype: np.dtype,
-    pool: Any,
-    workers: int,
-    consume: Callable[..., None],
-) -> None:
-    """Each chunk encoded, here or by the `workers` of `pool` (at most two chunks per worker in flight, in input
-    order), and handed to `consume(source index, bytes read, lengths, lasts, tokens)`."""
-    if pool is None:
-        for i, items, nbytes in chunks:
-            consume(i, nbytes, *encode_chunk(tok, items, eos_id, dtype))
-        return
-    pending: deque = deque()
-    for i, items, nbytes in chunks:
-        pending.append((i, nbytes, pool.apply_async(_worker_encode, (items, eos_id, dtype.str))))
-        while len(pending) > 2 * workers:
-            j, nb, res = pending.popleft()
-            consume(j, nb, *res.get())
-    while pending:
-        j, nb, res = pending.popleft()
-        consume(j, nb, *res.get())
-
-
-def _refuse_lost_input(documents: int, stats: list[FileStats], sink: _ErrorSink) -> None:
-    """Nothing is written when no document was kept, or when every record of a file was skipped: a file of records
-    lost whole is a mistake (a wrong --text-key, another format), not noise."""
-    first = f"; first: {sink.listed[0]}" if sink.listed else ""
-    if documents == 0:
-        raise PipelineError(
-            "no valid documents in the input; nothing written "
-            f"({', '.join(f'{k} {v}' for k, v in sink.by_reason.items()) or 'inputs are empty'}){first}"
-        )
-    for st in stats:
-        if st.documents == 0 and st.skipped and st.kind != "txt":  # (a .txt file is one document)
-            reasons = ", ".join(f"{k} {v}" for k, v in sorted(st.skipped.items()))
-            raise PipelineError(
-                f"{st.path}: every record was skipped ({reasons}; first: {st.first_error}); nothing written. "
-                "Fix the file or leave it out"
-            )
-
-
 def run(cfg: TokenizeConfig) -> TokenizeResult:
     """The stage, as the one live writer of its prefix; a write that the disk refuses names the output's folder
     (pipeline.atomic.writing_to)."""
@@ -369,7 +215,7 @@ def _run(cfg: TokenizeConfig) -> TokenizeResult:
     eos_id = tok.eos_id if cfg.append_eos else None
 
     stats = [FileStats(str(s.path), s.kind) for s in sources]
-    sink = _ErrorSink(cfg.on_error)
+    sink = ErrorSink(cfg.on_error)
     progress = Progress(sum(_input_size(s) for s in sources), "tokenize", cfg.progress)
     bin_tmp = tmp_path_for(prefix.with_name(prefix.name + ".bin"))
     idx_tmp = tmp_path_for(prefix.with_name(prefix.name + ".idx"))
@@ -386,12 +232,10 @@ def _run(cfg: TokenizeConfig) -> TokenizeResult:
     pool = None
     try:
         if cfg.workers > 1:
-            pool = mp.get_context("spawn").Pool(cfg.workers, initializer=_worker_init, initargs=(str(tok_path),))
-        _encode_all(
-            _chunks(sources, cfg, stats, sink, rules, cut_stats), tok, eos_id, dtype, pool, cfg.workers, consume
-        )
+            pool = mp.get_context("spawn").Pool(cfg.workers, initializer=worker_init, initargs=(str(tok_path),))
+        encode_all(chunks(sources, cfg, stats, sink, rules, cut_stats), tok, eos_id, dtype, pool, cfg.workers, consume)
         writer.finish(idx_tmp)
-        _refuse_lost_input(writer.documents, stats, sink)
+        refuse_lost_input(writer.documents, stats, sink)
         manifest_path = prefix.with_name(prefix.name + ".manifest.json")
         manifest_path.unlink(missing_ok=True)  # an old manifest must not vouch for half-replaced files
         os.replace(bin_tmp, prefix.with_name(prefix.name + ".bin"))

@@ -10,7 +10,8 @@ from dataclasses import replace
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.evaluate.run import EvalConfig, Inputs, generate, open_inputs, perplexity, write_result
+from pipeline.evaluate.inputs import EvalConfig, Inputs, open_inputs
+from pipeline.evaluate.run import generate, perplexity, write_result
 from pipeline.model import loss_chunk_tokens
 from pipeline.plan.memory import evaluation_batch
 from pipeline.train.checkpoint.consolidate import consolidated_state, materialize

@@ -15,10 +15,13 @@ from typing import Any
 import torch
 
 from pipeline.atomic import file_in_the_way, replacing_dir
+from pipeline.data.loader import ShardedDataset
 from pipeline.data.manifest import model_token_ids
 from pipeline.errors import PipelineError
+from pipeline.evaluate.inputs import open_run
 from pipeline.model import ModelShape, causal_lm_class, model_config
 from pipeline.model.families import TOKENIZER_FILES
+from pipeline.train.checkpoint.consolidate import consolidated_tensors
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -150,3 +153,25 @@ def _flush(shard: dict[str, torch.Tensor], work: Path, k: int, save_file: Any, w
     for key in shard:
         weight_map[key] = name
     return name
+
+
+def export(checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: int = 2 * 10**9) -> Path:
+    """RUN_DIR[/TAG] -> a Hugging Face folder that AutoModelForCausalLM / AutoTokenizer load offline."""
+    check_export_target(Path(output))
+    r = open_run(checkpoint)
+    data = Path(r.config["data"]["path"])
+    tok_path: Path | None = None
+    tok_ids = model_token_ids(None)
+    if (data / "manifest.json").exists():
+        dataset = ShardedDataset(data, "train")
+        tok_path = dataset.tokenizer_path
+        tok_ids = model_token_ids(dataset.manifest["tokenizer"])
+    return write_hf_model(
+        consolidated_tensors(r.run_dir, r.tag, r.shape.tied_names()),
+        r.shape,
+        tok_path,
+        Path(output),
+        dtype=dtype,
+        tok_ids=tok_ids,
+        max_shard_bytes=max_shard_bytes,
+    )

@@ -12,7 +12,8 @@ import subprocess
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.evaluate.run import Run, export, open_run
+from pipeline.evaluate.export import export
+from pipeline.evaluate.inputs import Run, open_run
 
 LOCAL_TASKS = Path(__file__).resolve().parents[2] / "configs" / "lm_eval"
 STAMP = "pipeline_export.json"

@@ -21,7 +21,7 @@ from pipeline.plan.hostfile import hostfile_hosts
 from pipeline.train.runtime.ops import use_project_cache
 
 if TYPE_CHECKING:  # the heavy modules are imported where they are used: `pipeline --help` stays fast
-    from pipeline.evaluate.run import EvalConfig
+    from pipeline.evaluate.inputs import EvalConfig
     from pipeline.train.setup.config import PretrainConfig
 
 
@@ -100,9 +100,10 @@ def evaluate(cfg: EvalConfig, where: Where) -> dict[str, Any]:
     """`pipeline evaluate --num-gpus N | --hostfile H`: the inputs checked here, then one rank per GPU under the
     launcher (ZeRO-3, pipeline.evaluate.distributed); rank 0 writes the results file, read back here."""
     from pipeline.evaluate import run as stage
+    from pipeline.evaluate.inputs import open_inputs
 
     where.check_local_gpus()
-    inputs = stage.open_inputs(cfg)  # bad input fails here, in a second, before any rank starts
+    inputs = open_inputs(cfg)  # bad input fails here, in a second, before any rank starts
     target = stage.result_path(cfg, inputs.run)
     before = target.stat().st_mtime_ns if target.exists() else None
     args = ["--checkpoint", cfg.checkpoint, "--split", cfg.split, "--batch-size", str(cfg.batch_size)]

@@ -20,7 +20,7 @@ def _save_then_load_partitioned(rank: int, world: int, config: str) -> Any:
     from pipeline.atomic import write_text
     from pipeline.data.loader import ShardedDataset
     from pipeline.evaluate.distributed import load_partitioned, zero3_inference_config
-    from pipeline.evaluate.run import EvalConfig, open_inputs
+    from pipeline.evaluate.inputs import EvalConfig, open_inputs
     from pipeline.train.checkpoint.checkpointer import Checkpointer
     from pipeline.train.engine import build_engine
     from pipeline.train.runtime.dist import Dist
@@ -51,7 +51,7 @@ def test_partitioned_loading_gives_the_one_process_logits(shards: Path, tmp_path
     import torch
 
     from pipeline.data.loader import ShardedDataset
-    from pipeline.evaluate.run import load_model, open_run
+    from pipeline.evaluate.inputs import load_model, open_run
 
     run_dir = tmp_path / "run"
     cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero3.json")

@@ -16,8 +16,9 @@ from click.testing import CliRunner
 from pipeline.cli import main
 from pipeline.data.loader import ShardedDataset
 from pipeline.data.tokenizer import Tokenizer
-from pipeline.evaluate.run import EvalConfig, open_run, perplexity
-from pipeline.evaluate.run import export as export_checkpoint
+from pipeline.evaluate.export import export as export_checkpoint
+from pipeline.evaluate.inputs import EvalConfig, open_run
+from pipeline.evaluate.run import perplexity
 from pipeline.evaluate.run import run as evaluate_run
 from tests.multiproc import launch
 

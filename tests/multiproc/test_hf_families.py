@@ -20,7 +20,8 @@ from pipeline.data import shard as shard_stage
 from pipeline.data import tokenize as tokenizing
 from pipeline.data.config import ShardConfig, TokenizeConfig
 from pipeline.data.loader import ShardedDataset, collate_samples, rank_batches
-from pipeline.evaluate.run import EvalConfig, export, load_model, open_run
+from pipeline.evaluate.export import export
+from pipeline.evaluate.inputs import EvalConfig, load_model, open_run
 from pipeline.evaluate.run import run as evaluate_run
 from pipeline.train.checkpoint import files as ckpt
 from pipeline.train.step import lm_loss

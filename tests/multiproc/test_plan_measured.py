@@ -66,7 +66,7 @@ def test_from_run_puts_the_plan_beside_what_the_run_measured(zero_runs: dict[int
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_checkpoint_bytes_match_what_deepspeed_writes(zero_runs: dict[int, Path], stage: int) -> None:
-    from pipeline.evaluate.run import open_run
+    from pipeline.evaluate.inputs import open_run
     from pipeline.plan.memory import checkpoint_bytes
 
     run = open_run(zero_runs[stage])

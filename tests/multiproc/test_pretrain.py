@@ -301,7 +301,7 @@ def test_bf16_runs_accumulate_gradients_in_fp32_train_resume_and_evaluate(
     checkpoint with the uninterrupted losses, and evaluates."""
     import shutil
 
-    from pipeline.evaluate.run import EvalConfig
+    from pipeline.evaluate.inputs import EvalConfig
     from pipeline.evaluate.run import run as evaluate_run
 
     run_dir = tmp_path / "run"

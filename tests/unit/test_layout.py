@@ -94,7 +94,7 @@ def test_train_components_point_down() -> None:
     )
     # every module is in a component or named on top: a new file is placed on purpose
     top = sorted(p.stem for p in (PKG / "train").glob("*.py") if p.stem != "__init__")
-    assert top == ["engine", "faults", "forecast", "loop", "main", "preflight", "state", "step"]
+    assert top == ["engine", "faults", "forecast", "forecast_report", "loop", "main", "preflight", "state", "step"]
     assert sorted(p.name for p in (PKG / "train").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
         TRAIN_FLOORS
     )

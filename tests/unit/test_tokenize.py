@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.data import tokenize as tokenizing
+from pipeline.data import encode
 from pipeline.data.indexed import IndexedReader
 from tests.conftest import CORPUS, tokenize_with, tokenizer_model
 
@@ -128,7 +128,7 @@ def test_missing_output_folder_is_created(tmp_path: Path, tokenized: Path) -> No
 
 def test_interrupted_run_leaves_no_outputs(tmp_path: Path, tokenized: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"n": 0}
-    real = tokenizing.encode_chunk
+    real = encode.encode_chunk
 
     def interrupt_second_chunk(*a, **kw):
         calls["n"] += 1
@@ -136,7 +136,7 @@ def test_interrupted_run_leaves_no_outputs(tmp_path: Path, tokenized: Path, monk
             raise KeyboardInterrupt
         return real(*a, **kw)
 
-    monkeypatch.setattr(tokenizing, "encode_chunk", interrupt_second_chunk)
+    monkeypatch.setattr(encode, "encode_chunk", interrupt_second_chunk)
     big = tmp_path / "big.jsonl"
     big.write_text(CORPUS.read_text() * 8)
     with pytest.raises(KeyboardInterrupt):

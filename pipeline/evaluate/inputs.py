@@ -1,0 +1,205 @@
+"""What an evaluation reads and checks before it computes anything, the same in one process and on each rank of a
+distributed one: its arguments, the run and checkpoint (`open_run`), the held-out shards (of the run's tokenizer
+and seq_len, a split with samples), the prompts, the device and whether the model fits it; and the model loaded
+from the checkpoint (`load_model`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import yaml
+
+from pipeline.data.loader import ShardedDataset
+from pipeline.data.manifest import TokenizerInfo, model_token_ids, read_shard_manifest
+from pipeline.data.tokenizer import Tokenizer, check_tokenizer
+from pipeline.errors import PipelineError
+from pipeline.model import ModelShape, build_model
+from pipeline.train.checkpoint import files as ckpt
+from pipeline.train.checkpoint.consolidate import consolidated_state, materialize
+from pipeline.train.runtime.dist import unusable_gpu
+from pipeline.train.runtime.weights import parameter_shapes, weight_mismatch
+
+PROMPTS_FROM_DATA = 4
+"""Prompts taken from the evaluated split when --prompts is not given."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalConfig:
+    checkpoint: str
+    """RUN_DIR (latest complete tag) or RUN_DIR/TAG."""
+    data: str | None = None
+    """Shard folder; default: the run's own data.path."""
+    split: str = "val"
+    max_batches: int | None = None
+    batch_size: int = 8
+    prompts: str | None = None
+    """A text file, one prompt per line."""
+    output: str | None = None
+    """JSON results; default RUN_DIR/eval/TAG-SPLIT.json."""
+    max_new_tokens: int = 48
+    seed: int = 1234
+    device: str = "auto"
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    tag: str
+    config: dict[str, Any]
+    marker: ckpt.Marker
+    shape: ModelShape
+
+
+def open_run(checkpoint: str | Path) -> Run:
+    run_dir, tag = ckpt.resolve_checkpoint(checkpoint)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.exists():
+        raise PipelineError(f"{run_dir}: no config.yaml; not a run folder of `pipeline pretrain`")
+    marker = ckpt.read_marker(run_dir, tag)
+    return Run(run_dir, tag, yaml.safe_load(cfg_path.read_text()), marker, ModelShape(**marker["model_shape"]))
+
+
+def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.Module:
+    """The checkpoint's weights in the model's own class (the family's for a continued Hugging Face model), filled
+    tensor by tensor: bf16 on a GPU (half the memory of fp32; the loss is still summed in fp32), fp32 on the CPU."""
+    model = build_model(run.shape, skip_init=True, **model_token_ids(tok))
+    if device.type == "cuda":
+        model.to(torch.bfloat16)  # before filling: host RAM holds one bf16 copy, not an fp32 one
+    state = consolidated_state(run.run_dir, run.tag, run.shape.tied_names())
+    given = {name: tuple(value.shape) for name, value in state.items()}
+    if problem := weight_mismatch(parameter_shapes(model), given, f"{run.run_dir}/{run.tag}"):
+        raise PipelineError(problem)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(materialize(value))
+    return model.to(device).eval()  # type: ignore[arg-type]
+
+
+def device_for(name: str) -> torch.device:
+    if name == "auto":
+        if problem := unusable_gpu():  # evaluating on the CPU by accident: say why; --device cpu means it
+            raise PipelineError(problem.replace("set DS_ACCELERATOR=cpu", "pass --device cpu"))
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise PipelineError(f"--device {name}: expected cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PipelineError(f"--device {name}: torch sees no CUDA device here; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise PipelineError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def _check_arguments(cfg: EvalConfig) -> list[str]:
+    """The evaluation's own arguments, checked before a checkpoint is read. No --prompts: [] (the evaluated split's
+    own text gives them, `prompts_from`)."""
+    prompts: list[str] = []
+    if cfg.prompts:
+        p = Path(cfg.prompts)
+        if not p.is_file():
+            raise PipelineError(f"--prompts {p}: no such file (one prompt per line, \\n for a newline)")
+        prompts = [line.replace("\\n", "\n") for line in p.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise PipelineError(f"--prompts {p}: the file holds no prompt")
+    if cfg.output and Path(cfg.output).is_dir():
+        raise PipelineError(f"--output {cfg.output}: is a folder; give a file name such as {cfg.output}/eval.json")
+    return prompts
+
+
+def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
+    path = Path(data or run.config["data"]["path"])
+    if not (path / "manifest.json").exists():
+        raise PipelineError(f"{path}: no shards there (the run's data folder moved?); pass --data DIR")
+    theirs = read_shard_manifest(path)
+    if data:
+        ours_path = Path(run.config["data"]["path"])
+        if (ours_path / "manifest.json").exists():
+            ours = read_shard_manifest(ours_path)
+            if ours["tokenizer"]["sha256"] != theirs["tokenizer"]["sha256"]:
+                raise PipelineError(
+                    f"--data {path}: tokenized with another tokenizer than the run's "
+                    f"({theirs['tokenizer']['path']} vs {ours['tokenizer']['path']})"
+                )
+    if "tokenizer_sha256" in run.marker and theirs["tokenizer"]["sha256"] != run.marker["tokenizer_sha256"]:
+        raise PipelineError(
+            f"--data {path}: tokenized with another tokenizer than the run "
+            f"({theirs['tokenizer']['path']}); evaluate on shards of the run's tokenizer"
+        )
+    if "seq_len" in run.marker and theirs["seq_len"] != run.marker["seq_len"]:
+        raise PipelineError(
+            f"--data {path}: seq_len {theirs['seq_len']} differs from the run's "
+            f"{run.marker['seq_len']}; shard the held-out data with --seq-len {run.marker['seq_len']}"
+        )
+    if run.shape.hf_config is not None:
+        check_tokenizer(run.shape, theirs["tokenizer"], f"--data {path}")
+    elif theirs["tokenizer"]["vocab_size"] != run.shape.vocab_size:
+        raise PipelineError(
+            f"--data {path}: vocabulary {theirs['tokenizer']['vocab_size']} differs from the "
+            f"model's {run.shape.vocab_size}; shards of another tokenizer"
+        )
+    samples = theirs["splits"].get(split, {}).get("samples", 0)
+    if not samples:
+        others = [
+            f"{k} ({v['samples']:,} samples)" for k, v in theirs["splits"].items() if v.get("samples") and k != split
+        ]
+        ratios = ",".join(f"{x:g}" for x in theirs.get("split_ratios", []))
+        raise PipelineError(
+            f"{path}: the {split} split has no samples (the shards were made with --split {ratios}), so there is "
+            f"nothing to evaluate and no score would mean anything; evaluate another split "
+            f"({', '.join(others) or 'none has samples'}: --split NAME), or re-shard with a share for it"
+        )
+    return ShardedDataset(path, split)
+
+
+class Inputs(NamedTuple):
+    """What an evaluation reads before it loads weights, checked the same way in one process and on each rank."""
+
+    prompts: list[str]
+    run: Run
+    dataset: ShardedDataset
+    tokenizer: Tokenizer
+
+
+def open_inputs(cfg: EvalConfig) -> Inputs:
+    prompts = _check_arguments(cfg)
+    r = open_run(cfg.checkpoint)
+    dataset = _dataset(r, cfg.data, cfg.split)
+    tok_path = dataset.tokenizer_path
+    if tok_path is None:
+        raise PipelineError(
+            f"{dataset.path}: the tokenizer {dataset.manifest['tokenizer']['path']} is gone; re-run shard"
+        )
+    tokenizer = Tokenizer(tok_path)
+    return Inputs(prompts or prompts_from(dataset, tokenizer), r, dataset, tokenizer)
+
+
+def prompts_from(
+    dataset: ShardedDataset, tokenizer: Tokenizer, n: int = PROMPTS_FROM_DATA, tokens: int = 12
+) -> list[str]:
+    """Prompts when none are given: the first `tokens` tokens of `n` samples spread over the evaluated split, so a
+    model trained on your text is prompted with your text (not the demo's Shakespeare)."""
+    count = len(dataset)
+    picks = sorted({i * count // n for i in range(n)}) if count else []
+    out = []
+    for i in picks:
+        ids = [int(t) for t in dataset[i][:tokens] if int(t) != tokenizer.eos_id]
+        if text := tokenizer.decode(ids).strip():
+            out.append(text)
+    return out or ["The"]
+
+
+def check_fits_device(shape: ModelShape, device: torch.device, free_bytes: int, total_bytes: int) -> None:
+    """One process holds the whole model in bf16 on a GPU (2 bytes per parameter) plus room for activations; a
+    checkpoint larger than that is evaluated across ranks with ZeRO-3 instead."""
+    need = shape.num_params() * 2 + 2 * 2**30
+    if device.type == "cuda" and need > free_bytes:
+        raise PipelineError(
+            f"the checkpoint's model needs {need / 2**30:.1f} GiB in bf16 (with 2 GiB for activations), {device} has "
+            f"{free_bytes / 2**30:.1f} of {total_bytes / 2**30:.1f} GiB free; evaluate across GPUs with ZeRO-3: "
+            "pipeline evaluate ... --num-gpus N (this node) or --hostfile HOSTFILE (the training cluster)"
+        )
