@@ -14,6 +14,7 @@ from pipeline.data.manifest import TokenizerInfo, model_token_ids
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model, kernels, pretraining_class, transformers_helper
 from pipeline.plan.cluster import offload_devices
+from pipeline.train.runtime import sequence
 from pipeline.train.runtime.dist import accelerator_name, on_rank0
 from pipeline.train.runtime.weights import init_weights, load_initial_weights
 from pipeline.train.setup.config import PretrainConfig
@@ -89,6 +90,9 @@ def choose_speed(
     priority, transformers' patched modules): call once on every rank, before the model is built."""
     stage = zero_stage(ds)
     compile_on, compile_note = kernels.choose_compile(cfg.train.compile, device.type, stage)
+    if compile_on and cfg.train.compile is None and cfg.train.sequence_parallel > 1:
+        # Ulysses' all-to-all inside each compiled layer has not been measured on a GPU here: eager until it is
+        compile_on, compile_note = False, "compile: off (auto with sequence parallelism; train.compile: true to try)"
     # Rank 0 times the backends and every rank takes its choice: timings within noise of each other would otherwise
     # give ranks different kernels.
     attention = on_rank0(
@@ -141,6 +145,9 @@ def build_engine(
     import deepspeed
 
     model = build_training_model(shape, ds, cfg, tok, rank, speed)
+    mpu = None
+    if (sp := cfg.train.sequence_parallel) > 1:
+        mpu = sequence.register(model, sp, ds["train_micro_batch_size_per_gpu"])
     groups = param_groups(model, cfg.optim.weight_decay)
     build = OPTIMIZERS[cfg.optim.name].build
     client_optimizer = build(groups, cfg.optim) if build else None
@@ -150,6 +157,7 @@ def build_engine(
         optimizer=client_optimizer,
         model_parameters=None if client_optimizer else groups,  # type: ignore[arg-type]
         config=ds,
+        mpu=mpu,
     )
     return engine
 

@@ -40,6 +40,7 @@ from pipeline.train.runtime.dist import (
     ranks_per_node,
     share_cpu_cores,
 )
+from pipeline.train.runtime.ds_workarounds import sequence_parallel_loss_factor
 from pipeline.train.setup.config import dump
 from pipeline.train.setup.prepare import Prepared, Run
 from pipeline.train.setup.runlock import LOCK_NAME, RunLock
@@ -170,7 +171,7 @@ class Trainer:
         self.checkpointer = Checkpointer(run, data_fingerprint=self.train_data.fingerprint, watchdog=self.watchdog)
         speed = choose_speed(cfg, run.ds, run.shape, run.plan.micro_batch_size, run.plan.seq_len, run.dist.device)
         if rank == 0:
-            for note in speed.notes():
+            for note in speed.notes() + ([run.plan.sequence_note] if run.plan.sequence_parallel > 1 else []):
                 log.info("%s", note)
         with announced_op_builds(run):
             self.engine, marker = self.checkpointer.resume(
@@ -244,8 +245,8 @@ class Trainer:
             self.train_data,
             seed=run.cfg.train.seed,
             micro_batch_size=run.plan.micro_batch_size,
-            data_parallel_size=run.dist.world_size,
-            rank=run.dist.rank,
+            data_parallel_size=run.plan.data_parallel_size,  # a sequence-parallel group reads as one replica
+            rank=run.replica,
             consumed_samples=self.state.consumed_samples,
             num_workers=run.cfg.data.num_workers,
         )
@@ -271,6 +272,8 @@ class Trainer:
             progress=self.watchdog.beat,
             timings=timings,
             around=offload,
+            sequence=run.sequence,
+            backward_scale=sequence_parallel_loss_factor(run.ds, run.plan.sequence_parallel),
         )
         if offload is not None and first and rank == 0:
             say_activation_offload(offload.stats, device)
@@ -290,13 +293,15 @@ class Trainer:
             )
 
     def _agree(self, step_loss: torch.Tensor, stop_requested: bool) -> tuple[float, bool]:
-        """The one host sync of a step: the mean loss over ranks, and whether any rank was asked to stop."""
+        """The one host sync of a step: the mean loss over the data-parallel replicas (a sequence-parallel group's
+        ranks each hold a share of their replica's loss, which the sum adds up), and whether any rank was asked to
+        stop."""
         import deepspeed.comm as dist
 
         device = self.run.dist.device
         flag = torch.stack([step_loss, torch.tensor(float(stop_requested), dtype=torch.float64, device=device)])
         dist.all_reduce(flag)
-        return flag[0].item() / self.run.dist.world_size, flag[1].item() > 0
+        return flag[0].item() / self.run.plan.data_parallel_size, flag[1].item() > 0
 
     def close(self) -> None:
         self.watchdog.stop()

@@ -69,7 +69,8 @@ def describe(prepared: Prepared) -> str:
         [
             dump(cfg),
             f"# batch: micro {plan.micro_batch_size} x data-parallel {plan.data_parallel_size} x grad-accum "
-            f"{plan.grad_accum} = {plan.global_batch_size} sequences of {plan.seq_len} tokens",
+            f"{plan.grad_accum} = {plan.global_batch_size} sequences of {plan.seq_len} tokens"
+            + (f"; {plan.sequence_note}" if plan.sequence_parallel > 1 else ""),
             f"# model: {shape.describe()}"
             if shape.hf_config
             else f"# model: {shape.num_params() / 1e6:.1f}M parameters {shape.as_dict()}",

@@ -21,8 +21,8 @@ ALLOWED = {
     "launch": {"data", "train", "evaluate", "plan", "doctor"},
 }
 # train/'s components, bottom first: each may import its own and those below it. The top (the loop and what only it
-# uses) may import all. The leaves (the run's position, the fault hooks, one step) are open to every component and
-# import only leaves.
+# uses) may import all. The leaves (the run's position, the fault hooks, one step) sit just above runtime/: open to
+# every component but runtime/, and importing only runtime/ and each other.
 TRAIN_FLOORS = ["runtime", "setup", "checkpoint", "parts"]
 TRAIN_LEAVES = {"state", "faults", "step"}
 
@@ -74,10 +74,10 @@ def test_imports_point_one_way() -> None:
 
 
 def _train_floor(module: str) -> float:
-    """A module of train/'s floor: its component's index, a leaf -1, the top (main, loop, engine, ...) the last."""
+    """A module of train/'s floor: its component's index, a leaf 0.5, the top (main, loop, engine, ...) the last."""
     parts = module.split(".")
     if parts[2] in TRAIN_LEAVES:
-        return -1
+        return 0.5
     return TRAIN_FLOORS.index(parts[2]) if parts[2] in TRAIN_FLOORS else len(TRAIN_FLOORS)
 
 

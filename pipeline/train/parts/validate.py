@@ -54,9 +54,10 @@ def validate(engine: Any, val_data: ShardedDataset, run: Run, progress: Callable
     device, plan = run.dist.device, run.plan
     engine.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    it = rank_batches(len(val_data), run.cfg.train.seed, plan.micro_batch_size, run.dist.world_size, run.dist.rank, 0)
+    # a sequence-parallel group reads one replica's batches and each of its ranks forwards its share of the tokens
+    it = rank_batches(len(val_data), run.cfg.train.seed, plan.micro_batch_size, plan.data_parallel_size, run.replica, 0)
     for _ in range(run.cfg.eval.batches):
-        _, loss_total, tokens = micro_step_loss(engine, collate_samples(val_data, next(it)), device)
+        _, loss_total, tokens, _ = micro_step_loss(engine, collate_samples(val_data, next(it)), device, run.sequence)
         totals[0] += loss_total
         totals[1] += tokens
         if progress is not None:

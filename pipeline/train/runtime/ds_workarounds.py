@@ -49,6 +49,43 @@ def replay_adam_beta_powers(optimizer: Any, device: torch.device) -> int:
     return steps
 
 
+def sequence_parallel_loss_factor(ds: dict[str, Any], sequence_parallel: int) -> float:
+    """What a rank's loss is multiplied by before its backward under sequence parallelism, so that every ZeRO stage
+    applies the update one rank holding the whole sequence would. ZeRO 0-2 divide the gradients they sum over all
+    ranks by world / sequence_parallel (the data-parallel replicas), which is right: a group's ranks each hold the
+    gradient of their share of the loss. ZeRO-3's reduce-scatter of gradients (DeepSpeed 0.19.8,
+    `DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`, its default path) divides by the whole world instead,
+    which makes every gradient sequence_parallel times too small: measured, the gradient norm of a 2-rank group was
+    exactly half of one rank's, and Adam's epsilon turned that into losses 4e-4 apart after 10 steps
+    (tests/multiproc/test_sequence_parallel.py). The loss is scaled here to compensate; its other path (reduce_scatter
+    off) divides correctly only for buckets that fit, so it is refused with sequence parallelism."""
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    return float(sequence_parallel) if sequence_parallel > 1 and stage == 3 else 1.0
+
+
+class SequenceGroups:
+    """DeepSpeed's sequence-parallel groups (`parallel_state_sp`) as `deepspeed.initialize(mpu=...)` takes them,
+    but saying that tensor parallelism is 1. `parallel_state_sp` calls its sequence-parallel group the
+    model-parallel one, which DeepSpeed 0.19.8 records in every checkpoint as tensor-parallel degree N
+    (`checkpoint_parallel_dimensions`) while it writes one model-state file (sequence-parallel ranks hold the same
+    weights, as data-parallel ones do); the universal conversion that resumes on another world size then refuses
+    the checkpoint ("model-state file count 1 does not match pp_degree=1 * tp_degree=2", measured). Everything
+    else is `parallel_state_sp`'s own, and DeepSpeed still recognises it (`initialize_sequence_parallel`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        import deepspeed.runtime.sequence_parallel.parallel_state_sp as groups
+
+        return getattr(groups, name)
+
+    @staticmethod
+    def get_tensor_model_parallel_world_size() -> int:
+        return 1
+
+    @staticmethod
+    def get_tensor_model_parallel_rank() -> int:
+        return 0
+
+
 def release_shm_names(rank: int) -> None:
     """DeepSpeed's CPU shared-memory all-reduce (all ranks on one machine) creates
     /dev/shm/deepspeed_allreduce_buffer_* and never unlinks it: about 66 MB of RAM per rank leaks with every run,

@@ -94,6 +94,11 @@ class TrainSection:
     choice on the CPU says what it used instead."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the training loss (the full fp32 logits are never built); null: 256 MiB of logits."""
+    sequence_parallel: int = 1
+    """Ranks that train one sample together (DeepSpeed's Ulysses sequence parallelism for Hugging Face models,
+    pipeline.train.runtime.sequence): each holds seq_len / N tokens of every layer's activations, and an
+    all-to-all before and after attention gives each rank all tokens of N-th of the heads. Data parallel is then
+    world / N; the token order, the batch and resuming are those of a world of world / N ranks. 1: off."""
     peak_tflops: float | None = None
     """The card's dense bf16 peak for MFU, for a GPU the table does not know (null: from the table by name)."""
     comm_timeout_minutes: float = 30.0
@@ -315,6 +320,8 @@ def check(cfg: PretrainConfig) -> list[str]:
             p.append(f"train.{name} {value}: expected 1 or more")
     if (t.max_steps is None) == (t.max_tokens is None):
         p.append("train: give exactly one of max_steps or max_tokens")
+    if t.sequence_parallel < 1:
+        p.append(f"train.sequence_parallel {t.sequence_parallel}: expected 1 (off) or the ranks sharing a sample")
     if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
         p.append(f"train.loss_chunk_tokens {t.loss_chunk_tokens}: expected 1 or more (or null)")
     if t.peak_tflops is not None and t.peak_tflops <= 0:

@@ -18,17 +18,48 @@ from pipeline.train.setup.optimizers import OPTIMIZERS
 class BatchPlan:
     micro_batch_size: int
     data_parallel_size: int
+    """Replicas that each train their own samples: the world size over `sequence_parallel`."""
     grad_accum: int
     global_batch_size: int
     seq_len: int
+    sequence_parallel: int = 1
+    """Ranks that train one sample together, each on seq_len / sequence_parallel of its tokens."""
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
 
+    @property
+    def sequence_note(self) -> str:
+        """What sequence parallelism makes of the batch, as the run's log and the dry run say it."""
+        n = self.sequence_parallel
+        return (
+            f"sequence parallel {n}: {n} ranks share each sample, {self.seq_len // n} of its {self.seq_len} tokens "
+            f"each; {self.data_parallel_size} data-parallel replica(s)"
+        )
+
 
 def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
+    """The batch arithmetic for `world_size` ranks, of which each `train.sequence_parallel` share one sample: the
+    data-parallel size is world / N, and the global batch must split into micro-batches over it."""
     b = cfg.batch
+    sp = cfg.train.sequence_parallel
+    if world_size % sp:
+        fits = [n for n in range(sp, 0, -1) if world_size % n == 0][0]
+        raise ConfigError(
+            [
+                f"train.sequence_parallel {sp} does not divide the {world_size} ranks: a group of {sp} ranks trains "
+                f"one sample; use --set train.sequence_parallel={fits}, or a world of a multiple of {sp} ranks"
+            ]
+        )
+    if seq_len % sp:
+        raise ConfigError(
+            [
+                f"train.sequence_parallel {sp} does not divide seq_len {seq_len}: each rank of a group holds "
+                f"seq_len / {sp} tokens; shard with a --seq-len that is a multiple of {sp}"
+            ]
+        )
+    replicas = world_size // sp
     if b.global_batch_tokens is not None:
         if b.global_batch_tokens % seq_len:
             raise ConfigError(
@@ -41,24 +72,24 @@ def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
     else:
         assert b.global_batch_size is not None
         global_batch = b.global_batch_size
-    per_step = b.micro_batch_size * world_size
+    per_step = b.micro_batch_size * replicas
     if global_batch % per_step:
         lo, hi = (global_batch // per_step) * per_step, math.ceil(global_batch / per_step) * per_step
-        micros = [m for m in range(1, 65) if global_batch % (m * world_size) == 0]
+        micros = [m for m in range(1, 65) if global_batch % (m * replicas) == 0]
         micro_hint = (
             f"batch.micro_batch_size {' or '.join(map(str, micros[-3:]))} keeps it"
             if micros
-            else f"no micro_batch_size divides it on {world_size} ranks"
+            else f"no micro_batch_size divides it on {replicas} {'ranks' if sp == 1 else 'data-parallel replicas'}"
         )
         raise ConfigError(
             [
                 f"batch: global batch {global_batch} sequences is not divisible by micro_batch_size "
-                f"{b.micro_batch_size} x {world_size} data-parallel ranks = {per_step}; {micro_hint}; "
+                f"{b.micro_batch_size} x {replicas} data-parallel ranks = {per_step}; {micro_hint}; "
                 f"or --set batch.global_batch_size={f'{lo} or {hi}' if lo else hi} (a resumed run then "
                 "trains with another batch than it started with)"
             ]
         )
-    return BatchPlan(b.micro_batch_size, world_size, global_batch // per_step, global_batch, seq_len)
+    return BatchPlan(b.micro_batch_size, replicas, global_batch // per_step, global_batch, seq_len, sp)
 
 
 SUPPORTED_MATRIX = """supported combinations:
@@ -120,6 +151,11 @@ def _fill_batch_and_precision(ds: dict[str, Any], cfg: PretrainConfig, plan: Bat
         ("gradient_clipping", cfg.optim.grad_clip),
     ):
         ds[key] = _filled(ds.get(key, "auto"), ours, key, p)
+    if plan.sequence_parallel > 1 or "sequence_parallel_size" in ds:
+        # DeepSpeed's own batch check counts world / this as its data-parallel size, also in zero.Init (ZeRO-3),
+        # which is given no process groups
+        key = "sequence_parallel_size"
+        ds[key] = _filled(ds.get(key, "auto"), plan.sequence_parallel, key, p)
     for key in ("bf16", "fp16"):
         sec = dict(ds.get(key, {}))
         sec["enabled"] = _filled(sec.get("enabled", "auto"), cfg.train.precision == key, f"{key}.enabled", p)
@@ -174,6 +210,12 @@ def unsupported(ds: dict[str, Any], cfg: PretrainConfig, accelerator: str) -> li
         p.append("pipeline parallelism is not supported by this pipeline")
     if "scheduler" in ds:
         p.append("scheduler: remove it; the learning rate comes from optim.* (warmup + cosine)")
+    if train.sequence_parallel > 1 and stage == 3 and (ds["zero_optimization"].get("reduce_scatter") is False):
+        p.append(
+            "zero_optimization.reduce_scatter false with train.sequence_parallel and ZeRO-3: DeepSpeed then averages "
+            "some gradient buckets over the data-parallel replicas and others over every rank; remove the key "
+            "(pipeline.train.runtime.ds_workarounds.sequence_parallel_loss_factor)"
+        )
     return p
 
 

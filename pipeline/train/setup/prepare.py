@@ -12,11 +12,13 @@ import torch
 
 from pipeline.data.manifest import ShardManifest, read_shard_manifest
 from pipeline.data.tokenizer import check_tokenizer
-from pipeline.errors import PipelineError
+from pipeline.errors import ConfigError, PipelineError
 from pipeline.model import ModelShape
 from pipeline.model.families import model_shape
 from pipeline.plan.gpus import GPU, capped, lookup
 from pipeline.train.runtime.dist import Dist, accelerator_name, host_ram_bytes, ranks_per_node
+from pipeline.train.runtime.sequence import SequenceShard
+from pipeline.train.runtime.sequence import problems as sequence_problems
 from pipeline.train.setup.config import PretrainConfig
 from pipeline.train.setup.ds_config import BatchPlan, batch_plan, load_ds_config, resolve
 
@@ -47,6 +49,16 @@ class Run(Prepared):
     def on(cls, prepared: Prepared, dist: Dist) -> Run:
         return cls(**{f.name: getattr(prepared, f.name) for f in fields(Prepared)}, dist=dist)
 
+    @property
+    def sequence(self) -> SequenceShard:
+        """This rank's share of each sample (the whole of it without sequence parallelism)."""
+        return SequenceShard.of(self.plan.sequence_parallel, self.dist.rank)
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica: the ranks of a sequence-parallel group read the same samples."""
+        return self.dist.rank // self.plan.sequence_parallel
+
 
 def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None) -> Prepared:
     """Everything checked before a process group starts: data manifest, batch arithmetic, DeepSpeed JSON, model.
@@ -58,6 +70,8 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
         cfg.model.preset, dict(cfg.model.shape), cfg.model.init_from, manifest["tokenizer"]["vocab_size"], seq_len
     )
     check_tokenizer(shape, manifest["tokenizer"], f"{cfg.data.path}/manifest.json")
+    if found := sequence_problems(shape, plan.sequence_parallel):
+        raise ConfigError(found)
     if cfg.train.deepspeed_config == "auto":
         raw, checkpointing = auto_ds_config(shape, plan, world_size, cfg.train.gpu_memory_cap_gib, local_size)
         cfg = replace(cfg, train=replace(cfg.train, activation_checkpointing=checkpointing))
