@@ -122,6 +122,26 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+def sequence_parallel_problems(shape: ModelShape, size: int) -> list[str]:
+    """Why `size` ranks cannot share a sample of this model (empty when they can): Ulysses gives each rank
+    heads / size query heads, and the key/value heads must split the same way or be replicated evenly."""
+    if size == 1:
+        return []
+    found = []
+    if shape.num_heads % size:
+        found.append(
+            f"train.sequence_parallel {size}: the model's {shape.num_heads} attention heads do not split over {size} "
+            f"ranks; use one of {', '.join(str(n) for n in range(2, shape.num_heads + 1) if shape.num_heads % n == 0)}"
+        )
+    kv = shape.num_kv_heads
+    if kv % size and size % kv:
+        found.append(
+            f"train.sequence_parallel {size}: the model's {kv} key/value heads neither split over {size} ranks nor "
+            f"replicate evenly to them; use a size that divides {kv} or that {kv} divides"
+        )
+    return found
+
+
 def resolve_shape(preset: str | None, overrides: dict[str, Any], vocab_size: int | None) -> ModelShape:
     """A preset (or explicit fields), with overrides such as num_layers=2, and the tokenizer's vocabulary."""
     if preset is not None and preset not in PRESETS:

@@ -91,6 +91,10 @@ class Candidate:
     moment_bytes: float = 8.0
     """The optimizer's state bytes per parameter besides the fp32 master weights (Adam's m and v: 8; the
     optimizer table pipeline.train.setup.optimizers says each one's)."""
+    sequence_parallel: int = 1
+    """train.sequence_parallel: ranks that share each sample (DeepSpeed's Ulysses), each holding seq_len / N of
+    its tokens' activations; the data-parallel replicas are world / N, so grad_accum counts the micro-steps of a
+    world of world / N ranks, and every layer adds an all-to-all of its attention inputs and outputs."""
     zenflow_interval: int = 0
     """zero_optimization.zenflow.update_interval (0: no ZenFlow). ZenFlow updates the top-k gradient columns on
     the GPU at every step and the rest on the CPU every `zenflow_interval` steps, overlapped with the next steps:
@@ -111,7 +115,8 @@ class Candidate:
         ck = " + ckpt" if self.activation_checkpointing else ""
         ck += " (offloaded)" if self.offload_activations else ""
         more = "".join(f.label(self) for f in FEATURES.values() if f.used(self) and f.label(self))
-        return f"ZeRO-{self.stage}{off}{ck}{more}, micro {self.micro_batch_size} x GA {self.grad_accum}"
+        sp = f" + sequence parallel {self.sequence_parallel}" if self.sequence_parallel > 1 else ""
+        return f"ZeRO-{self.stage}{off}{ck}{more}{sp}, micro {self.micro_batch_size} x GA {self.grad_accum}"
 
 
 _BF16_MASTER_COST = (

@@ -115,7 +115,9 @@ def plan_model(
         b = p.best.candidate
         echo(
             f"\nwrote {req.write_ds_config}; in the pretrain config set batch.micro_batch_size: "
-            f"{b.micro_batch_size}, batch.global_batch_size: {b.micro_batch_size * b.grad_accum * cluster.world}"
+            f"{b.micro_batch_size}, batch.global_batch_size: "
+            f"{b.micro_batch_size * b.grad_accum * cluster.world // b.sequence_parallel}"
             f", train.activation_checkpointing: {str(b.activation_checkpointing).lower()}"
+            + (f", train.sequence_parallel: {b.sequence_parallel}" if b.sequence_parallel > 1 else "")
         )
     return 0 if p.best is not None else 3

@@ -21,9 +21,11 @@ def candidate_from_ds(
     grad_accum: int,
     activation_checkpointing: bool,
     moment_bytes: float = 8.0,
+    sequence_parallel: int = 1,
 ) -> Candidate:
     """The configuration a DeepSpeed JSON describes; fields it leaves out (or "auto") take DeepSpeed's defaults.
-    `moment_bytes`: the optimizer's (pipeline.train.setup.optimizers), which the JSON does not say."""
+    `moment_bytes`: the optimizer's (pipeline.train.setup.optimizers), which the JSON does not say;
+    `sequence_parallel`: the config's train.sequence_parallel (the JSON's sequence_parallel_size when it says)."""
     zero = ds.get("zero_optimization") or {}
 
     def num(key: str, default: float) -> float:
@@ -54,6 +56,7 @@ def candidate_from_ds(
         ),
         offload_activations=(ds.get("activation_checkpointing") or {}).get("cpu_checkpointing") is True,
         moment_bytes=moment_bytes,
+        sequence_parallel=sp if isinstance(sp := ds.get("sequence_parallel_size"), int) else sequence_parallel,
         zenflow_interval=(interval if isinstance(interval, int) else grad_accum) if zenflow else 0,
     )
 
@@ -110,6 +113,8 @@ def ds_config(e: Estimate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
     }
     if cand.offload_activations:
         ds["activation_checkpointing"] = {"cpu_checkpointing": True}
+    if cand.sequence_parallel > 1:  # with train.sequence_parallel set to the same (the trainer checks)
+        ds["sequence_parallel_size"] = cand.sequence_parallel
     if "nvme" in (cand.offload_optimizer, cand.offload_param):
         ds["aio"] = {
             "block_size": 1048576,

@@ -117,7 +117,7 @@ def estimate(
         nvme += 2 * psi / c.nodes
     t, fast, slow = step_time_range(shape, seq_len, c, cand, stack, rates)
     g = c.world
-    tokens_step = cand.micro_batch_size * seq_len * cand.grad_accum * g
+    tokens_step = cand.micro_batch_size * seq_len * cand.grad_accum * g // cand.sequence_parallel
     fpt = shape.flops_per_token(seq_len)
     peak = c.gpu.bf16_tflops * 1e12
     tps = tokens_step / t["total"]
@@ -154,7 +154,7 @@ def assumptions(
 ) -> list[tuple[str, str, str]]:
     """What an estimate assumed, each with its source: given (--mfu), measured (--from-run) or fitted."""
     given = dict(rates.sources)
-    tokens = cand.micro_batch_size * seq_len
+    tokens = cand.micro_batch_size * seq_len // cand.sequence_parallel
     out = [
         (
             "compute efficiency",

@@ -176,12 +176,15 @@ def gpu_memory(
     if cand.zenflow_interval:
         split["optimizer"] += ZENFLOW_STATE_BYTES * ZENFLOW_TOPK * psi
         zenflow_grads = 2 * ZENFLOW_TOPK * psi
+    # Under sequence parallelism a rank holds seq_len / N tokens of each sample in every layer (attention too:
+    # after Ulysses' all-to-all, all tokens of N-th of the heads); the loss, its share of the tokens.
+    local = seq_len // cand.sequence_parallel
     if stack.kernels == "fused":  # a fused linear cross-entropy (Liger's) computes ~tokens x h / V tokens at a time
-        tokens = cand.micro_batch_size * seq_len
+        tokens = cand.micro_batch_size * local
         loss_chunk_tokens = max(256, tokens * shape.hidden_size // shape.vocab_size)
     act = activation_bytes(
         shape,
-        seq_len,
+        local,
         cand.micro_batch_size,
         cand.activation_checkpointing,
         loss_chunk_tokens,
@@ -268,7 +271,7 @@ def host_memory(shape: ModelShape, c: Cluster, cand: Candidate, seq_len: int = 0
     elif cand.offload_param == "nvme":
         pin += pinned(5 * 1e8 * 2, 5)
     if cand.offload_activations and cand.activation_checkpointing:
-        layer_input = 2.0 * cand.micro_batch_size * seq_len * shape.hidden_size
+        layer_input = 2.0 * cand.micro_batch_size * seq_len // cand.sequence_parallel * shape.hidden_size
         moved = max(0, shape.num_layers - 1)  # all but the last (kept on the GPU)
         pin += pinned(layer_input * moved, moved) if moved else 0.0
     per_node_pinned, per_node_pageable = pin * gpn, pageable * gpn + RANK_HOST_OVERHEAD * gpn

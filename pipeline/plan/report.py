@@ -111,7 +111,7 @@ def range_line(c: Cluster) -> str:
 def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, title: str = "chosen") -> list[str]:
     """One configuration's memory, host RAM, step time (point and range) and throughput, for people."""
     c, s, cand = p.cluster, p.shape, e.candidate
-    gb = cand.micro_batch_size * cand.grad_accum * c.world
+    gb = cand.micro_batch_size * cand.grad_accum * c.world // cand.sequence_parallel
     unsaved = any(w.startswith("checkpoint disk") for w in e.warnings)
     lines = [
         f"\n{title}: {cand.label()}"
@@ -169,7 +169,9 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
         f"\nstep time {e.step_time_s:,.2f} s (range {lo:,.2f}-{hi:,.2f} s): compute {t['compute']:,.2f} s "
         f"(at {t['efficiency']:.0%} of peak{', +1/3 recompute' if cand.activation_checkpointing else ''}), network "
         f"{t['network']:,.2f} s, host copies {t['host_copies']:,.2f} s, parameter fetch {t['param_fetch']:,.2f} s, "
-        f"optimizer {t['optimizer']:,.2f} s, collective latency {t['collective_latency']:,.2f} s, overhead "
+        f"optimizer {t['optimizer']:,.2f} s, collective latency {t['collective_latency']:,.2f} s, "
+        + (f"sequence-parallel all-to-all {t['sequence_all_to_all']:,.2f} s, " if t.get("sequence_all_to_all") else "")
+        + "overhead "
         f"{t['overhead']:,.2f} s (the parts of a micro-step overlap partly)",
         f"throughput {e.tokens_per_s:,.0f} tokens/s (range {tlo:,.0f}-{thi:,.0f}; physical ceiling at 100% of "
         f"peak: {e.ceiling_tokens_per_s:,.0f}), MFU {e.mfu:.1%} (PaLM count: 6N + 12*L*h*s per token)",

@@ -15,10 +15,19 @@ runs (tests/unit/test_plan_published.py) and our own H200 anchors (tests/unit/te
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pipeline.model import PRESETS, ModelShape, families, loss_chunk_tokens, resolve_shape, with_seq_len
+from pipeline.model import (
+    PRESETS,
+    ModelShape,
+    families,
+    loss_chunk_tokens,
+    resolve_shape,
+    sequence_parallel_problems,
+    with_seq_len,
+)
 from pipeline.plan.cluster import (
     FEATURES,
     OPT_IN,
@@ -43,7 +52,10 @@ def candidates(
     global_batch_tokens: int,
     micro_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
     fixed_micro: int | None = None,
+    sequence_sizes: tuple[int, ...] = (1,),
 ) -> list[Candidate]:
+    """Every configuration tried: ZeRO stage and offload, checkpointing, micro-batch, buckets, DeepSpeed 0.19's
+    offload features, and the sequence-parallel sizes given (`sequence_sizes`, pipeline.plan.search.search)."""
     out = []
     global_seqs = max(1, round(global_batch_tokens / seq_len))
     offloads: list[tuple[int, OffloadDevice, OffloadDevice]] = [
@@ -59,15 +71,30 @@ def candidates(
         offloads += [(3, "nvme", "cpu"), (3, "nvme", "nvme")]
     for stage, oo, op in offloads:
         for ckpt in (False, True):
-            for micro in (fixed_micro,) if fixed_micro else micro_sizes:
-                per = micro * c.world
+            for micro, sp in itertools.product((fixed_micro,) if fixed_micro else micro_sizes, sequence_sizes):
+                per = micro * c.world // sp  # a sequence-parallel group is one data-parallel replica
                 ga = max(1, round(global_seqs / per))
                 buckets = BUCKETS_ZERO3 if stage == 3 else [(5e8, 5e7, 1e9)]
                 for rb, pb, ml in buckets:
                     sub = 1e8 if oo != "none" else 1e9
-                    base = Candidate(stage, oo, op, ckpt, micro, ga, rb, pb, ml, sub)
-                    out += feature_variants(base)
+                    base = Candidate(stage, oo, op, ckpt, micro, ga, rb, pb, ml, sub, sequence_parallel=sp)
+                    out += [v for v in feature_variants(base) if not (v.zenflow_interval and sp > 1)]
     return out
+
+
+def sequence_sizes(shape: ModelShape, seq_len: int, c: Cluster, stack: Stack | None = None) -> tuple[int, ...]:
+    """The sequence-parallel sizes this trainer can run here: powers of two that divide the world and seq_len and
+    split the model's heads (pipeline.model.sequence_parallel_problems); 1 only for another training stack (the
+    published runs') or materialised attention, which Ulysses does not take."""
+    stack = stack or Stack()
+    if stack.engine != "deepspeed" or stack.attention == "eager":
+        return (1,)
+    sizes = (2**k for k in range(0, 11))
+    return tuple(
+        n
+        for n in sizes
+        if n <= c.world and not c.world % n and not seq_len % n and not sequence_parallel_problems(shape, n)
+    )
 
 
 def feature_variants(base: Candidate) -> list[Candidate]:
@@ -185,14 +212,17 @@ def search(
     stack: Stack | None = None,
     rates: Rates | None = None,
     opt_in: frozenset[str] = frozenset(),
+    fixed_sequence: int | None = None,
 ) -> Plan:
     """All candidate configurations, fitting ones ranked. `loss_chunk_tokens` -1: the trainer's default chunk.
+    `fixed_micro`, `fixed_sequence`: a config's own micro-batch and sequence-parallel size (else every one).
     `opt_in`: the features that change the numerics (pipeline.plan.cluster.OPT_IN) the choice may use; the others
     are priced too, and the fastest fitting configuration with each feature comes back in `by_feature`."""
     chunk = trainer_loss_chunk(shape) if loss_chunk_tokens == -1 else loss_chunk_tokens
+    sizes = (fixed_sequence,) if fixed_sequence else sequence_sizes(shape, seq_len, c, stack)
     ests = [
         estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates)
-        for cand in candidates(c, seq_len, global_batch_tokens, fixed_micro=fixed_micro)
+        for cand in candidates(c, seq_len, global_batch_tokens, fixed_micro=fixed_micro, sequence_sizes=sizes)
     ]
     allowed = [e for e in ests if not (e.candidate.features() & OPT_IN) - opt_in]
     fitting = choose([e for e in allowed if e.fits])

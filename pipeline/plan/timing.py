@@ -154,8 +154,10 @@ def _links(c: Cluster, rates: Rates, net_eff: float) -> tuple[float, float]:
 def _compute(
     shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates
 ) -> tuple[float, float]:
-    """(seconds of one micro-step's forward and backward at the compute efficiency, that efficiency)."""
-    tokens_micro = cand.micro_batch_size * seq_len
+    """(seconds of one micro-step's forward and backward at the compute efficiency, that efficiency). Under
+    sequence parallelism a rank computes its seq_len / N tokens of each sample, and attention over the whole
+    sequence for N-th of the heads: the same FLOPs per token."""
+    tokens_micro = cand.micro_batch_size * seq_len // cand.sequence_parallel
     peak = c.gpu.bf16_tflops * 1e12
     eff = (
         rates.efficiency
@@ -194,9 +196,25 @@ def _traffic(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate) -> tu
         grad_out = accum * psi / g * ((1 - ZENFLOW_TOPK) if cand.zenflow_interval else 1.0)
     acts = 0.0
     if cand.offload_activations and cand.activation_checkpointing:  # out in the forward, back in the backward
-        tokens_micro = cand.micro_batch_size * seq_len
+        tokens_micro = cand.micro_batch_size * seq_len // cand.sequence_parallel
         acts = max(0, shape.num_layers - 1) * 2.0 * tokens_micro * shape.hidden_size
     return gathers, net_micro, net_step, max(staged + acts, grad_out + staged + acts)
+
+
+def sequence_all_to_all(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate) -> tuple[float, str]:
+    """(bytes one GPU sends per micro-step in Ulysses' all-to-alls, the link that carries them). Each layer's
+    attention sends q, k, v (h + 2 h_kv per token) out before it and the output (h) back after it, in the forward,
+    again in the backward, and a third time when the layer is recomputed; of its tokens' bytes a rank keeps 1 / N.
+    A group is consecutive ranks: inside a node while it fits one, else across the NIC."""
+    n = cand.sequence_parallel
+    if n == 1:
+        return 0.0, ""
+    passes = 3 if cand.activation_checkpointing else 2
+    h_kv = shape.num_kv_heads * shape.head_dim
+    per_token = 2 * (2 * shape.num_heads * shape.head_dim + 2 * h_kv)  # bf16 q, k, v out and o back
+    tokens = cand.micro_batch_size * seq_len // n
+    link = "inside the node" if n <= c.gpus_per_node else "across the NIC"
+    return passes * shape.num_layers * tokens * per_token * (n - 1) / n, link
 
 
 def _optimizer(
@@ -233,7 +251,14 @@ def step_time(
     fetch_t = gathers * 2 * psi / g * gpn / (offload_rate(c, rates, cand.pin_memory) * f) if off_par else 0.0
     parts = [compute, net_t, copies_t, fetch_t]
     n_coll = (3 * psi / cand.reduce_bucket) if cand.stage == 3 and g > 1 else 0.0  # one GPU: no collective
-    micro_t = max(parts) + OVERLAP_RESIDUE * (sum(parts) - max(parts)) + n_coll * COLLECTIVE_LATENCY_S
+    # Ulysses' all-to-alls sit between a layer's projections and its attention: nothing overlaps them.
+    sp_bytes, link = sequence_all_to_all(shape, seq_len, c, cand)
+    sp_t = 0.0
+    if sp_bytes:
+        intra = _links(replace(c, nodes=1), rates, net_eff)[1]  # a node's GPUs: NVLink, P2P or host memory
+        nic = c.network_gbps / 8 * 1e9 * net_eff / gpn  # the node's NIC, shared by its GPUs
+        sp_t = sp_bytes / (intra if link == "inside the node" else min(intra, nic))
+    micro_t = max(parts) + OVERLAP_RESIDUE * (sum(parts) - max(parts)) + n_coll * COLLECTIVE_LATENCY_S + sp_t
 
     opt_t = _optimizer(shape, c, cand, stack, rates, node_pcie, micro_t)
     step_net_t = net_step / coll_bw if net_step else 0.0
@@ -249,6 +274,7 @@ def step_time(
         "param_fetch": cand.grad_accum * fetch_t,
         "optimizer": opt_t,
         "collective_latency": cand.grad_accum * n_coll * COLLECTIVE_LATENCY_S,
+        "sequence_all_to_all": cand.grad_accum * sp_t,
         "overhead": STEP_OVERHEAD_S,
     }
 

@@ -76,8 +76,22 @@ def forecast_config(
     cluster = replace(cluster, gpu=capped(cluster.gpu, cfg.train.gpu_memory_cap_gib))
     bp = batch_plan(cfg, cluster.world, seq)
     chunk = cfg.train.loss_chunk_tokens or loss_chunk_tokens(shape.vocab_size)
-    found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk, rates=rates, opt_in=opt_in)
-    if cfg.train.deepspeed_config == "auto":
+    # auto (the trainer's own choice) keeps the config's sequence-parallel size; the search beside a given JSON
+    # tries every size
+    auto = cfg.train.deepspeed_config == "auto"
+    fixed = bp.sequence_parallel if auto else None
+    found = search(
+        shape,
+        seq,
+        cluster,
+        bp.tokens_per_step,
+        mfu,
+        loss_chunk_tokens=chunk,
+        rates=rates,
+        opt_in=opt_in,
+        fixed_sequence=fixed,
+    )
+    if auto:
         if found.best is None:
             raise PipelineError("train.deepspeed_config auto: nothing fits this cluster; " + "; ".join(found.advice))
         yours = found.best
@@ -88,6 +102,7 @@ def forecast_config(
             bp.grad_accum,
             cfg.train.activation_checkpointing,
             OPTIMIZERS[cfg.optim.name].moment_bytes,
+            bp.sequence_parallel,
         )
         yours = estimate(shape, seq, cluster, cand, mfu, chunk, rates=rates)
     return Forecast(config_path, shape, seq, source, bp, cluster, yours, found)
@@ -161,9 +176,11 @@ def forecast_run(
         env = json.loads((rd / "environment.json").read_text())
     cfg = load(rd / "config.yaml")
     ds = json.loads((rd / "ds_config.json").read_text())
-    world = int(ds["train_batch_size"]) // (
+    sp = cfg.train.sequence_parallel
+    replicas = int(ds["train_batch_size"]) // (
         int(ds["train_micro_batch_size_per_gpu"]) * int(ds["gradient_accumulation_steps"])
     )
+    world = replicas * sp
     if cluster is None:
         if not env:
             raise PipelineError(
@@ -190,14 +207,16 @@ def forecast_run(
     cluster = replace(cluster, gpu=capped(cluster.gpu, cfg.train.gpu_memory_cap_gib))
     bp = BatchPlan(
         int(ds["train_micro_batch_size_per_gpu"]),
-        world,
+        replicas,
         int(ds["gradient_accumulation_steps"]),
         int(ds["train_batch_size"]),
         seq,
+        sp,
     )
     chunk = cfg.train.loss_chunk_tokens or loss_chunk_tokens(shape.vocab_size)
     moments = OPTIMIZERS[cfg.optim.name].moment_bytes
-    cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, cfg.train.activation_checkpointing, moments)
+    checkpointing = cfg.train.activation_checkpointing
+    cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, checkpointing, moments, sp)
     yours = estimate(shape, seq, cluster, cand, mfu, chunk)
     found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk)
     got = measured(rd, bp.tokens_per_step)

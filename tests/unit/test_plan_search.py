@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.model import PRESETS, ModelShape
-from pipeline.plan.cluster import Cluster
+from pipeline.plan.cluster import Candidate, Cluster
 from pipeline.plan.estimate import estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.search import choose, search
@@ -128,3 +128,53 @@ def test_near_ties_go_to_less_memory() -> None:
     assert choose([cheaper, fast])[0] is fast
     much_faster = replace(cheaper, tokens_per_s=fast.tokens_per_s * 1.05)
     assert choose([much_faster, fast])[0] is much_faster
+
+
+@pytest.mark.parametrize(
+    "preset, seq_len, hostfile, cluster",
+    [("70b", 32768, "hostfiles/8node", SEED), ("7b", 131072, "hostfiles/4node4gpu", RENTED)],
+)
+def test_long_context_fits_by_sharing_each_sample(preset: str, seq_len: int, hostfile: str, cluster: Cluster) -> None:
+    """A 70B continued at 32K on the seed cluster and a 7B at 128K on the rented nodes: one rank holding a whole
+    sequence fits neither; ranks sharing each sample (sequence parallelism) do, and the plan says the size."""
+    shape = PRESETS[preset]
+    alone = search(shape, seq_len, cluster, fixed_sequence=1)
+    assert alone.best is None
+    p = search(shape, seq_len, cluster)
+    assert p.best is not None and p.best.fits
+    sp = p.best.candidate.sequence_parallel
+    assert sp > 1 and cluster.world % sp == 0 and shape.num_heads % sp == 0
+    assert p.best.tokens_per_s < p.best.ceiling_tokens_per_s
+    assert p.best.time["sequence_all_to_all"] > 0  # priced, never free
+    out = CliRunner().invoke(main, ["plan", "--model", preset, "--seq-len", str(seq_len), "--hostfile", hostfile])
+    assert out.exit_code == 0, out.output
+    assert f"sequence parallel {sp}, micro" in out.output and "sequence-parallel all-to-all" in out.output
+
+
+def test_sharing_a_sample_divides_its_activations_and_costs_an_all_to_all() -> None:
+    from pipeline.plan.memory import gpu_memory
+    from pipeline.plan.timing import sequence_all_to_all
+
+    shape, seq = PRESETS["7b"], 32768
+    one = Candidate(3, "cpu", "cpu", True, 1, 8, 1e8, 1e8, 3e8, 1e8)
+    memory = {n: gpu_memory(shape, seq, SEED, replace(one, sequence_parallel=n), 2048) for n in (1, 2, 4)}
+    assert memory[2]["activations"] == pytest.approx(memory[1]["activations"] / 2)
+    assert memory[4]["activations"] == pytest.approx(memory[1]["activations"] / 4)
+    assert sequence_all_to_all(shape, seq, SEED, one) == (0.0, "")
+    sent, link = sequence_all_to_all(shape, seq, SEED, replace(one, sequence_parallel=2))
+    # q, k, v out and o back (4 x 4096 bf16 per token), 3 passes (recompute), 32 layers, half the tokens leave
+    assert sent == 3 * 32 * (seq // 2) * 2 * 4 * 4096 / 2 and link == "across the NIC"
+    assert sequence_all_to_all(shape, seq, RENTED, replace(one, sequence_parallel=4))[1] == "inside the node"
+
+
+def test_a_sequence_parallel_choice_round_trips_through_its_deepspeed_json() -> None:
+    from pipeline.plan.ds_json import candidate_from_ds, ds_config
+
+    p = search(PRESETS["70b"], 32768, SEED)
+    assert p.best is not None
+    ds = ds_config(p.best)
+    sp = p.best.candidate.sequence_parallel
+    assert ds["sequence_parallel_size"] == sp
+    back = candidate_from_ds(ds, p.best.candidate.micro_batch_size, p.best.candidate.grad_accum, True)
+    assert back.sequence_parallel == sp
+    assert search(PRESETS["70b"], 32768, SEED, fixed_sequence=2).best.candidate.sequence_parallel == 2  # type: ignore[union-attr]

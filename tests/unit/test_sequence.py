@@ -9,8 +9,9 @@ import torch
 
 from pipeline.errors import ConfigError
 from pipeline.model import PRESETS
+from pipeline.model import sequence_parallel_problems as problems
 from pipeline.train.runtime.ds_workarounds import SequenceGroups, sequence_parallel_loss_factor
-from pipeline.train.runtime.sequence import SequenceShard, problems
+from pipeline.train.runtime.sequence import SequenceShard
 from pipeline.train.setup.config import from_dict
 from pipeline.train.setup.ds_config import batch_plan, resolve
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from pipeline.model import ModelShape
 from pipeline.train.runtime.ds_workarounds import SequenceGroups
 
 
@@ -42,26 +41,6 @@ class SequenceShard:
         positions = torch.arange(lo, hi, dtype=torch.long).expand(batch["input_ids"].size(0), width)
         ids, labels = batch["input_ids"][:, lo:hi], batch["labels"][:, lo:hi]
         return {"input_ids": ids, "labels": labels, "position_ids": positions}
-
-
-def problems(shape: ModelShape, size: int) -> list[str]:
-    """Why `size` ranks cannot share a sample of this model (empty when they can): Ulysses gives each rank
-    heads / size query heads, and the key/value heads must split the same way or be replicated evenly."""
-    if size == 1:
-        return []
-    found = []
-    if shape.num_heads % size:
-        found.append(
-            f"train.sequence_parallel {size}: the model's {shape.num_heads} attention heads do not split over {size} "
-            f"ranks; use one of {', '.join(str(n) for n in range(2, shape.num_heads + 1) if shape.num_heads % n == 0)}"
-        )
-    kv = shape.num_kv_heads
-    if kv % size and size % kv:
-        found.append(
-            f"train.sequence_parallel {size}: the model's {kv} key/value heads neither split over {size} ranks nor "
-            f"replicate evenly to them; use a size that divides {kv} or that {kv} divides"
-        )
-    return found
 
 
 def register(model: Any, size: int, micro_batch_size: int) -> Any:

@@ -13,12 +13,11 @@ import torch
 from pipeline.data.manifest import ShardManifest, read_shard_manifest
 from pipeline.data.tokenizer import check_tokenizer
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.model import ModelShape
+from pipeline.model import ModelShape, sequence_parallel_problems
 from pipeline.model.families import model_shape
 from pipeline.plan.gpus import GPU, capped, lookup
 from pipeline.train.runtime.dist import Dist, accelerator_name, host_ram_bytes, ranks_per_node
 from pipeline.train.runtime.sequence import SequenceShard
-from pipeline.train.runtime.sequence import problems as sequence_problems
 from pipeline.train.setup.config import PretrainConfig
 from pipeline.train.setup.ds_config import BatchPlan, batch_plan, load_ds_config, resolve
 
@@ -70,7 +69,7 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
         cfg.model.preset, dict(cfg.model.shape), cfg.model.init_from, manifest["tokenizer"]["vocab_size"], seq_len
     )
     check_tokenizer(shape, manifest["tokenizer"], f"{cfg.data.path}/manifest.json")
-    if found := sequence_problems(shape, plan.sequence_parallel):
+    if found := sequence_parallel_problems(shape, plan.sequence_parallel):
         raise ConfigError(found)
     if cfg.train.deepspeed_config == "auto":
         raw, checkpointing = auto_ds_config(shape, plan, world_size, cfg.train.gpu_memory_cap_gib, local_size)
@@ -125,7 +124,14 @@ def auto_ds_config(
     else:
         card = cpu_card(ram, local)
     cluster = Cluster(max(1, world_size // local), local, card, ram)
-    result = planner.search(shape, plan.seq_len, cluster, plan.tokens_per_step, fixed_micro=plan.micro_batch_size)
+    result = planner.search(
+        shape,
+        plan.seq_len,
+        cluster,
+        plan.tokens_per_step,
+        fixed_micro=plan.micro_batch_size,
+        fixed_sequence=plan.sequence_parallel,
+    )
     if result.best is None:
         raise PipelineError(
             "train.deepspeed_config auto: nothing fits this machine; see `pipeline plan` for what would: "
