@@ -293,3 +293,26 @@ def choose_compile(setting: bool | None, device_type: str, zero_stage: int) -> t
     if zero_stage == 3:
         return False, "compile: off (auto: ZeRO-3's parameter hooks break the compiled graphs)"
     return True, "compile: on (auto on a GPU with ZeRO 0-2; the first steps are slower while each layer compiles)"
+
+
+def tile_mlp(model: Any, tiles: int) -> int:
+    """Compute every decoder layer's MLP in `tiles` pieces along the sequence, each recomputed in the backward
+    (DeepSpeed's TiledMLP): one piece's SwiGLU intermediates are alive at a time. Patches the layers of `model`
+    in place (its class and parameter names unchanged; any kernel set's MLP). Returns the layers tiled. Under
+    ZeRO-3 the MLP's weights hand their gradients to DeepSpeed only after the last tile (`ds_grad_is_ready`)."""
+    if tiles < 2:
+        return 0
+    import types
+
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    def untiled(mlp: Any, x: Any) -> Any:
+        return type(mlp).forward(mlp, x)
+
+    def tiled(mlp: Any, x: Any) -> Any:
+        weights = [p for p in mlp.parameters() if p.requires_grad]
+        return TiledMLP.apply(untiled, mlp, x, min(tiles, x.shape[-2]), weights)
+
+    for layer in model.model.layers:
+        layer.mlp.forward = types.MethodType(tiled, layer.mlp)
+    return len(model.model.layers)

@@ -91,6 +91,9 @@ class Candidate:
     moment_bytes: float = 8.0
     """The optimizer's state bytes per parameter besides the fp32 master weights (Adam's m and v: 8; the
     optimizer table pipeline.train.setup.optimizers says each one's)."""
+    tiled_mlp: int = 0
+    """train.tiled_mlp: each layer's MLP in this many tiles along the sequence, recomputed in the backward (0: off):
+    one tile's SwiGLU intermediates alive instead of the sequence's, for one more MLP forward."""
     sequence_parallel: int = 1
     """train.sequence_parallel: ranks that share each sample (DeepSpeed's Ulysses), each holding seq_len / N of
     its tokens' activations; the data-parallel replicas are world / N, so grad_accum counts the micro-steps of a
@@ -115,7 +118,8 @@ class Candidate:
         ck = " + ckpt" if self.activation_checkpointing else ""
         ck += " (offloaded)" if self.offload_activations else ""
         more = "".join(f.label(self) for f in FEATURES.values() if f.used(self) and f.label(self))
-        sp = f" + sequence parallel {self.sequence_parallel}" if self.sequence_parallel > 1 else ""
+        sp = f" + tiled MLP {self.tiled_mlp}" if self.tiled_mlp > 1 else ""
+        sp += f" + sequence parallel {self.sequence_parallel}" if self.sequence_parallel > 1 else ""
         return f"ZeRO-{self.stage}{off}{ck}{more}{sp}, micro {self.micro_batch_size} x GA {self.grad_accum}"
 
 

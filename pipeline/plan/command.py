@@ -119,5 +119,6 @@ def plan_model(
             f"{b.micro_batch_size * b.grad_accum * cluster.world // b.sequence_parallel}"
             f", train.activation_checkpointing: {str(b.activation_checkpointing).lower()}"
             + (f", train.sequence_parallel: {b.sequence_parallel}" if b.sequence_parallel > 1 else "")
+            + (f", train.tiled_mlp: {b.tiled_mlp}" if b.tiled_mlp > 1 else "")
         )
     return 0 if p.best is not None else 3

@@ -74,15 +74,23 @@ def activation_bytes(
     loss_chunk_tokens: int | None = None,
     stack: Stack | None = None,
     offloaded: bool = False,
+    mlp_tiles: int = 0,
 ) -> dict[str, float]:
     """Activation memory of one micro-batch (bf16): `layers` at the end of the forward (full recompute keeps each
     layer's bf16 input plus one layer's activations while it is recomputed; `offloaded`: only ACT_OFFLOAD_KEPT of
     those inputs stay on the GPU), `one_layer`, `logits` (the loss's peak: full logits, or one chunk of
-    `loss_chunk_tokens` as our trainer computes it) and `embeddings`."""
+    `loss_chunk_tokens` as our trainer computes it) and `embeddings`. `mlp_tiles` (the tiled MLP): no layer keeps
+    its SwiGLU intermediates for the backward, which recomputes them one tile at a time."""
     sb = seq_len * micro
-    one = float(sb * layer_activation_bytes_per_token(shape, stack, seq_len))
+    per_token = layer_activation_bytes_per_token(shape, stack, seq_len)
+    mlp = (FUSED_PER_F if (stack or Stack()).kernels == "fused" else ACT_PER_F) * shape.ffn_hidden_size
+    if mlp_tiles > 1:
+        kept_one = float(sb * (per_token - mlp))  # a layer's activations but its MLP's intermediates
+        one = kept_one + sb / mlp_tiles * mlp
+    else:
+        kept_one = one = float(sb * per_token)
     kept = min(shape.num_layers, ACT_OFFLOAD_KEPT) if offloaded else shape.num_layers
-    layers = kept * 2 * sb * shape.hidden_size + one if checkpointing else shape.num_layers * one
+    layers = kept * 2 * sb * shape.hidden_size + one if checkpointing else shape.num_layers * kept_one + one - kept_one
     logit_tokens = sb if loss_chunk_tokens is None else min(sb, loss_chunk_tokens)
     return {
         "layers": float(layers),
@@ -190,6 +198,7 @@ def gpu_memory(
         loss_chunk_tokens,
         stack,
         cand.offload_activations,
+        cand.tiled_mlp,
     )
     largest = shape.largest_layer_params()
     if cand.stage == 3:

@@ -126,6 +126,13 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
             f"  note: {p.global_batch_tokens:,} tokens per step were asked for; whole micro-batches on "
             f"{c.world} GPUs give {gb * p.seq_len:,}"
         )
+    if cand.sequence_parallel > 1 or cand.tiled_mlp > 1 or p.seq_len > 8192:
+        n, tiles = cand.sequence_parallel, cand.tiled_mlp
+        lines.append(
+            f"  long context: sequence parallel {n} ({n} rank(s) share each sample, {p.seq_len // n:,} tokens each; "
+            f"train.sequence_parallel: {n}), "
+            + (f"MLP in {tiles} tiles (train.tiled_mlp: {tiles})" if tiles > 1 else "MLP untiled")
+        )
     lines += [f"  {w}" for w in e.warnings]
     lines.append("\nper GPU memory                    GiB")
     names = {

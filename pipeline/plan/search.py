@@ -82,6 +82,34 @@ def candidates(
     return out
 
 
+def mlp_tiles(local_seq_len: int, hidden_size: int) -> int:
+    """The tiles the tiled MLP needs: one per hidden_size tokens of a rank's sequence (as ALST tiles), so a tile's
+    SwiGLU intermediates are no larger than a few of the layer's own activations; 1: no tiling pays."""
+    return -(-local_seq_len // hidden_size) if hidden_size else 1
+
+
+def tiled_where_needed(ests: list[Estimate], seq_len: int, hidden_size: int) -> list[Candidate]:
+    """The tiled MLP where it is needed: for every configuration whose smallest micro-batch does not fit the GPU
+    untiled (a long sequence's SwiGLU intermediates), each of its micro-batches again with the MLP in tiles. Where
+    one sample fits untiled the tiled MLP is not offered: it has not been measured on a GPU, and a larger
+    micro-batch is better bought with what has."""
+
+    def key(cand: Candidate) -> Candidate:
+        return replace(cand, micro_batch_size=0, grad_accum=0)
+
+    smallest: dict[Candidate, Estimate] = {}
+    for e in ests:
+        k = key(e.candidate)
+        if k not in smallest or e.candidate.micro_batch_size < smallest[k].candidate.micro_batch_size:
+            smallest[k] = e
+    short = {k for k, e in smallest.items() if any(w.startswith("GPU memory") for w in e.why_not)}
+    return [
+        replace(e.candidate, tiled_mlp=tiles)
+        for e in ests
+        if key(e.candidate) in short and (tiles := mlp_tiles(seq_len // e.candidate.sequence_parallel, hidden_size)) > 1
+    ]
+
+
 def sequence_sizes(shape: ModelShape, seq_len: int, c: Cluster, stack: Stack | None = None) -> tuple[int, ...]:
     """The sequence-parallel sizes this trainer can run here: powers of two that divide the world and seq_len and
     split the model's heads (pipeline.model.sequence_parallel_problems); 1 only for another training stack (the
@@ -223,6 +251,10 @@ def search(
     ests = [
         estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates)
         for cand in candidates(c, seq_len, global_batch_tokens, fixed_micro=fixed_micro, sequence_sizes=sizes)
+    ]
+    ests += [
+        estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates)
+        for cand in tiled_where_needed(ests, seq_len, shape.hidden_size)
     ]
     allowed = [e for e in ests if not (e.candidate.features() & OPT_IN) - opt_in]
     fitting = choose([e for e in allowed if e.fits])

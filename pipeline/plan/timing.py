@@ -166,6 +166,8 @@ def _compute(
     )
     eff = min(eff * spread(c, rates, "gemm"), 1.0)  # the fast end never above the card's peak
     hw_fpt = shape.flops_per_token(seq_len) * (4 / 3 if cand.activation_checkpointing else 1)
+    if cand.tiled_mlp > 1:  # each tile's MLP forward again in the backward: 2 x 3 h f FLOPs a token and layer
+        hw_fpt += 6 * shape.hidden_size * shape.ffn_hidden_size * shape.num_layers
     compute = tokens_micro * hw_fpt / (peak * eff)
     if stack.attention == "eager":
         scores = cand.micro_batch_size * shape.num_heads * seq_len**2 * shape.num_layers

@@ -90,9 +90,9 @@ def choose_speed(
     priority, transformers' patched modules): call once on every rank, before the model is built."""
     stage = zero_stage(ds)
     compile_on, compile_note = kernels.choose_compile(cfg.train.compile, device.type, stage)
-    if compile_on and cfg.train.compile is None and cfg.train.sequence_parallel > 1:
-        # Ulysses' all-to-all inside each compiled layer has not been measured on a GPU here: eager until it is
-        compile_on, compile_note = False, "compile: off (auto with sequence parallelism; train.compile: true to try)"
+    if compile_on and cfg.train.compile is None and (cfg.train.sequence_parallel > 1 or cfg.train.tiled_mlp > 1):
+        # Ulysses' all-to-all and the tiled MLP inside a compiled layer have not run on a GPU here: eager until then
+        compile_on, compile_note = False, "compile: off (auto with long-context parts; train.compile: true to try)"
     # Rank 0 times the backends and every rank takes its choice: timings within noise of each other would otherwise
     # give ranks different kernels.
     attention = on_rank0(
@@ -125,6 +125,7 @@ def build_training_model(
     else:
         gpu = torch.device("cuda", torch.cuda.current_device()) if accelerator_name() == "cuda" else None
         init_weights(model, cfg.train.seed, rank, stage3, gpu)
+    kernels.tile_mlp(model, cfg.train.tiled_mlp)  # before compiling: the compiled layer calls the tiled MLP
     if speed is not None and speed.compile:
         for layer in model.model.layers:
             layer.compile()  # in place: parameter names and checkpoints stay those of the eager model

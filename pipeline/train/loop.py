@@ -171,7 +171,10 @@ class Trainer:
         self.checkpointer = Checkpointer(run, data_fingerprint=self.train_data.fingerprint, watchdog=self.watchdog)
         speed = choose_speed(cfg, run.ds, run.shape, run.plan.micro_batch_size, run.plan.seq_len, run.dist.device)
         if rank == 0:
-            for note in speed.notes() + ([run.plan.sequence_note] if run.plan.sequence_parallel > 1 else []):
+            tiles = cfg.train.tiled_mlp
+            long_context = [run.plan.sequence_note] if run.plan.sequence_parallel > 1 else []
+            long_context += [f"tiled MLP: each layer's MLP in {tiles} tiles along the sequence"] if tiles > 1 else []
+            for note in speed.notes() + long_context:
                 log.info("%s", note)
         with announced_op_builds(run):
             self.engine, marker = self.checkpointer.resume(

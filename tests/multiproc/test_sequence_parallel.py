@@ -1,7 +1,7 @@
 """Sequence parallelism through the real launcher (CPU ranks, fp32): 2 ranks sharing each sample train step by step
 the losses of 1 rank holding the whole sequence, under ZeRO-2 and under ZeRO-3 with parameters and optimizer
-offloaded to the CPU; a checkpoint of such a run resumes on 4 ranks with sequence parallel 2 and on 1 rank without
-it, the first resumed step's loss that of the uninterrupted run."""
+offloaded to the CPU (there with each MLP computed in tiles too); a checkpoint of such a run resumes on 4 ranks
+with sequence parallel 2 and on 1 rank without it, the first resumed step's loss that of the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -32,12 +32,14 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: ran
     assert not bad, bad
 
 
-def run_sp(tmp_path: Path, name: str, shards: Path, ds_config: str, ranks: int, sp: int) -> tuple[Path, str]:
+def run_sp(
+    tmp_path: Path, name: str, shards: Path, ds_config: str, ranks: int, sp: int, tiles: int = 0
+) -> tuple[Path, str]:
     run_dir = tmp_path / name
     cfg = launch.write_config(
         tmp_path / f"{name}.yaml", run_dir=run_dir, shards=shards, ds_config=ds_config, steps=STEPS, global_batch=4
     )
-    out = launch.run(cfg, num_gpus=ranks, sets=(f"train.sequence_parallel={sp}",))
+    out = launch.run(cfg, num_gpus=ranks, sets=(f"train.sequence_parallel={sp}", f"train.tiled_mlp={tiles}"))
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     return run_dir, log
@@ -47,8 +49,10 @@ def run_sp(tmp_path: Path, name: str, shards: Path, ds_config: str, ranks: int, 
 def test_two_ranks_sharing_each_sample_train_the_losses_of_one_rank(shards: Path, tmp_path: Path, stage: str) -> None:
     ds = offload_config(tmp_path) if stage == "zero3_offload" else "zero2.json"
     one, _ = run_sp(tmp_path, "one", shards, ds, ranks=1, sp=1)
-    shared, log = run_sp(tmp_path, "shared", shards, ds, ranks=2, sp=2)
+    # under ZeRO-3 the shared run also computes each MLP in 4 tiles (the long-context memory saver), exactly
+    shared, log = run_sp(tmp_path, "shared", shards, ds, ranks=2, sp=2, tiles=4 if stage == "zero3_offload" else 0)
     assert "sequence parallel 2: 2 ranks share each sample" in log, log[-3000:]
+    assert ("tiled MLP: each layer's MLP in 4 tiles" in log) == (stage == "zero3_offload")
     assert_same_losses(launch.losses(shared), launch.losses(one), range(1, STEPS + 1))
     val = [json.loads(line) for line in (shared / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
     ref = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]

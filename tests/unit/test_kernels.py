@@ -101,3 +101,30 @@ def test_a_fused_loss_returns_the_sum_and_trains_as_the_chunked_loss() -> None:
         assert torch.allclose(p.grad, ref, rtol=1e-5, atol=1e-7)
     with torch.no_grad():
         assert model(input_ids=ids, loss_labels=labels).shape == (3 * 33,)
+
+
+def test_a_tiled_mlp_gives_the_untiled_outputs_and_gradients() -> None:
+    """train.tiled_mlp: each layer's MLP in 4 tiles along the sequence, recomputed in the backward: the same
+    logits, input gradients and weight gradients as the whole sequence at once (fp32, up to rounding)."""
+    import copy
+
+    import torch
+
+    from pipeline.model import build_model, kernels, resolve_shape
+
+    torch.manual_seed(0)
+    whole = build_model(resolve_shape("tiny", {}, 500))
+    tiled = copy.deepcopy(whole)
+    assert kernels.tile_mlp(tiled, 4) == 2 and kernels.tile_mlp(copy.deepcopy(whole), 1) == 0
+    ids = torch.randint(0, 500, (2, 64))
+    outs = []
+    for model in (whole, tiled):
+        hidden = model.model.embed_tokens(ids).detach().requires_grad_(True)
+        logits = model(inputs_embeds=hidden).logits
+        logits.square().mean().backward()
+        outs.append((logits.detach(), hidden.grad, {n: p.grad for n, p in model.named_parameters()}))
+    (a, ga, wa), (b, gb, wb) = outs
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-6) and torch.allclose(ga, gb, rtol=1e-5, atol=1e-7)
+    assert wa.keys() == wb.keys() and [n for n, g in wa.items() if g is None] == ["model.embed_tokens.weight"]
+    for name in (n for n, g in wa.items() if g is not None):
+        assert wb[name] is not None and torch.allclose(wa[name], wb[name], rtol=1e-5, atol=1e-7), name

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.model import PRESETS, ModelShape
-from pipeline.plan.cluster import Candidate, Cluster
+from pipeline.plan.cluster import Candidate, Cluster, Stack
 from pipeline.plan.estimate import estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.search import choose, search
@@ -135,20 +135,23 @@ def test_near_ties_go_to_less_memory() -> None:
     [("70b", 32768, "hostfiles/8node", SEED), ("7b", 131072, "hostfiles/4node4gpu", RENTED)],
 )
 def test_long_context_fits_by_sharing_each_sample(preset: str, seq_len: int, hostfile: str, cluster: Cluster) -> None:
-    """A 70B continued at 32K on the seed cluster and a 7B at 128K on the rented nodes: one rank holding a whole
-    sequence fits neither; ranks sharing each sample (sequence parallelism) do, and the plan says the size."""
+    """A 70B continued at 32K on the seed cluster and a 7B at 128K on the rented nodes: nothing fits a rank holding
+    a whole sequence with its MLP untiled; ranks sharing each sample (sequence parallelism) or the tiled MLP do, and
+    the plan says which, with the sizes to set."""
     shape = PRESETS[preset]
-    alone = search(shape, seq_len, cluster, fixed_sequence=1)
-    assert alone.best is None
     p = search(shape, seq_len, cluster)
     assert p.best is not None and p.best.fits
-    sp = p.best.candidate.sequence_parallel
-    assert sp > 1 and cluster.world % sp == 0 and shape.num_heads % sp == 0
-    assert p.best.tokens_per_s < p.best.ceiling_tokens_per_s
-    assert p.best.time["sequence_all_to_all"] > 0  # priced, never free
+    assert all(e.candidate.sequence_parallel > 1 or e.candidate.tiled_mlp > 1 for e in p.ranked)
+    sharing = [e for e in p.ranked if e.candidate.sequence_parallel > 1]
+    assert sharing and all(e.time["sequence_all_to_all"] > 0 for e in sharing)  # priced, never free
+    for e in sharing:
+        sp = e.candidate.sequence_parallel
+        assert cluster.world % sp == 0 and shape.num_heads % sp == 0 and e.tokens_per_s < e.ceiling_tokens_per_s
+    best = p.best.candidate
     out = CliRunner().invoke(main, ["plan", "--model", preset, "--seq-len", str(seq_len), "--hostfile", hostfile])
     assert out.exit_code == 0, out.output
-    assert f"sequence parallel {sp}, micro" in out.output and "sequence-parallel all-to-all" in out.output
+    assert f"long context: sequence parallel {best.sequence_parallel} " in out.output
+    assert f"train.tiled_mlp: {best.tiled_mlp}" in out.output or best.tiled_mlp == 0
 
 
 def test_sharing_a_sample_divides_its_activations_and_costs_an_all_to_all() -> None:
@@ -170,11 +173,29 @@ def test_sharing_a_sample_divides_its_activations_and_costs_an_all_to_all() -> N
 def test_a_sequence_parallel_choice_round_trips_through_its_deepspeed_json() -> None:
     from pipeline.plan.ds_json import candidate_from_ds, ds_config
 
-    p = search(PRESETS["70b"], 32768, SEED)
+    p = search(PRESETS["70b"], 32768, SEED, fixed_sequence=2)
     assert p.best is not None
     ds = ds_config(p.best)
-    sp = p.best.candidate.sequence_parallel
-    assert ds["sequence_parallel_size"] == sp
+    assert ds["sequence_parallel_size"] == 2
     back = candidate_from_ds(ds, p.best.candidate.micro_batch_size, p.best.candidate.grad_accum, True)
-    assert back.sequence_parallel == sp
+    assert back.sequence_parallel == 2
     assert search(PRESETS["70b"], 32768, SEED, fixed_sequence=2).best.candidate.sequence_parallel == 2  # type: ignore[union-attr]
+
+
+def test_a_tiled_mlp_keeps_one_tiles_intermediates_and_pays_one_more_mlp_forward() -> None:
+    from pipeline.plan.memory import ACT_PER_F, activation_bytes
+    from pipeline.plan.timing import Rates, step_time
+
+    shape, seq = PRESETS["70b"], 32768
+    whole = activation_bytes(shape, seq, 1, True)
+    tiled = activation_bytes(shape, seq, 1, True, mlp_tiles=4)
+    assert whole["one_layer"] - tiled["one_layer"] == pytest.approx(seq * ACT_PER_F * shape.ffn_hidden_size * 3 / 4)
+    cand = Candidate(3, "cpu", "cpu", True, 1, 15, 1e8, 1e8, 3e8, 1e8)
+    plain = step_time(shape, seq, SEED, cand, Stack(), Rates(), 0.72)["compute"]
+    more = step_time(shape, seq, SEED, replace(cand, tiled_mlp=4), Stack(), Rates(), 0.72)["compute"]
+    extra = 15 * seq * 6 * shape.hidden_size * shape.ffn_hidden_size * shape.num_layers
+    assert more > plain and (more - plain) / plain == pytest.approx(
+        extra / (15 * seq * shape.flops_per_token(seq) * 4 / 3)
+    )
+    # offered only where one sample does not fit untiled: not at 4K, where a larger micro-batch would buy it
+    assert not any(e.candidate.tiled_mlp for e in search(PRESETS["7b"], 4096, SEED).ranked)

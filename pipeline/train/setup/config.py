@@ -94,6 +94,11 @@ class TrainSection:
     choice on the CPU says what it used instead."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the training loss (the full fp32 logits are never built); null: 256 MiB of logits."""
+    tiled_mlp: int = 0
+    """Compute each layer's MLP in this many tiles along the sequence, each recomputed in the backward (DeepSpeed's
+    TiledMLP, from Arctic Long Sequence Training): the SwiGLU intermediates (8 x ffn bytes a token) of one tile
+    are alive at a time instead of the whole sequence's, for one more MLP forward. 0: off; `pipeline plan` says
+    where it is needed (one tile per hidden_size tokens). Exact: the same numbers up to rounding."""
     sequence_parallel: int = 1
     """Ranks that train one sample together (DeepSpeed's Ulysses sequence parallelism for Hugging Face models,
     pipeline.train.runtime.sequence): each holds seq_len / N tokens of every layer's activations, and an
@@ -320,6 +325,8 @@ def check(cfg: PretrainConfig) -> list[str]:
             p.append(f"train.{name} {value}: expected 1 or more")
     if (t.max_steps is None) == (t.max_tokens is None):
         p.append("train: give exactly one of max_steps or max_tokens")
+    if t.tiled_mlp < 0:
+        p.append(f"train.tiled_mlp {t.tiled_mlp}: expected 0 (off) or the number of tiles")
     if t.sequence_parallel < 1:
         p.append(f"train.sequence_parallel {t.sequence_parallel}: expected 1 (off) or the ranks sharing a sample")
     if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
