@@ -4,6 +4,7 @@ a Hugging Face folder pipeline.evaluate.export's."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -29,7 +30,7 @@ def perplexity(
     device: torch.device | None = None,
     rank: int = 0,
     world_size: int = 1,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Loss (nats/token), perplexity and bits per byte over the split's samples in order; bytes are those of
     the decoded label tokens, so the figure is comparable across tokenizers. The loss comes from the model's
     chunked per-token path, so no full (B, T, V) fp32 logits are built.
@@ -40,7 +41,9 @@ def perplexity(
     device = device or torch.device("cpu")
     n = len(dataset)
     batches = math.ceil(n / batch_size) if max_batches is None else min(max_batches, math.ceil(n / batch_size))
-    sums = [0.0, 0.0, 0.0]  # nats, tokens, bytes
+    seq_len = int(dataset.manifest["seq_len"])
+    edges = position_buckets(seq_len)
+    sums = [0.0, 0.0, 0.0] + [0.0] * (2 * (len(edges) - 1))  # nats, tokens, bytes; nats and tokens per bucket
     for round_start in range(0, batches, world_size):
         b = round_start + rank
         mine = b < batches
@@ -52,6 +55,11 @@ def perplexity(
             continue
         sums[0] += float(losses.double().sum())
         sums[1] += int((labels != -100).sum())
+        per_position = losses.double().reshape(labels.shape).sum(0)  # (T,): nats at each position
+        counted = (labels != -100).sum(0)
+        for k, (lo, hi) in enumerate(itertools.pairwise(edges)):
+            sums[3 + 2 * k] += float(per_position[lo:hi].sum())
+            sums[4 + 2 * k] += int(counted[lo:hi].sum())
         for row in labels.tolist():
             sums[2] += len(tokenizer.decode([t for t in row if t >= 0]).encode("utf-8"))
     if world_size > 1:
@@ -69,7 +77,18 @@ def perplexity(
         "tokens": tokens,
         "bytes": nbytes,
         "samples": min(n, batches * batch_size),
+        "loss_by_position": [
+            {"from": lo, "to": hi, "loss": sums[3 + 2 * k] / max(sums[4 + 2 * k], 1), "tokens": int(sums[4 + 2 * k])}
+            for k, (lo, hi) in enumerate(itertools.pairwise(edges))
+        ],
     }
+
+
+def position_buckets(seq_len: int, buckets: int = 8) -> list[int]:
+    """Edges of `buckets` equal spans of a sample's positions (fewer for a short sample): the loss by position is
+    what tells a context extension worked (the late positions' loss falls as the model learns to use them)."""
+    count = max(1, min(buckets, seq_len))
+    return [round(seq_len * k / count) for k in range(count + 1)]
 
 
 @torch.no_grad()
@@ -154,7 +173,7 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
 
 
 def write_result(
-    cfg: EvalConfig, inputs: Inputs, metrics: dict[str, float], samples: list[dict[str, str]], t0: float, **extra: Any
+    cfg: EvalConfig, inputs: Inputs, metrics: dict[str, Any], samples: list[dict[str, str]], t0: float, **extra: Any
 ) -> dict[str, Any]:
     """The results file (RUN_DIR/eval/TAG-SPLIT.json unless --output) and the loss plot."""
     r, dataset = inputs.run, inputs.dataset
@@ -182,6 +201,10 @@ def result_path(cfg: EvalConfig, r: Run) -> Path:
     return Path(cfg.output) if cfg.output else r.run_dir / "eval" / f"{r.tag}-{cfg.split}.json"
 
 
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
 def table(result: dict[str, Any]) -> str:
     rows = [
         ("checkpoint", result["checkpoint"]),
@@ -193,6 +216,13 @@ def table(result: dict[str, Any]) -> str:
         ("perplexity", f"{result['perplexity']:.2f}"),
         ("bits per byte", f"{result['bits_per_byte']:.4f}"),
     ]
+    if buckets := result.get("loss_by_position"):
+        rows.append(
+            (
+                "loss by position",
+                "  ".join(f"{_tokens(b['from'])}-{_tokens(b['to'])}: {b['loss']:.3f}" for b in buckets),
+            )
+        )
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for s in result["samples_generated"]:

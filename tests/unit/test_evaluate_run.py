@@ -1,9 +1,10 @@
-"""pipeline.evaluate.run: batched greedy continuations are each prompt's own."""
+"""pipeline.evaluate.run: batched greedy continuations are each prompt's own; the loss by position bucket."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -25,3 +26,26 @@ def test_batched_greedy_continuations_equal_one_prompt_at_a_time(tokenized: Path
     alone = [generate(model, tok, [p], seed=1, max_new_tokens=12, device=cpu)[0] for p in prompts]
     assert [b["greedy"] for b in batched] == [a["greedy"] for a in alone]
     assert all(b["prompt"] == p for b, p in zip(batched, prompts, strict=True))
+
+
+def test_the_loss_by_position_adds_up_to_the_loss(shards: Path) -> None:
+    """`pipeline evaluate` reports the loss by position bucket (0-8, 8-16, ... of a 64-token sample), the signal a
+    context extension is judged by: the buckets cover every position once and their token-weighted mean is the
+    loss; the table prints them."""
+    from pipeline.data.loader import ShardedDataset
+    from pipeline.data.tokenizer import Tokenizer
+    from pipeline.evaluate.run import perplexity, position_buckets, table
+    from pipeline.model import build_model, resolve_shape
+
+    val = ShardedDataset(shards, "val")
+    tok = Tokenizer(val.tokenizer_path)
+    torch.manual_seed(0)
+    model = build_model(resolve_shape("tiny", {}, tok.vocab_size)).eval()
+    got = perplexity(model, val, tok, batch_size=4, max_batches=2)
+    buckets = got["loss_by_position"]
+    assert [(b["from"], b["to"]) for b in buckets] == list(zip(range(0, 64, 8), range(8, 72, 8), strict=True))
+    assert sum(b["tokens"] for b in buckets) == got["tokens"]
+    assert sum(b["loss"] * b["tokens"] for b in buckets) / got["tokens"] == pytest.approx(got["loss"], rel=1e-9)
+    assert position_buckets(32768) == [4096 * k for k in range(9)] and position_buckets(3) == [0, 1, 2, 3]
+    result = {**got, "checkpoint": "c", "step": 1, "consumed_tokens": 1, "split": "val", "samples_generated": []}
+    assert "loss by position   0-8: " in table({**result, "output": "x.json"})
