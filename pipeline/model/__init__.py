@@ -32,6 +32,9 @@ class ModelShape:
     """Biases on the q, k and v projections (Qwen2)."""
     qk_norm: bool = False
     """RMSNorm on each head's queries and keys (Qwen3)."""
+    rope: dict[str, Any] | None = None
+    """RoPE parameters beyond rope_theta for our presets (transformers' names: rope_type, factor, ...); a Hugging
+    Face model keeps its own in hf_config."""
     hf_config: dict[str, Any] | None = None
     """A Hugging Face model's config.json (continued pretraining, see pipeline.model.families): the model is built
     from it by transformers' own class for its `model_type`; the fields above are read from it for the planner."""
@@ -181,7 +184,7 @@ def llama_config(shape: ModelShape, *, bos_id: int = 1, eos_id: int = 2, pad_id:
         num_key_value_heads=shape.num_kv_heads,
         max_position_embeddings=shape.max_seq_len,
         rms_norm_eps=shape.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        rope_parameters={"rope_type": "default", **(shape.rope or {}), "rope_theta": shape.rope_theta},
         tie_word_embeddings=shape.tie_embeddings,
         hidden_act="silu",
         attention_bias=False,

@@ -7,7 +7,7 @@ trains, exports and reloads. The check that the data's tokenizer is the model's 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,14 +116,59 @@ def model_shape(
     init_from: str | None,
     tokenizer_vocab: int | None,
     seq_len: int | None = None,
+    rope: dict[str, Any] | None = None,
+    max_position_embeddings: int | None = None,
 ) -> ModelShape:
     """The model a config asks for. `init_from` a Hugging Face folder without a preset: that model's architecture.
     Otherwise a preset (default tiny; `overrides` change some of its fields) or, without a preset, every shape
     field explicitly; with the tokenizer's vocabulary, and `max_seq_len` raised to `seq_len` (the shards') when
-    that is longer."""
+    that is longer; then RoPE's parameters `rope` and the context `max_position_embeddings` (`extend_context`)."""
 
     shape = _configured_shape(preset, overrides, init_from, tokenizer_vocab)
-    return with_seq_len(shape, seq_len) if seq_len else shape
+    shape = with_seq_len(shape, seq_len) if seq_len else shape
+    if max_position_embeddings is not None and seq_len and max_position_embeddings < seq_len:
+        raise ConfigError(
+            [
+                f"model.max_position_embeddings {max_position_embeddings} is below the shards' seq_len {seq_len}: "
+                f"the model would be trained past the context it declares; use {seq_len} or more"
+            ]
+        )
+    return extend_context(shape, rope or {}, max_position_embeddings)
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+"""RoPE variants transformers 5 builds (its ROPE_INIT_FUNCTIONS), which `model.rope` may name."""
+
+
+def extend_context(shape: ModelShape, rope: dict[str, Any], max_position_embeddings: int | None) -> ModelShape:
+    """`shape` with RoPE's parameters `rope` over its own (a new rope_theta, a yarn or llama3 scaling) and the
+    context it is meant for: a Hugging Face model's config.json gets them as transformers 5 writes them
+    (rope_parameters), a preset keeps them for its LlamaConfig. Refuses what transformers would not build."""
+    problems = []
+    if (kind := rope.get("rope_type", "default")) not in ROPE_TYPES:
+        problems.append(f"model.rope.rope_type {kind}: expected one of {', '.join(ROPE_TYPES)}")
+    theta = rope.get("rope_theta", shape.rope_theta)
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        problems.append(f"model.rope.rope_theta {theta}: expected a positive number, e.g. 1000000")
+    if max_position_embeddings is not None and max_position_embeddings < 1:
+        problems.append(f"model.max_position_embeddings {max_position_embeddings}: expected a positive length")
+    if problems:
+        raise ConfigError(problems)
+    if not rope and max_position_embeddings is None:
+        return shape
+    context = max_position_embeddings or shape.max_seq_len
+    if shape.hf_config is None:
+        extra = {k: v for k, v in rope.items() if k != "rope_theta"}
+        return replace(
+            shape, rope_theta=float(theta), rope={**(shape.rope or {}), **extra} or None, max_seq_len=context
+        )
+    cfg = dict(shape.hf_config)
+    own = cfg.pop("rope_parameters", None) or {**(cfg.pop("rope_scaling", None) or {}), "rope_theta": shape.rope_theta}
+    cfg.pop("rope_scaling", None)
+    cfg.pop("rope_theta", None)
+    cfg["rope_parameters"] = {**own, **rope}
+    cfg["max_position_embeddings"] = context
+    return replace(shape, rope_theta=float(theta), max_seq_len=context, hf_config=cfg)
 
 
 def _configured_shape(

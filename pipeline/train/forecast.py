@@ -53,7 +53,8 @@ def shape_and_seq(
         seq, source, vocab = seq_len, "--seq-len", vocab_size
     else:
         raise PipelineError(f"data.path {cfg.data.path}: no shards there yet; give --seq-len N")
-    shape = model_shape(cfg.model.preset, dict(cfg.model.shape), cfg.model.init_from, vocab, seq)
+    m = cfg.model
+    shape = model_shape(m.preset, dict(m.shape), m.init_from, vocab, seq, m.rope, m.max_position_embeddings)
     if layers:
         shape = replace(shape, num_layers=layers)
     return shape, seq, source, vocab

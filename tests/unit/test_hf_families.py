@@ -215,3 +215,30 @@ def test_readme_recipe_plan_is_what_the_planner_prints() -> None:
     )
     spare = re.search(r"checks the config itself: FITS, ([\d.]+) GiB to spare", " ".join(readme.split()))
     assert spare and check.exit_code == 0 and f"FITS: +{spare[1]} GiB" in check.output, check.output
+
+
+def test_a_context_extension_reaches_the_model_and_its_export() -> None:
+    """model.rope and model.max_position_embeddings: a preset gets YaRN scaling in its LlamaConfig (the rotary
+    embedding transformers builds is YaRN's); Llama 3.1's own llama3 scaling keeps its fields under a new
+    rope_theta; both are what the export's config.json says; a RoPE transformers would not build, and a declared
+    context below the training seq_len, are refused naming the field."""
+    from pipeline.errors import ConfigError
+    from pipeline.model import build_model, model_config
+    from pipeline.model.families import model_shape
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    shape = model_shape("tiny", {}, None, 500, 64, yarn, 256)
+    config = model_config(shape)
+    assert config.rope_parameters == {**yarn, "rope_theta": 10000.0} and config.max_position_embeddings == 256
+    assert build_model(shape).model.rotary_emb.rope_type == "yarn"
+    llama = str(ROOT / "configs/hf/llama-3.1-8b.json")
+    longer = model_shape(None, {}, llama, None, 8192, {"rope_theta": 2_000_000.0}, 262144)
+    written = model_config(longer).to_dict()  # what save_pretrained writes into config.json
+    assert written["rope_parameters"]["rope_type"] == "llama3" and written["rope_parameters"]["factor"] == 8.0
+    assert written["rope_parameters"]["rope_theta"] == 2_000_000.0 and written["max_position_embeddings"] == 262144
+    untouched = model_shape(None, {}, llama, None, 8192).hf_config or {}
+    assert untouched.get("rope_scaling") == json.loads(Path(llama).read_text())["rope_scaling"]
+    with pytest.raises(ConfigError, match="model.rope.rope_type ntk: expected one of default, linear"):
+        model_shape("tiny", {}, None, 500, 64, {"rope_type": "ntk"})
+    with pytest.raises(ConfigError, match="model.max_position_embeddings 32 is below the shards' seq_len 64"):
+        model_shape("tiny", {}, None, 500, 64, None, 32)

@@ -50,6 +50,12 @@ def test_resume_refuses_other_data_shape_or_zero_world() -> None:
     # Another world size resumes (through a universal checkpoint; tests/multiproc/test_resume_world_size.py), except
     # with the optimizer on NVMe, whose swap files the universal checkpoint does not cover.
     assert resume_problems(marker(), **{**same, "world_size": 4}) == []  # type: ignore[arg-type]
+    # A field added to the shape since a checkpoint was written (model.rope) is absent there: unset here, it resumes;
+    # set here, it is another model.
+    newer = {**same, "model_shape": {**SHAPE, "rope": None}}
+    assert resume_problems(marker(), **newer) == []  # type: ignore[arg-type]
+    yarn = {**same, "model_shape": {**SHAPE, "rope": {"rope_type": "yarn"}}}
+    assert resume_problems(marker(), **yarn) == ["model rope {'rope_type': 'yarn'} vs the checkpoint's None"]  # type: ignore[arg-type]
     assert "optimizer is on NVMe" in resume_problems(marker(), **{**same, "world_size": 4, "nvme_optimizer": True})[-1]  # type: ignore[arg-type]
 
 

@@ -64,8 +64,9 @@ def resume_problems(
             f"data.path holds other shards than the checkpoint was trained on (fingerprint {data_fingerprint[:12]} "
             f"vs {marker['data_fingerprint'][:12]}: other inputs, blend, split or shard seed)"
         )
-    if marker["model_shape"] != model_shape:
-        theirs = marker["model_shape"]
+    # a field added since the checkpoint was written (e.g. `rope`) is absent there: unset (None) here is the same
+    theirs = {k: None for k, v in model_shape.items() if v is None} | marker["model_shape"]
+    if theirs != model_shape:
         diff = [
             f"{k} {model_shape.get(k)} vs the checkpoint's {theirs.get(k)}"
             for k in model_shape

@@ -23,6 +23,13 @@ class ModelSection:
     Hugging Face folder in `init_from`, else tiny."""
     shape: dict[str, Any] = field(default_factory=dict)
     """Overrides of the preset's shape, e.g. {num_layers: 2} (see pipeline.model.ModelShape)."""
+    rope: dict[str, Any] = field(default_factory=dict)
+    """Context extension: RoPE's parameters as transformers names them, over the model's own, e.g. {rope_theta:
+    1000000} or {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768} (also linear, dynamic,
+    llama3, longrope). Carried into the export's config.json."""
+    max_position_embeddings: int | None = None
+    """The context the model is meant for, written into the export's config.json (null: the model's own, or the
+    training seq_len when that is longer)."""
     init_from: str | None = None
     """Continued pretraining: a Hugging Face model folder (config.json + safetensors, one file or sharded) whose
     architecture and weights the run starts from (Llama 1-3.1, Mistral, Qwen2/2.5, Qwen3: pipeline.model.families), or a

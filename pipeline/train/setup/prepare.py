@@ -66,7 +66,13 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
     seq_len = int(manifest["seq_len"])
     plan = batch_plan(cfg, world_size, seq_len)
     shape = model_shape(
-        cfg.model.preset, dict(cfg.model.shape), cfg.model.init_from, manifest["tokenizer"]["vocab_size"], seq_len
+        cfg.model.preset,
+        dict(cfg.model.shape),
+        cfg.model.init_from,
+        manifest["tokenizer"]["vocab_size"],
+        seq_len,
+        cfg.model.rope,
+        cfg.model.max_position_embeddings,
     )
     check_tokenizer(shape, manifest["tokenizer"], f"{cfg.data.path}/manifest.json")
     if found := sequence_parallel_problems(shape, plan.sequence_parallel):
