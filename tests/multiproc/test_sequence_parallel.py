@@ -6,6 +6,7 @@ with sequence parallel 2 and on 1 rank without it, the first resumed step's loss
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 from pipeline.train.checkpoint import files as ckpt
 from tests.multiproc import launch
 
-pytestmark = pytest.mark.slow
+# on one test worker: the 1-rank reference run is shared (a module fixture), and two workers would each make it
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sequence_parallel")]
 STEPS = 10
 
 
@@ -45,10 +47,19 @@ def run_sp(
     return run_dir, log
 
 
+@pytest.fixture(scope="module")
+def one_rank(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference: 1 rank holding each whole sequence, ZeRO-2."""
+    run_dir, _ = run_sp(tmp_path_factory.mktemp("one_rank"), "one", shards, "zero2.json", ranks=1, sp=1)
+    return run_dir
+
+
 @pytest.mark.parametrize("stage", ["zero2", "zero3_offload"])
-def test_two_ranks_sharing_each_sample_train_the_losses_of_one_rank(shards: Path, tmp_path: Path, stage: str) -> None:
+def test_two_ranks_sharing_each_sample_train_the_losses_of_one_rank(
+    shards: Path, tmp_path: Path, stage: str, one_rank: Path
+) -> None:
     ds = offload_config(tmp_path) if stage == "zero3_offload" else "zero2.json"
-    one, _ = run_sp(tmp_path, "one", shards, ds, ranks=1, sp=1)
+    one = run_sp(tmp_path, "one", shards, ds, ranks=1, sp=1)[0] if stage == "zero3_offload" else one_rank
     # under ZeRO-3 the shared run also computes each MLP in 4 tiles (the long-context memory saver), exactly
     shared, log = run_sp(tmp_path, "shared", shards, ds, ranks=2, sp=2, tiles=4 if stage == "zero3_offload" else 0)
     assert "sequence parallel 2: 2 ranks share each sample" in log, log[-3000:]
@@ -61,19 +72,31 @@ def test_two_ranks_sharing_each_sample_train_the_losses_of_one_rank(shards: Path
     assert marker["consumed_samples"] == STEPS * 4 and marker["world_size"] == 2
 
 
-def test_a_sequence_parallel_checkpoint_resumes_on_4_ranks_and_on_1(shards: Path, tmp_path: Path) -> None:
-    ds = "zero2.json"
-    reference, _ = run_sp(tmp_path, "ref", shards, ds, ranks=1, sp=1)
-    want = launch.losses(reference)
+def test_a_sequence_parallel_checkpoint_resumes_on_4_ranks_and_on_1(
+    shards: Path, tmp_path: Path, one_rank: Path
+) -> None:
+    """Killed after step 7 of 10 (step 5 the latest checkpoint), a copy of the run folder resumes on 4 ranks with
+    sequence parallel 2 and another on 1 rank without it; every step's loss is the uninterrupted run's."""
+    want = launch.losses(one_rank)
+    killed = tmp_path / "killed"
+    cfg = launch.write_config(
+        tmp_path / "killed.yaml", run_dir=killed, shards=shards, ds_config="zero2.json", steps=STEPS, global_batch=4
+    )
+    out = launch.run(
+        cfg, num_gpus=2, sets=("train.sequence_parallel=2",), extra_env={"PIPELINE_FAULT_KILL_AT_STEP": "7"}
+    )
+    assert out.returncode != 0 and ckpt.latest_complete(killed) == "step00000005"
     for after, sp_after in ((4, 2), (1, 1)):
         run_dir = tmp_path / f"to{after}"
+        shutil.copytree(killed, run_dir)  # a run folder copied, as a user branches one
         cfg = launch.write_config(
-            tmp_path / f"to{after}.yaml", run_dir=run_dir, shards=shards, ds_config=ds, steps=STEPS, global_batch=4
+            tmp_path / f"to{after}.yaml",
+            run_dir=run_dir,
+            shards=shards,
+            ds_config="zero2.json",
+            steps=STEPS,
+            global_batch=4,
         )
-        killed = launch.run(
-            cfg, num_gpus=2, sets=("train.sequence_parallel=2",), extra_env={"PIPELINE_FAULT_KILL_AT_STEP": "7"}
-        )
-        assert killed.returncode != 0 and ckpt.latest_complete(run_dir) == "step00000005"
         out = launch.run(cfg, num_gpus=after, sets=(f"train.sequence_parallel={sp_after}",))
         log = out.stdout + out.stderr
         assert out.returncode == 0, log[-4000:]
