@@ -76,6 +76,8 @@ class Case:
     """train.attention (pipeline.model.kernels.ATTENTION); torch: torch's own SDPA choice, as before the switch."""
     kernels: str = "torch"
     """train.kernels (pipeline.model.kernels.KERNELS)."""
+    tiled_mlp: int = 0
+    """train.tiled_mlp (0: off)."""
     timeout_s: int = 150
     """What the deadline reserves for the case."""
     note: str = ""
@@ -176,6 +178,27 @@ def cases(smoke: bool) -> list[Case]:
                 }
             },
             note="opt-in: ZenFlow on ZeRO-2, CPU Adam every 4 steps behind the GPU's work",
+        ),
+        # Long context on one 24 GiB card (the planner's 70B-at-32K choice tiles the MLP and offloads the
+        # checkpointed layer inputs): a 2-layer 7B slice at 32K and 64K, plain, tiled, tiled + activation offload.
+        # Which of them fits says the longest sequence a card holds; tokens/s what it costs.
+        Case("7b_2layers_32k", "pipeline", "7b", 32768, 1, 4, layers=2, timeout_s=150, **offload),
+        *(
+            Case(
+                f"7b_2layers_{k}k_tiled_actoffload",
+                "pipeline",
+                "7b",
+                k * 1024,
+                1,
+                4,
+                layers=2,
+                tiled_mlp=k // 4,
+                timeout_s=150 + 2 * k,
+                ds_overrides={"activation_checkpointing": {"cpu_checkpointing": True}},
+                note=f"{k}K with the MLP in {k // 4} tiles and the checkpointed layer inputs in host memory",
+                **offload,
+            )
+            for k in (32, 64)
         ),
     ]
     if not smoke:
@@ -441,6 +464,7 @@ def run_pipeline(
             "attention": case.attention,
             "kernels": case.kernels,
             "activation_checkpointing": case.activation_checkpointing,
+            "tiled_mlp": case.tiled_mlp,
             "deepspeed_config": str(ds_json(case, work)),
             "gpu_memory_cap_gib": case.memory_cap_gib,
         },
@@ -656,6 +680,7 @@ def cpu_path(case: Case) -> tuple[Any, ...]:
         case.activation_checkpointing,
         overrides,
         bool(case.compile),
+        case.tiled_mlp > 1,
     )
 
 
@@ -674,7 +699,9 @@ def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path) -> dict[
     if case.kind != "pipeline":
         return {}
     ds = json.loads((work / f"{case.name}.ds.json").read_text())
-    cand = candidate_from_ds(ds, case.micro_batch_size, 1, case.activation_checkpointing)
+    cand = replace(
+        candidate_from_ds(ds, case.micro_batch_size, 1, case.activation_checkpointing), tiled_mlp=case.tiled_mlp
+    )
     cluster = Cluster(
         1,
         1,
@@ -831,6 +858,7 @@ def main() -> None:
                 twin = ran_on_cpu.setdefault(cpu_path(case), case.name)
                 if twin != case.name:
                     doc["cases"].append({"name": case.name, "same_cpu_path_as": twin})
+                    save()  # a twin may be the last case: results.json must hold it too
                     continue
             left = (math.inf if budget is None else budget) - (time.monotonic() - started)
             if i and case.timeout_s > left:

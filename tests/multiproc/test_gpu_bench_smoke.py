@@ -41,6 +41,9 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
         "70b_4layers_actoffload",
         "7b_2layers_bf16states",
         "7b_2layers_zenflow",
+        "7b_2layers_32k",
+        "7b_2layers_32k_tiled_actoffload",
+        "7b_2layers_64k_tiled_actoffload",
     ]
     ran = {c["name"]: c for c in doc["cases"] if "same_cpu_path_as" not in c}
     twins = {c["name"]: c["same_cpu_path_as"] for c in doc["cases"] if "same_cpu_path_as" in c}
@@ -54,6 +57,8 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
         # sizes change what the GPU measures, not the code: the 70B slices run the 7B slice's offload path
         "70b_2layers": "7b_2layers_offload",
         "70b_4layers": "7b_2layers_offload",
+        "7b_2layers_32k": "7b_2layers_offload",  # a smoke case's sequence is 128 tokens
+        "7b_2layers_64k_tiled_actoffload": "7b_2layers_32k_tiled_actoffload",
     }
     for case in ran.values():
         assert "error" not in case and case["tokens_per_s"] > 0, case

@@ -15,7 +15,7 @@ from pipeline.data.indexed import IndexedReader
 from pipeline.data.loader import ShardedDataset
 from pipeline.data.packing import blend_counts
 from pipeline.errors import PipelineError
-from tests.conftest import CORPUS, shard_into
+from tests.conftest import CORPUS, shard_into, tokenize_with, tokenizer_model
 
 
 def test_shard_outputs_manifest_and_reader(shards: Path, tokenized: Path) -> None:
@@ -184,3 +184,29 @@ def test_tokenized_files_changed_after_tokenizing_are_refused(tokenized: Path, t
     del manifest["files"]
     Path(str(older) + ".manifest.json").write_text(json.dumps(manifest))
     assert shard_into([(older, 1.0)], tmp_path / "s4", seq_len=32).manifest["seq_len"] == 32
+
+
+def test_a_16k_token_document_survives_tokenize_shard_and_loader_whole(tokenized: Path, tmp_path: Path) -> None:
+    """Long context: a document of 16K tokens, sharded at seq_len 16384 with each document on its own
+    (--no-cross-document), reaches the loader as one sample holding every one of its tokens in order, its end of
+    sequence included, then padding only."""
+    from pipeline.data.loader import build_loader
+    from pipeline.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(str(tokenizer_model(tokenized)))
+    plays = "\n".join(json.loads(line)["text"] for line in CORPUS.read_text().splitlines())
+    text = tok.decode(tok.encode(plays)[:16000])  # about 16K tokens of text, cut where the tokenizer cuts
+    source = tmp_path / "doc16k.jsonl"
+    source.write_text(json.dumps({"text": text}) + "\n")
+    tokenize_with(tmp_path / "doc16k", [str(source)], tokenizer_model(tokenized))
+    whole = IndexedReader(tmp_path / "doc16k")[0].tolist()  # its ids as tokenize wrote them, the EOS last
+    assert 15_900 <= len(whole) <= 16_385 and whole[-1] == tok.eos_id
+    out = tmp_path / "shards"
+    shard_into([(tmp_path / "doc16k", 1.0)], out, seq_len=16384, split=(100.0, 0.0, 0.0), cross_document=False)
+    data = ShardedDataset(out, "train")
+    assert len(data) == 1
+    loader = build_loader(data, seed=1, micro_batch_size=1, data_parallel_size=1, rank=0, num_workers=0)
+    batch = next(iter(loader))
+    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    assert ids[: len(whole)] == whole[: len(ids)] and labels[: len(whole) - 1] == whole[1:]
+    assert all(y == -100 for y in labels[len(whole) - 1 :])  # the padding after it carries no loss
