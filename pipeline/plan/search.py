@@ -88,25 +88,33 @@ def mlp_tiles(local_seq_len: int, hidden_size: int) -> int:
     return -(-local_seq_len // hidden_size) if hidden_size else 1
 
 
+def _key(cand: Candidate) -> Candidate:
+    """A configuration but for its micro-batch (and the accumulation that follows from it)."""
+    return replace(cand, micro_batch_size=0, grad_accum=0)
+
+
+def too_long(ests: list[Estimate]) -> set[Candidate]:
+    """The configurations (`_key`) whose smallest micro-batch does not fit the GPU: one sample is too long for
+    them as they stand."""
+    smallest: dict[Candidate, Estimate] = {}
+    for e in ests:
+        k = _key(e.candidate)
+        if k not in smallest or e.candidate.micro_batch_size < smallest[k].candidate.micro_batch_size:
+            smallest[k] = e
+    return {k for k, e in smallest.items() if any(w.startswith("GPU memory") for w in e.why_not)}
+
+
 def tiled_where_needed(ests: list[Estimate], seq_len: int, hidden_size: int) -> list[Candidate]:
     """The tiled MLP where it is needed: for every configuration whose smallest micro-batch does not fit the GPU
     untiled (a long sequence's SwiGLU intermediates), each of its micro-batches again with the MLP in tiles. Where
     one sample fits untiled the tiled MLP is not offered: it has not been measured on a GPU, and a larger
     micro-batch is better bought with what has."""
-
-    def key(cand: Candidate) -> Candidate:
-        return replace(cand, micro_batch_size=0, grad_accum=0)
-
-    smallest: dict[Candidate, Estimate] = {}
-    for e in ests:
-        k = key(e.candidate)
-        if k not in smallest or e.candidate.micro_batch_size < smallest[k].candidate.micro_batch_size:
-            smallest[k] = e
-    short = {k for k, e in smallest.items() if any(w.startswith("GPU memory") for w in e.why_not)}
+    short = too_long(ests)
     return [
         replace(e.candidate, tiled_mlp=tiles)
         for e in ests
-        if key(e.candidate) in short and (tiles := mlp_tiles(seq_len // e.candidate.sequence_parallel, hidden_size)) > 1
+        if _key(e.candidate) in short
+        and (tiles := mlp_tiles(seq_len // e.candidate.sequence_parallel, hidden_size)) > 1
     ]
 
 
@@ -247,15 +255,19 @@ def search(
     `opt_in`: the features that change the numerics (pipeline.plan.cluster.OPT_IN) the choice may use; the others
     are priced too, and the fastest fitting configuration with each feature comes back in `by_feature`."""
     chunk = trainer_loss_chunk(shape) if loss_chunk_tokens == -1 else loss_chunk_tokens
-    sizes = (fixed_sequence,) if fixed_sequence else sequence_sizes(shape, seq_len, c, stack)
-    ests = [
-        estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates)
-        for cand in candidates(c, seq_len, global_batch_tokens, fixed_micro=fixed_micro, sequence_sizes=sizes)
-    ]
-    ests += [
-        estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates)
-        for cand in tiled_where_needed(ests, seq_len, shape.hidden_size)
-    ]
+
+    def price(cands: list[Candidate]) -> list[Estimate]:
+        return [estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates) for cand in cands]
+
+    def tried(sizes: tuple[int, ...]) -> list[Candidate]:
+        return candidates(c, seq_len, global_batch_tokens, fixed_micro=fixed_micro, sequence_sizes=sizes)
+
+    ests = price(tried((fixed_sequence or 1,)))
+    # Sharing a sample costs an all-to-all a layer: tried where one sample does not fit a rank alone
+    wider = () if fixed_sequence else tuple(n for n in sequence_sizes(shape, seq_len, c, stack) if n > 1)
+    if wider and (short := too_long(ests)):
+        ests += price([cand for cand in tried(wider) if _key(replace(cand, sequence_parallel=1)) in short])
+    ests += price(tiled_where_needed(ests, seq_len, shape.hidden_size))
     allowed = [e for e in ests if not (e.candidate.features() & OPT_IN) - opt_in]
     fitting = choose([e for e in allowed if e.fits])
     rejected = sorted((e for e in allowed if not e.fits), key=lambda e: -e.tokens_per_s)
