@@ -110,7 +110,17 @@ def range_line(c: Cluster) -> str:
 
 def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, title: str = "chosen") -> list[str]:
     """One configuration's memory, host RAM, step time (point and range) and throughput, for people."""
-    c, s, cand = p.cluster, p.shape, e.candidate
+    return [
+        *_configuration_lines(p, e, title),
+        *_gpu_lines(p, e),
+        *_host_lines(p, e),
+        *_time_lines(p, e, token_budget or 1e9),
+    ]
+
+
+def _configuration_lines(p: Plan, e: Estimate, title: str) -> list[str]:
+    """What the configuration is: its label and fit, the global batch, the long-context levers, its warnings."""
+    c, cand = p.cluster, e.candidate
     gb = cand.micro_batch_size * cand.grad_accum * c.world // cand.sequence_parallel
     unsaved = any(w.startswith("checkpoint disk") for w in e.warnings)
     lines = [
@@ -133,22 +143,26 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
             f"train.sequence_parallel: {n}), "
             + (f"MLP in {tiles} tiles (train.tiled_mlp: {tiles})" if tiles > 1 else "MLP untiled")
         )
-    lines += [f"  {w}" for w in e.warnings]
-    lines.append("\nper GPU memory                    GiB")
+    return lines + [f"  {w}" for w in e.warnings]
+
+
+def _gpu_lines(p: Plan, e: Estimate) -> list[str]:
+    """Per GPU memory, part by part, then the peak, what the card must hold and the margin."""
+    lines = ["\nper GPU memory                    GiB"]
     names = {
         "params": "parameters",
         "grads": "gradients",
         "optimizer": "optimizer states",
         "working_layer": "gathered largest layer (ZeRO-3)",
         "ds_buffers": "DeepSpeed buckets",
-        "activations": "activations" + (" (checkpointed)" if cand.activation_checkpointing else ""),
+        "activations": "activations" + (" (checkpointed)" if e.candidate.activation_checkpointing else ""),
         "logits": "loss (logits, one chunk)" if e.gpu["logits"] else "loss",
     }
     for k, label in names.items():
         lines.append(f"  {label:31s} {e.gpu[k] / GiB:7.2f}")
     g = e.gpu
-    card = c.gpu.memory_gib
-    lines += [
+    card = p.cluster.gpu.memory_gib
+    return lines + [
         f"  {'peak allocated':31s} {g['peak_allocated'] / GiB:7.2f}   (torch.cuda.max_memory_allocated; at the "
         f"{'end' if g['peak_phase_backward'] else 'start'} of the backward)",
         f"  {'reserved':31s} {g['reserved'] / GiB:7.2f}   (+{g['fragmentation'] / GiB:.2f} allocator slack on "
@@ -156,43 +170,44 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
         f"  {'margin kept':31s} {g['margin'] / GiB:7.2f}   (max(1.5 GiB, 7%)); card {card:.1f}, "
         f"free after all: {card - (g['reserved'] + g['margin']) / GiB:.2f}",
     ]
-    h = e.host
-    lines.append(
+
+
+def _host_lines(p: Plan, e: Estimate) -> list[str]:
+    """Host RAM per node and the checkpoint's bytes on disk."""
+    c, h, ck = p.cluster, e.host, e.checkpoint
+    return [
         f"\nper node host RAM: pinned {h['pinned'] / 1e9:.0f} GB (as torch rounds it) + pageable "
         f"{h['pageable'] / 1e9:.0f} GB = {h['itemized'] / 1e9:.0f} GB"
         + (f" (DeepSpeed's estimator: {h['deepspeed_estimate'] / 1e9:.0f} GB)" if h["deepspeed_estimate"] else "")
-        + f"; limit 80% of {c.cpu_mem_bytes / 1e9:.0f} GB; NVMe {e.nvme_bytes / 1e12:.2f} TB"
-    )
-    ck = e.checkpoint
-    lines.append(
+        + f"; limit 80% of {c.cpu_mem_bytes / 1e9:.0f} GB; NVMe {e.nvme_bytes / 1e12:.2f} TB",
         f"checkpoint: {ck['per_node'] / 1e9:,.1f} GB on the first node ({ck['total'] / 1e9:,.0f} GB in all; "
         f"weights only {ck['weights_only'] / 1e9:,.1f} GB)"
-        + (f"; disk {c.disk_bytes / 1e9:,.0f} GB per node" if c.disk_bytes else "; disk not given (--disk)")
-    )
-    t = e.time
+        + (f"; disk {c.disk_bytes / 1e9:,.0f} GB per node" if c.disk_bytes else "; disk not given (--disk)"),
+    ]
+
+
+def _time_lines(p: Plan, e: Estimate, budget: float) -> list[str]:
+    """Step time by part, throughput beside the ceiling, what was assumed, and the time to a token budget."""
+    t, s = e.time, p.shape
     lo, hi = e.step_time_range_s
     tlo, thi = e.tokens_per_s_range
-    lines += [
+    return [
         f"\nstep time {e.step_time_s:,.2f} s (range {lo:,.2f}-{hi:,.2f} s): compute {t['compute']:,.2f} s "
-        f"(at {t['efficiency']:.0%} of peak{', +1/3 recompute' if cand.activation_checkpointing else ''}), network "
-        f"{t['network']:,.2f} s, host copies {t['host_copies']:,.2f} s, parameter fetch {t['param_fetch']:,.2f} s, "
-        f"optimizer {t['optimizer']:,.2f} s, collective latency {t['collective_latency']:,.2f} s, "
+        f"(at {t['efficiency']:.0%} of peak{', +1/3 recompute' if e.candidate.activation_checkpointing else ''}), "
+        f"network {t['network']:,.2f} s, host copies {t['host_copies']:,.2f} s, parameter fetch "
+        f"{t['param_fetch']:,.2f} s, optimizer {t['optimizer']:,.2f} s, collective latency "
+        f"{t['collective_latency']:,.2f} s, "
         + (f"sequence-parallel all-to-all {t['sequence_all_to_all']:,.2f} s, " if t.get("sequence_all_to_all") else "")
-        + "overhead "
-        f"{t['overhead']:,.2f} s (the parts of a micro-step overlap partly)",
+        + f"overhead {t['overhead']:,.2f} s (the parts of a micro-step overlap partly)",
         f"throughput {e.tokens_per_s:,.0f} tokens/s (range {tlo:,.0f}-{thi:,.0f}; physical ceiling at 100% of "
         f"peak: {e.ceiling_tokens_per_s:,.0f}), MFU {e.mfu:.1%} (PaLM count: 6N + 12*L*h*s per token)",
-        range_line(c),
+        range_line(p.cluster),
         "assumed:",
         *(f"  {figure} {value} ({source})" for figure, value, source in e.assumed),
-    ]
-    budget = token_budget or 1e9
-    lines.append(
         f"time to {budget / 1e9:g}B tokens: {_days(budget, e.tokens_per_s)} (range "
         f"{_days(budget, thi)} to {_days(budget, tlo)}); to 20 tokens/parameter "
-        f"({20 * s.num_params() / 1e9:,.0f}B tokens): {_days(20 * s.num_params(), e.tokens_per_s)}"
-    )
-    return lines
+        f"({20 * s.num_params() / 1e9:,.0f}B tokens): {_days(20 * s.num_params(), e.tokens_per_s)}",
+    ]
 
 
 def fits_table(rows: list[tuple[str, str, Plan]], token_budget: float = 1e9) -> str:
