@@ -283,15 +283,20 @@ def fused_linear_cross_entropy() -> Any:
 # ---- compile ----------------------------------------------------------------------------------------------------
 
 
-def choose_compile(setting: bool | None, device_type: str, zero_stage: int) -> tuple[bool, str]:
+def choose_compile(
+    setting: bool | None, device_type: str, zero_stage: int, long_context: bool = False
+) -> tuple[bool, str]:
     """`train.compile` resolved: null (auto) compiles where it was measured to pay, a CUDA GPU with ZeRO 0-2
-    (1.21x on the H200's 1b case, 2026-12-04); true/false as asked (true with ZeRO-3 is refused earlier)."""
+    (1.21x on the H200's 1b case, 2026-12-04); true/false as asked (true with ZeRO-3 is refused earlier).
+    `long_context`: sequence parallelism or the tiled MLP, which have not run compiled on a GPU here."""
     if setting is not None:
         return setting, f"compile: {'on' if setting else 'off'} (asked for)"
     if device_type != "cuda":
         return False, "compile: off (auto compiles on a CUDA GPU only: the CPU is for tests)"
     if zero_stage == 3:
         return False, "compile: off (auto: ZeRO-3's parameter hooks break the compiled graphs)"
+    if long_context:  # Ulysses' all-to-all and the tiled MLP inside a compiled layer: eager until measured
+        return False, "compile: off (auto with long-context parts; train.compile: true to try)"
     return True, "compile: on (auto on a GPU with ZeRO 0-2; the first steps are slower while each layer compiles)"
 
 

@@ -89,10 +89,8 @@ def choose_speed(
     """train.compile, train.attention and train.kernels resolved here, and applied to the process (the SDPA
     priority, transformers' patched modules): call once on every rank, before the model is built."""
     stage = zero_stage(ds)
-    compile_on, compile_note = kernels.choose_compile(cfg.train.compile, device.type, stage)
-    if compile_on and cfg.train.compile is None and (cfg.train.sequence_parallel > 1 or cfg.train.tiled_mlp > 1):
-        # Ulysses' all-to-all and the tiled MLP inside a compiled layer have not run on a GPU here: eager until then
-        compile_on, compile_note = False, "compile: off (auto with long-context parts; train.compile: true to try)"
+    long_context = cfg.train.sequence_parallel > 1 or cfg.train.tiled_mlp > 1
+    compile_on, compile_note = kernels.choose_compile(cfg.train.compile, device.type, stage, long_context)
     # Rank 0 times the backends and every rank takes its choice: timings within noise of each other would otherwise
     # give ranks different kernels.
     attention = on_rank0(

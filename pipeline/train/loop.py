@@ -193,6 +193,7 @@ class Trainer:
             env["speed"] = speed.record()
             write_json(run.run_dir / "environment.json", env)
         self.max_steps = max_steps_for(cfg, run.plan)
+        self.backward_scale = sequence_parallel_loss_factor(run.ds, run.plan.sequence_parallel)
         self.sink = MetricsSink(
             run.run_dir,
             rank=rank,
@@ -276,7 +277,7 @@ class Trainer:
             timings=timings,
             around=offload,
             sequence=run.sequence,
-            backward_scale=sequence_parallel_loss_factor(run.ds, run.plan.sequence_parallel),
+            backward_scale=self.backward_scale,
         )
         if offload is not None and first and rank == 0:
             say_activation_offload(offload.stats, device)

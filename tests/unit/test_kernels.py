@@ -72,6 +72,8 @@ def test_auto_on_a_gpu_follows_the_measurement(monkeypatch: pytest.MonkeyPatch) 
 def test_compile_auto_compiles_on_a_gpu_below_zero3(setting: bool | None, device: str, stage: int, on: bool) -> None:
     got, note = kernels.choose_compile(setting, device, stage)
     assert got is on and note.startswith(f"compile: {'on' if on else 'off'}")
+    if device == "cuda" and stage < 3:  # sequence parallelism or the tiled MLP: auto stays eager, asked for compiles
+        assert kernels.choose_compile(setting, device, stage, long_context=True)[0] is bool(setting)
 
 
 def test_a_fused_loss_returns_the_sum_and_trains_as_the_chunked_loss() -> None:
