@@ -27,6 +27,7 @@ from pipeline.options import (
     Decorator,
     config_option,
     group,
+    length_mix,
     opt,
     ratios,
     size,
@@ -108,6 +109,18 @@ def tokenize(**options: Any) -> None:
     default=True,
     help="--no-cross-document: never let a sample cross a document boundary (pad, and mask the padding out).",
 )
+@opt(
+    "--whole-documents",
+    is_flag=True,
+    help="Keep each document of up to seq_len tokens whole, several to a sample, padded; training masks attention "
+    "and the loss at their boundaries (for long-context runs). Implies --no-cross-document.",
+)
+@opt(
+    "--length-mix",
+    help="LENGTH:WEIGHT,...: draw the train split's documents at least LENGTH tokens long WEIGHT times as often for "
+    "their share (e.g. 8k:2,32k:4 upsamples long documents for a context extension).",
+    callback=length_mix,
+)
 @click.option("--overwrite", is_flag=True, help="Replace shards made with other arguments.")
 @click.option("--inspect", "inspect_dir", default=None, help="Print the summary of a shard folder.")
 @click.option(
@@ -130,6 +143,8 @@ def shard(sources: tuple[str, ...], inspect_dir: str | None, model_dir: str | No
     parsed, given = parse_sources(sources)
     if model_dir:
         check_model_tokenizer(model_dir, [prefix for prefix, _ in parsed])
+    if options["whole_documents"]:
+        options["cross_document"] = False
     result = shard_stage.run(ShardConfig(sources=parsed, weights_given=given, **options))
     if result.skipped:
         click.echo(f"{options['output']}: shards are up to date (fingerprint {result.manifest['fingerprint']}); done")

@@ -103,6 +103,16 @@ def ratios(ctx: click.Context, param: click.Parameter, value: str) -> tuple[floa
     return ratios
 
 
+def length_mix(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[tuple[int, float], ...]:
+    """`pipeline shard --length-mix 8k:2,32k:4` as ((8192, 2.0), (32768, 4.0))."""
+    from pipeline.units import parse_length_mix
+
+    try:
+        return parse_length_mix(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def group(*decorators: Decorator) -> Decorator:
     """Several options as one decorator, in the order given."""
 

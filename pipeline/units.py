@@ -60,3 +60,23 @@ def parse_count(text: str, what: str = "tokens") -> float:
         return float(num) * scale.get(unit, 1.0)
     except ValueError:
         raise ValueError(f"'{text}': expected a number of {what} such as 1B, 100bn, 500M or 4M") from None
+
+
+def parse_length_mix(spec: str | None) -> tuple[tuple[int, float], ...]:
+    """`--length-mix 8192:2,32768:4` as ((8192, 2.0), (32768, 4.0)); lengths take k/K/M suffixes (8k = 8192,
+    token counts are powers of two as seq_len is); ValueError naming the part that is not LENGTH:WEIGHT."""
+    if not spec:
+        return ()
+    out = []
+    for part in spec.split(","):
+        length, sep, weight = part.strip().partition(":")
+        if not sep:
+            raise ValueError(f"--length-mix {spec}: '{part}' has no weight; give LENGTH:WEIGHT, e.g. {part}:2")
+        scale = {"k": 1024, "m": 1024**2}.get(length[-1:].lower(), 1)
+        try:
+            out.append((int(length[:-1] if scale > 1 else length) * scale, float(weight)))
+        except ValueError:
+            raise ValueError(
+                f"--length-mix {spec}: '{part}' is not LENGTH:WEIGHT (a token count and a weight), e.g. 8192:2 or 8k:2"
+            ) from None
+    return tuple(out)

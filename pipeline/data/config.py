@@ -70,6 +70,12 @@ class ShardConfig:
     shard_size_bytes: int = 512 * 2**20
     cross_document: bool = True
     """False: no sample crosses a document boundary (padding + loss mask)."""
+    whole_documents: bool = False
+    """Documents up to seq_len + 1 tokens whole, several to a sample (best fit), padded; training masks attention
+    and the loss at the boundaries between them (pipeline.data.packing.pack_whole). Needs cross_document False."""
+    length_mix: tuple[tuple[int, float], ...] = ()
+    """(shortest length in tokens, weight) per length bucket, ascending: the train split's documents at least that
+    long are drawn `weight` times as often for their share (shorter than the first edge: weight 1)."""
     overwrite: bool = False
     progress: bool | None = None
     weights_given: bool = field(default=False)
@@ -90,6 +96,14 @@ class ShardConfig:
             )
         if self.num_shards is not None and self.num_shards < 1:
             problems.append(f"--num-shards {self.num_shards}: expected 1 or more")
+        if self.whole_documents and self.cross_document:
+            problems.append("--whole-documents keeps documents apart: it cannot be combined with --cross-document")
+        edges = [e for e, _ in self.length_mix]
+        if edges != sorted(set(edges)) or any(e < 2 for e in edges) or any(not w > 0 for _, w in self.length_mix):
+            problems.append(
+                "--length-mix: expected LENGTH:WEIGHT pairs with increasing lengths of 2 or more tokens and positive "
+                "weights, e.g. 8192:2,32768:4"
+            )
         if self.shard_size_bytes < 1:
             problems.append("--shard-size: expected a positive size such as 512MB")
         if problems:

@@ -62,6 +62,10 @@ class ShardedDataset:
             )
         self._n = total
         self.has_loss_mask = not self.manifest["cross_document"]
+        self.document_masks = bool(self.manifest.get("document_masks"))
+        """Samples hold several whole documents (`pipeline shard --whole-documents`): the batches carry
+        position_ids that restart at each document, so attention stays inside it."""
+        self.eos_id = int(self.manifest["tokenizer"]["eos_id"])
         self._single = self._rows[0] if len(self._rows) == 1 else None
 
     def __len__(self) -> int:
@@ -156,11 +160,26 @@ class _BatchSampler:
         return rank_batches(**self.kw)
 
 
+def document_positions(input_ids: Any, eos_id: int) -> Any:
+    """Pure: (B, T) ids of samples packed with whole documents, each ending with `eos_id` -> (B, T) positions
+    that restart at 0 after every EOS. transformers reads positions that restart as separate sequences in one row
+    (its packed-sequence masks), so a token attends only to its own document."""
+    import torch
+
+    idx = torch.arange(input_ids.size(1)).expand_as(input_ids)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 1:] = input_ids[:, :-1] == eos_id
+    return idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+
+
 class _Collate:
-    """Sample ids -> {"input_ids": (B, T), "labels": (B, T)} int64; labels are -100 where the mask excludes."""
+    """Sample ids -> {"input_ids": (B, T), "labels": (B, T)} int64; labels are -100 where the mask excludes. For
+    samples of whole documents also "position_ids" (B, T), restarting at each document, and no label across a
+    boundary (an EOS does not predict the next document's first token)."""
 
     def __init__(self, dataset: ShardedDataset):
         self.dataset = dataset
+        self.eos_id = dataset.eos_id if dataset.document_masks else None
 
     def __call__(self, items: list[tuple[np.ndarray, np.ndarray | None]]) -> dict[str, Any]:
         import torch
@@ -170,7 +189,11 @@ class _Collate:
         if items[0][1] is not None:
             mask = torch.from_numpy(np.stack([m for _, m in items if m is not None]))[:, 1:]
             labels[~mask] = -100
-        return {"input_ids": ids[:, :-1].contiguous(), "labels": labels}
+        inputs = ids[:, :-1].contiguous()
+        if self.eos_id is None:
+            return {"input_ids": inputs, "labels": labels}
+        labels[inputs == self.eos_id] = -100
+        return {"input_ids": inputs, "labels": labels, "position_ids": document_positions(inputs, self.eos_id)}
 
 
 class _WithMask:

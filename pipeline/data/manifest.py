@@ -72,6 +72,9 @@ class ShardManifest(TypedDict, total=False):
     sample_width: int
     dtype: str
     cross_document: bool
+    document_masks: bool
+    """Samples of whole documents (`--whole-documents`); absent in manifests before 2026-12-06."""
+    length_mix: list[list[float]]
     pad_id: int
     seed: int
     split_ratios: list[float]

@@ -2,9 +2,12 @@
 
 Order of work, all deterministic from the seed:
   1. each source's documents are shuffled and split by document into train/val/test (`split_documents`);
-  2. each split's documents are packed into samples of seq_len + 1 tokens (`pack`), source by source;
+  2. each split's documents are packed into samples of seq_len + 1 tokens (`pack`, or `pack_whole` with
+     --whole-documents), source by source; under --length-mix the train split's documents of each length bucket
+     are packed apart;
   3. the train split is blended: source s contributes round(w_s x total) samples, repeating a small source
-     (`blend_counts`); then every split's samples are shuffled and written as shards of fixed-size rows.
+     (`blend_counts`), split over its length buckets by their weights (`bucket_counts`); then every split's
+     samples are shuffled and written as shards of fixed-size rows.
 Work happens in DIR/.tmp-*; shards are moved into DIR and manifest.json, written last, marks completion.
 """
 
@@ -26,6 +29,7 @@ from pipeline.atomic import OneWriter, file_in_the_way, held_by, make_temp_dir, 
 from pipeline.data.config import ShardConfig
 from pipeline.data.indexed import IndexedReader
 from pipeline.data.manifest import (
+    ShardManifest,
     TokenizeManifest,
     check_tokenized_files,
     manifest_header,
@@ -33,7 +37,16 @@ from pipeline.data.manifest import (
     read_shard_manifest,
     read_tokenize_manifest,
 )
-from pipeline.data.packing import SPLITS, blend_counts, draw, pack, split_documents
+from pipeline.data.packing import (
+    SPLITS,
+    blend_counts,
+    bucket_counts,
+    draw,
+    length_buckets,
+    pack,
+    pack_whole,
+    split_documents,
+)
 from pipeline.errors import PipelineError
 from pipeline.progress import Progress
 
@@ -41,6 +54,17 @@ log = logging.getLogger(__name__)
 FEW_HELD_OUT = 32
 """A val or test split with fewer samples than this is too small to compare checkpoints on: shard warns."""
 _GATHER_ROWS = 8192
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One source's samples of one split (of one length bucket under --length-mix), in a temporary file."""
+
+    rows: np.memmap | None
+    lens: np.memmap | None
+    source: int
+    bucket: int
+    samples: int
 
 
 @dataclass
@@ -119,6 +143,15 @@ def _run(cfg: ShardConfig) -> ShardResult:
         "shard_size_bytes": None if cfg.num_shards else cfg.shard_size_bytes,
         "dtype": dtype.name,
     }
+    if cfg.whole_documents or cfg.length_mix:  # only when used, so that older shard folders keep their fingerprint
+        args |= {"whole_documents": cfg.whole_documents, "length_mix": [list(b) for b in cfg.length_mix]}
+    if cfg.whole_documents and (
+        plain := [p for (p, _), m in zip(cfg.sources, manifests, strict=True) if not m.get("append_eos", True)]
+    ):
+        raise PipelineError(
+            f"--whole-documents tells documents apart by the EOS each ends with, but {', '.join(plain)} was "
+            "tokenized without it (append_eos false): re-run `pipeline tokenize` with EOS appended (the default)"
+        )
     fingerprint = _fingerprint(args)
     if (out / "manifest.json").exists():
         old = json.loads((out / "manifest.json").read_text())
@@ -146,39 +179,48 @@ def _run(cfg: ShardConfig) -> ShardResult:
 
 def _pack_sources(
     cfg: ShardConfig, work: Path, dtype: np.dtype, pad_id: int
-) -> tuple[dict[str, list[tuple[np.memmap, np.memmap | None]]], dict[str, dict[str, Any]]]:
-    """Split each source by document and pack each split into rows (a temporary file per source and split);
-    refuse a seq_len that leaves the train split empty, warn about empty val/test splits."""
+) -> tuple[dict[str, list[Packed]], dict[str, dict[str, Any]]]:
+    """Split each source by document and pack each split into rows (a temporary file per source, split and length
+    bucket); refuse a seq_len that leaves the train split empty, warn about empty val/test splits."""
     width = cfg.seq_len + 1
     readers = [IndexedReader(p) for p, _ in cfg.sources]
     progress = Progress(sum(int(r.lengths.sum()) for r in readers) * dtype.itemsize, "shard", cfg.progress)
-    packed: dict[str, list[tuple[np.memmap, np.memmap | None]]] = {s: [] for s in SPLITS}
+    packed: dict[str, list[Packed]] = {s: [] for s in SPLITS}
     split_stats: dict[str, dict[str, Any]] = {
         s: {"documents": 0, "tokens_in": 0, "dropped_tokens": 0, "per_source_samples": []} for s in SPLITS
     }
     for si, reader in enumerate(readers):
         for split, doc_ids in split_documents(len(reader), cfg.split, cfg.seed, si).items():
-            rows_path, lens_path = work / f"src{si}-{split}.rows", work / f"src{si}-{split}.lens"
-            n_rows = 0
-            with open(rows_path, "wb") as fr, open(lens_path, "wb") as fl:
-                for rows, lens, dropped in pack(
-                    (reader[int(d)] for d in doc_ids), cfg.seq_len, cfg.cross_document, pad_id, dtype
-                ):
-                    fr.write(rows.tobytes())
-                    if lens is not None:
-                        fl.write(lens.tobytes())
-                    n_rows += len(rows)
-                    split_stats[split]["dropped_tokens"] += dropped
-                    progress.update(rows.nbytes, tok=rows.size)
+            groups = [doc_ids]
+            if split == "train" and cfg.length_mix:
+                bucket = length_buckets(reader.lengths[doc_ids], cfg.length_mix)
+                groups = [doc_ids[bucket == b] for b in range(len(cfg.length_mix) + 1)]
+            for bi, ids in enumerate(groups):
+                rows_path, lens_path = work / f"src{si}-{split}-{bi}.rows", work / f"src{si}-{split}-{bi}.lens"
+                n_rows = 0
+                docs = (reader[int(d)] for d in ids)
+                packing = (
+                    pack_whole(docs, cfg.seq_len, pad_id, dtype)
+                    if cfg.whole_documents
+                    else pack(docs, cfg.seq_len, cfg.cross_document, pad_id, dtype)
+                )
+                with open(rows_path, "wb") as fr, open(lens_path, "wb") as fl:
+                    for rows, lens, dropped in packing:
+                        fr.write(rows.tobytes())
+                        if lens is not None:
+                            fl.write(lens.tobytes())
+                        n_rows += len(rows)
+                        split_stats[split]["dropped_tokens"] += dropped
+                        progress.update(rows.nbytes, tok=rows.size)
+                rows_mm = np.memmap(rows_path, dtype, "r", shape=(n_rows, width)) if n_rows else None
+                lens_mm = (
+                    np.memmap(lens_path, np.int32, "r", shape=(n_rows,)) if n_rows and not cfg.cross_document else None
+                )
+                packed[split].append(Packed(rows_mm, lens_mm, si, bi, n_rows))
             st = split_stats[split]
             st["documents"] += len(doc_ids)
             st["tokens_in"] += int(reader.lengths[doc_ids].sum()) if len(doc_ids) else 0
-            st["per_source_samples"].append(n_rows)
-            rows_mm = np.memmap(rows_path, dtype, "r", shape=(n_rows, width)) if n_rows else None
-            lens_mm = (
-                np.memmap(lens_path, np.int32, "r", shape=(n_rows,)) if n_rows and not cfg.cross_document else None
-            )
-            packed[split].append((rows_mm, lens_mm))  # type: ignore[arg-type]
+            st["per_source_samples"].append(sum(p.samples for p in packed[split] if p.source == si))
     progress.close()
     train = split_stats["train"]
     if sum(train["per_source_samples"]) == 0:
@@ -225,7 +267,7 @@ def _write_split(
     work: Path,
     si_split: int,
     split: str,
-    packed: list[tuple[np.memmap, np.memmap | None]],
+    packed: list[Packed],
     st: dict[str, Any],
     weights: list[float] | None,
     dtype: np.dtype,
@@ -235,8 +277,13 @@ def _write_split(
     width = cfg.seq_len + 1
     available = st["per_source_samples"]
     counts = blend_counts(available, weights) if split == "train" else list(available)
+    bucket_weight = [1.0] + [w for _, w in cfg.length_mix]
+    drawn: list[int] = []
+    for s, count in enumerate(counts):
+        mine = [p for p in packed if p.source == s]
+        drawn += bucket_counts([p.samples for p in mine], [bucket_weight[p.bucket] for p in mine], count)
     rng = np.random.default_rng([cfg.seed, 1, si_split])
-    picks = [(s, i) for s in range(len(available)) for i in draw(available[s], counts[s], rng)]
+    picks = [(e, i) for e, p in enumerate(packed) for i in draw(p.samples, drawn[e], rng)]
     order = rng.permutation(len(picks)) if picks else np.zeros(0, np.int64)
     src_ids = np.array([p[0] for p in picks], np.int64)[order] if picks else np.zeros(0, np.int64)
     row_ids = np.array([p[1] for p in picks], np.int64)[order] if picks else np.zeros(0, np.int64)
@@ -248,10 +295,10 @@ def _write_split(
                 s_ids, r_ids = src_ids[c : min(b, c + _GATHER_ROWS)], row_ids[c : min(b, c + _GATHER_ROWS)]
                 block = np.empty((len(s_ids), width), dtype)
                 lens = np.empty(len(s_ids), np.int32)
-                for s in np.unique(s_ids):
-                    sel = s_ids == s
-                    rows_mm, lens_mm = packed[s]
-                    block[sel] = rows_mm[r_ids[sel]]
+                for e in np.unique(s_ids):
+                    sel = s_ids == e
+                    block[sel] = packed[e].rows[r_ids[sel]]  # type: ignore[index]
+                    lens_mm = packed[e].lens
                     lens[sel] = lens_mm[r_ids[sel]] if lens_mm is not None else width
                 fb.write(block.tobytes())
                 if not cfg.cross_document:
@@ -282,6 +329,22 @@ def _write_split(
                 "drawn_samples": counts[s],
                 "effective_epochs": round(counts[s] / available[s], 4) if available[s] else 0.0,
                 "weight": weights[s] if weights else None,
+                **(
+                    {
+                        "length_buckets": [
+                            {
+                                "from_tokens": ([0] + [e for e, _ in cfg.length_mix])[p.bucket],
+                                "weight": bucket_weight[p.bucket],
+                                "available_samples": p.samples,
+                                "drawn_samples": drawn[e],
+                            }
+                            for e, p in enumerate(packed)
+                            if p.source == s
+                        ]
+                    }
+                    if cfg.length_mix and split == "train"
+                    else {}
+                ),
             }
             for s in range(len(available))
         ],
@@ -330,6 +393,8 @@ def _build(
         "sample_width": width,
         "dtype": dtype.name,
         "cross_document": cfg.cross_document,
+        "document_masks": cfg.whole_documents,
+        "length_mix": [list(b) for b in cfg.length_mix],
         "pad_id": pad_id,
         "seed": cfg.seed,
         "split_ratios": list(cfg.split),
@@ -360,13 +425,21 @@ def _shards_intact(out: Path, manifest: dict[str, Any]) -> bool:
     return True
 
 
+def _packing(m: ShardManifest) -> str:
+    if m.get("document_masks"):
+        kind = "whole documents, several to a sample (attention and loss masked at their boundaries)"
+    else:
+        kind = "cross-document packing" if m["cross_document"] else "no cross-document samples (padded, masked)"
+    mix = ", ".join(f"documents of {e:,}+ tokens x{w:g}" for e, w in m.get("length_mix") or [])
+    return kind + (f"; length mix: {mix}" if mix else "")
+
+
 def describe(path: str | Path) -> str:
     """`pipeline shard --inspect`: the manifest as a readable summary."""
     m = read_shard_manifest(path)
     lines = [
         f"{path}: shards by pipeline {m['version']}, fingerprint {m['fingerprint']}",
-        f"  seq_len {m['seq_len']} ({m['dtype']}), seed {m['seed']}, split {m['split_ratios']}, "
-        f"{'cross-document packing' if m['cross_document'] else 'no cross-document samples (padded, masked)'}",
+        f"  seq_len {m['seq_len']} ({m['dtype']}), seed {m['seed']}, split {m['split_ratios']}, {_packing(m)}",
         f"  tokenizer {m['tokenizer']['path']} (vocab {m['tokenizer']['vocab_size']}, "
         f"sha256 {m['tokenizer']['sha256'][:12]})",
     ]
@@ -381,4 +454,9 @@ def describe(path: str | Path) -> str:
                 f"         {src['prefix']}: {src['drawn_samples']:,} of {src['available_samples']:,} "
                 f"samples ({src['effective_epochs']} epochs{w})"
             )
+            for b in src.get("length_buckets", []):
+                lines.append(
+                    f"           documents of {b['from_tokens']:,}+ tokens (x{b['weight']:g}): "
+                    f"{b['drawn_samples']:,} of {b['available_samples']:,} samples"
+                )
     return "\n".join(lines)

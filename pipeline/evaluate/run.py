@@ -50,13 +50,20 @@ def perplexity(
         ids = list(range((b if mine else 0) * batch_size, min(n, ((b if mine else 0) + 1) * batch_size)))
         batch = collate_samples(dataset, ids)
         labels = batch["labels"]
-        losses = model(input_ids=batch["input_ids"].to(device), loss_labels=labels.to(device))
+        extra = {"position_ids": batch["position_ids"].to(device)} if "position_ids" in batch else {}
+        losses = model(input_ids=batch["input_ids"].to(device), loss_labels=labels.to(device), **extra)
         if not mine:
             continue
         sums[0] += float(losses.double().sum())
         sums[1] += int((labels != -100).sum())
-        per_position = losses.double().reshape(labels.shape).sum(0)  # (T,): nats at each position
-        counted = (labels != -100).sum(0)
+        # nats and counted tokens at each position: in the document where samples hold whole documents
+        where = batch.get("position_ids", torch.arange(labels.size(1)).expand_as(labels)).reshape(-1)
+        per_position = torch.zeros(labels.size(1), dtype=torch.float64).index_add_(
+            0, where, losses.detach().double().cpu().reshape(-1)
+        )
+        counted = torch.zeros(labels.size(1), dtype=torch.long).index_add_(
+            0, where, (labels != -100).reshape(-1).long()
+        )
         for k, (lo, hi) in enumerate(itertools.pairwise(edges)):
             sums[3 + 2 * k] += float(per_position[lo:hi].sum())
             sums[4 + 2 * k] += int(counted[lo:hi].sum())

@@ -174,6 +174,12 @@ class Trainer:
             tiles = cfg.train.tiled_mlp
             long_context = [run.plan.sequence_note] if run.plan.sequence_parallel > 1 else []
             long_context += [f"tiled MLP: each layer's MLP in {tiles} tiles along the sequence"] if tiles > 1 else []
+            if self.train_data.document_masks:
+                mask_gib = run.plan.micro_batch_size * run.plan.seq_len**2 / 2**30
+                long_context += [
+                    "documents: whole, several to a sample; attention and the loss stay inside each (positions "
+                    f"restart at each document's start); SDPA takes a {mask_gib:.2g} GiB mask per micro-batch for it"
+                ]
             for note in speed.notes() + long_context:
                 log.info("%s", note)
         with announced_op_builds(run):

@@ -40,3 +40,26 @@ def test_a_resumed_run_of_another_length_says_its_schedule_is_re_stretched(shard
     assert "from 80 to 140 steps since 60" in note and f"lr at step 60: {before:.3g} before, {now:.3g} now" in note
     assert schedule_note(prepared, {"step": 60, "max_steps": 140}) is None  # type: ignore[arg-type]
     assert schedule_note(prepared, {"step": 60}) is None  # type: ignore[arg-type]  # checkpoints from before
+
+
+def test_sequence_parallel_over_shards_of_whole_documents_is_refused_naming_both(tokenized, tmp_path) -> None:
+    """Ulysses attention over SDPA drops the attention mask (it attends causally over the whole sample), so the
+    documents of a --whole-documents sample would see each other: refused before launch; sequence parallel 1 is
+    prepared."""
+    from pipeline.errors import ConfigError
+    from pipeline.train.setup.config import from_dict
+    from pipeline.train.setup.prepare import prepare
+    from tests.conftest import shard_into
+
+    out = tmp_path / "whole"
+    shard_into(
+        [(tokenized, 1.0)], out, seq_len=64, split=(80.0, 10.0, 10.0), cross_document=False, whole_documents=True
+    )
+    raw = {
+        "data": {"path": str(out)},
+        "batch": {"micro_batch_size": 1, "global_batch_size": 2},
+        "train": {"max_steps": 2, "deepspeed_config": "ds_configs/zero2.json", "sequence_parallel": 2},
+    }
+    with pytest.raises(ConfigError, match=r"train.sequence_parallel 2: .*--whole-documents.*use sequence_parallel 1"):
+        prepare(from_dict(raw), 2)
+    assert prepare(from_dict({**raw, "train": {**raw["train"], "sequence_parallel": 1}}), 2).plan.sequence_parallel == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline.data import shard as shard_stage
@@ -210,3 +211,95 @@ def test_a_16k_token_document_survives_tokenize_shard_and_loader_whole(tokenized
     ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
     assert ids[: len(whole)] == whole[: len(ids)] and labels[: len(whole) - 1] == whole[1:]
     assert all(y == -100 for y in labels[len(whole) - 1 :])  # the padding after it carries no loss
+
+
+def varied_corpus(tokenized: Path, tmp_path: Path, docs: int = 240, longest: int = 60) -> Path:
+    """A tokenized corpus of `docs` documents of 3 to `longest` words (seeded) cut from the fixture's text."""
+    rng = np.random.default_rng(7)
+    words = " ".join(json.loads(line)["text"] for line in CORPUS.read_text().splitlines()).split()
+    source = tmp_path / "varied.jsonl"
+    with source.open("w") as f:
+        for _ in range(docs):
+            n, at = int(rng.integers(3, longest)), int(rng.integers(0, len(words) - longest))
+            f.write(json.dumps({"text": " ".join(words[at : at + n])}) + "\n")
+    tokenize_with(tmp_path / "varied", [str(source)], tokenizer_model(tokenized))
+    return tmp_path / "varied"
+
+
+def test_whole_documents_reach_the_loader_whole_with_positions_that_restart(tokenized: Path, tmp_path: Path) -> None:
+    """--whole-documents: each train document is in exactly one sample, contiguous, several to a sample; the
+    loader's positions restart at 0 after every EOS (so attention stays inside a document), an EOS predicts
+    nothing, and every other token of every document is a label once."""
+    from pipeline.data.loader import collate_samples
+    from pipeline.data.packing import split_documents
+
+    prefix = varied_corpus(tokenized, tmp_path)
+    out = tmp_path / "whole"
+    shard_into([(prefix, 1.0)], out, seq_len=256, split=(90.0, 5.0, 5.0), cross_document=False, whole_documents=True)
+    data = ShardedDataset(out, "train")
+    assert data.document_masks and "whole documents" in shard_stage.describe(out)
+    reader = IndexedReader(prefix)
+    docs = [reader[int(d)].tolist() for d in split_documents(len(reader), (90.0, 5.0, 5.0), 1234, 0)["train"]]
+    assert max(map(len, docs)) <= 257 and len(data) < len(docs) / 2, "several documents share a sample"
+    rows = [data[i].tolist() for i in range(len(data))]
+    for doc in docs:
+        assert any(r[k : k + len(doc)] == doc for r in rows for k in range(len(r) - len(doc) + 1))
+    batch = collate_samples(data, list(range(len(data))))
+    eos = data.eos_id
+    for ids, labels, pos in zip(batch["input_ids"], batch["labels"], batch["position_ids"], strict=True):
+        assert pos[0] == 0
+        for k in range(1, len(ids)):
+            assert pos[k] == (0 if ids[k - 1] == eos else pos[k - 1] + 1)
+        assert (labels[ids == eos] == -100).all()
+    assert int((batch["labels"] != -100).sum()) == sum(len(d) - 1 for d in docs)
+
+
+def test_length_mix_draws_long_documents_by_their_weight_and_is_seeded(tokenized: Path, tmp_path: Path) -> None:
+    """--length-mix: the train split's documents of each bucket are packed apart and drawn in proportion to
+    available x weight, the split's total kept; the same seed writes the same shards; val/test are untouched."""
+    prefix = varied_corpus(tokenized, tmp_path)
+    edge = int(np.median(IndexedReader(prefix).lengths))
+    kw = {"seq_len": 128, "cross_document": False, "whole_documents": True, "split": (90.0, 5.0, 5.0)}
+    plain = shard_into([(prefix, 1.0)], tmp_path / "plain", **kw).manifest
+    mixed = shard_into([(prefix, 1.0)], tmp_path / "mixed", length_mix=((edge, 3.0),), **kw).manifest
+    buckets = mixed["splits"]["train"]["sources"][0]["length_buckets"]
+    assert [b["from_tokens"] for b in buckets] == [0, edge] and [b["weight"] for b in buckets] == [1.0, 3.0]
+    short, long = buckets
+    total = short["available_samples"] + 3 * long["available_samples"]
+    n = mixed["splits"]["train"]["samples"]
+    assert n == short["available_samples"] + long["available_samples"] == short["drawn_samples"] + long["drawn_samples"]
+    assert abs(long["drawn_samples"] - n * 3 * long["available_samples"] / total) < 1
+    rates = [b["drawn_samples"] / b["available_samples"] for b in (short, long)]
+    assert rates[0] < 1 < rates[1] and abs(rates[1] / rates[0] - 3) < 0.2, rates  # a long sample 3x as often
+    for split in ("val", "test"):
+        assert mixed["splits"][split]["samples"] == plain["splits"][split]["samples"]
+    again = shard_into([(prefix, 1.0)], tmp_path / "again", length_mix=((edge, 3.0),), **kw).manifest
+    shas = [[f["sha256"] for f in m["splits"]["train"]["shards"]] for m in (mixed, again)]
+    assert shas[0] == shas[1]
+    assert f"documents of {edge:,}+ tokens (x3)" in shard_stage.describe(tmp_path / "mixed")
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("8k", "has no weight"),
+        ("eight:2", "is not LENGTH:WEIGHT"),
+        ("8k:2,4k:1", "increasing lengths"),
+        ("8k:0", "positive"),
+    ],
+)
+def test_a_bad_length_mix_is_one_line_naming_it(tokenized: Path, tmp_path: Path, spec: str, says: str) -> None:
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    args = ["shard", str(tokenized), "--output", str(tmp_path / "o"), "--seq-len", "64", "--length-mix", spec]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and says in result.output and "--length-mix" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_whole_documents_need_documents_that_end_with_eos(tokenized: Path, tmp_path: Path) -> None:
+    tokenize_with(tmp_path / "plain", [str(CORPUS)], tokenizer_model(tokenized), append_eos=False)
+    with pytest.raises(PipelineError, match="append_eos false"):
+        shard_into([(tmp_path / "plain", 1.0)], tmp_path / "o", seq_len=64, cross_document=False, whole_documents=True)

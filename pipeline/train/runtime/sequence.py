@@ -38,7 +38,11 @@ class SequenceShard:
             return batch
         width = batch["input_ids"].size(1) // self.size
         lo, hi = self.index * width, (self.index + 1) * width
-        positions = torch.arange(lo, hi, dtype=torch.long).expand(batch["input_ids"].size(0), width)
+        positions = (
+            batch["position_ids"][:, lo:hi]
+            if "position_ids" in batch
+            else torch.arange(lo, hi, dtype=torch.long).expand(batch["input_ids"].size(0), width)
+        )
         ids, labels = batch["input_ids"][:, lo:hi], batch["labels"][:, lo:hi]
         return {"input_ids": ids, "labels": labels, "position_ids": positions}
 

@@ -75,7 +75,15 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
         cfg.model.max_position_embeddings,
     )
     check_tokenizer(shape, manifest["tokenizer"], f"{cfg.data.path}/manifest.json")
-    if found := sequence_parallel_problems(shape, plan.sequence_parallel):
+    found = sequence_parallel_problems(shape, plan.sequence_parallel)
+    if plan.sequence_parallel > 1 and manifest.get("document_masks"):
+        found.append(
+            f"train.sequence_parallel {plan.sequence_parallel}: {cfg.data.path} holds whole documents packed "
+            "several to a sample (`pipeline shard --whole-documents`), and DeepSpeed's sequence-parallel attention "
+            "over SDPA attends across the whole sample, so its documents would see each other; use "
+            "sequence_parallel 1 with these shards, or shard without --whole-documents"
+        )
+    if found:
         raise ConfigError(found)
     if cfg.train.deepspeed_config == "auto":
         raw, checkpointing = auto_ds_config(shape, plan, world_size, cfg.train.gpu_memory_cap_gib, local_size)
