@@ -23,6 +23,7 @@ from pipeline.plan.timing import Measured, Rates, rates_from_run
 from pipeline.train.setup.config import PretrainConfig, load
 from pipeline.train.setup.ds_config import BatchPlan, batch_plan, load_ds_config
 from pipeline.train.setup.optimizers import OPTIMIZERS
+from pipeline.train.setup.schedule import Schedule, max_steps_for
 
 
 @dataclass
@@ -35,6 +36,8 @@ class Forecast:
     cluster: Cluster
     yours: Estimate
     search: Plan
+    schedule: str = ""
+    """The learning-rate schedule, as the run's log says it."""
 
 
 def shape_and_seq(
@@ -106,7 +109,8 @@ def forecast_config(
             bp.sequence_parallel,
         )
         yours = estimate(shape, seq, cluster, cand, mfu, chunk, rates=rates)
-    return Forecast(config_path, shape, seq, source, bp, cluster, yours, found)
+    schedule = Schedule.of(cfg).describe(max_steps_for(cfg, bp))
+    return Forecast(config_path, shape, seq, source, bp, cluster, yours, found, schedule)
 
 
 @dataclass

@@ -23,6 +23,7 @@ def render_config(f: Forecast, token_budget: float | None = None) -> str:
 
     e, best = f.yours, f.search.best
     lines = header(f.search) + [f"config {f.config}; seq_len {f.seq_len} from {f.seq_len_from}"]
+    lines += [f.schedule] if f.schedule else []
     lines += describe_estimate(f.search, e, token_budget, title="your config")
     verdict = "FITS" if e.fits else "DOES NOT FIT"
     free = f.cluster.gpu.memory_gib - (e.gpu["reserved"] + e.gpu["margin"]) / 2**30

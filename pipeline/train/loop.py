@@ -44,7 +44,7 @@ from pipeline.train.runtime.ds_workarounds import sequence_parallel_loss_factor
 from pipeline.train.setup.config import dump
 from pipeline.train.setup.prepare import Prepared, Run
 from pipeline.train.setup.runlock import LOCK_NAME, RunLock
-from pipeline.train.setup.schedule import lr_at, max_steps_for
+from pipeline.train.setup.schedule import Schedule, lr_at, max_steps_for
 from pipeline.train.state import TrainState
 from pipeline.train.step import train_step
 
@@ -180,7 +180,7 @@ class Trainer:
                     "documents: whole, several to a sample; attention and the loss stay inside each (positions "
                     f"restart at each document's start); SDPA takes a {mask_gib:.2g} GiB mask per micro-batch for it"
                 ]
-            for note in speed.notes() + long_context:
+            for note in [Schedule.of(cfg).describe(max_steps_for(cfg, run.plan))] + speed.notes() + long_context:
                 log.info("%s", note)
         with announced_op_builds(run):
             self.engine, marker = self.checkpointer.resume(

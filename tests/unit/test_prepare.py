@@ -63,3 +63,36 @@ def test_sequence_parallel_over_shards_of_whole_documents_is_refused_naming_both
     with pytest.raises(ConfigError, match=r"train.sequence_parallel 2: .*--whole-documents.*use sequence_parallel 1"):
         prepare(from_dict(raw), 2)
     assert prepare(from_dict({**raw, "train": {**raw["train"], "sequence_parallel": 1}}), 2).plan.sequence_parallel == 1
+
+
+def test_a_wsd_run_extended_while_stable_resumes_with_a_clean_note_and_inside_its_decay_it_is_warned(shards) -> None:
+    """The resume rule over the schedule recorded in the checkpoint: a warmup-stable-decay run extended from 100
+    to 200 steps at step 60 (stable) changes no trained rate; extended at step 90 (inside the decay) it does, and
+    so does a schedule changed between launches."""
+    from pipeline.train.checkpoint.resume import schedule_note
+    from pipeline.train.setup.config import from_dict
+    from pipeline.train.setup.prepare import prepare
+    from pipeline.train.setup.schedule import Schedule
+
+    def prepared(steps: int, **optim: object):  # noqa: ANN202
+        return prepare(
+            from_dict(
+                {
+                    "data": {"path": str(shards)},
+                    "batch": {"micro_batch_size": 2, "global_batch_size": 4},
+                    "optim": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 5, "schedule": "wsd", "decay_steps": 20}
+                    | optim,
+                    "train": {"max_steps": steps, "deepspeed_config": "ds_configs/zero1.json"},
+                }
+            ),
+            2,
+        )
+
+    saved = Schedule.of(prepared(100).cfg).as_dict()
+    clean = schedule_note(prepared(200), {"step": 60, "max_steps": 100, "schedule": saved})  # type: ignore[arg-type]
+    assert clean is not None and "continues cleanly" in clean and "stable to step 180" in clean
+    late = schedule_note(prepared(200), {"step": 90, "max_steps": 100, "schedule": saved})  # type: ignore[arg-type]
+    assert late is not None and "re-stretched to 200 steps from update 81 on" in late
+    other = schedule_note(prepared(100, decay_shape="sqrt"), {"step": 90, "max_steps": 100, "schedule": saved})  # type: ignore[arg-type]
+    assert other is not None and "decay_shape linear -> sqrt" in other and "re-stretched" in other
+    assert schedule_note(prepared(100), {"step": 90, "max_steps": 100, "schedule": saved}) is None  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from pipeline.train.runtime.dist import on_rank0, ranks_per_node
 from pipeline.train.runtime.ds_workarounds import replay_adam_beta_powers
 from pipeline.train.setup.ds_config import zero_stage
 from pipeline.train.setup.prepare import Run
-from pipeline.train.setup.schedule import max_steps_for
+from pipeline.train.setup.schedule import Schedule, max_steps_for
 
 if TYPE_CHECKING:
     from pipeline.train.state import TrainState
@@ -163,6 +163,7 @@ class Checkpointer:
             "model_shape": run.shape.as_dict(),
             "world_size": run.dist.world_size,
             "max_steps": max_steps_for(run.cfg, run.plan),
+            "schedule": Schedule.of(run.cfg).as_dict(),
         }
 
     def _save(self, state: TrainState) -> None:

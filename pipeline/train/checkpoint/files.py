@@ -44,6 +44,8 @@ class Marker(TypedDict):
     world_size: int
     max_steps: NotRequired[int]
     """The run's length when it saved (the learning-rate schedule's); absent in checkpoints from before."""
+    schedule: NotRequired[dict[str, Any]]
+    """The learning-rate schedule's parameters (pipeline.train.setup.schedule.Schedule); absent before 2026-12-06."""
     files: NotRequired[dict[str, dict[str, Any]]]
     """Every file of the checkpoint, relative to its folder: {"size": bytes, "sha256": hex (checkpoint.verify),
     "host": the host of the rank that wrote it}."""

@@ -14,7 +14,7 @@ from pipeline.train.checkpoint.files import Marker
 from pipeline.train.setup.ds_config import zero_stage
 from pipeline.train.setup.optimizers import OPTIMIZERS
 from pipeline.train.setup.prepare import Prepared
-from pipeline.train.setup.schedule import lr_at, max_steps_for
+from pipeline.train.setup.schedule import Schedule, first_changed_step, learning_rate, max_steps_for
 
 
 def choose_resume(policy: str, complete_tags: list[str], run_dir: str) -> str | None:
@@ -146,15 +146,29 @@ def continue_from(
 
 
 def schedule_note(prepared: Prepared, marker: ckpt.Marker) -> str | None:
-    """A resumed run whose length changed has its learning-rate schedule re-stretched: say so, with the numbers."""
-    before = marker.get("max_steps")
-    now = max_steps_for(prepared.cfg, prepared.plan)
-    if before is None or before == now:
+    """What a resume changes in the learning rate (None: nothing): the run's length or the schedule's parameters
+    changed since the checkpoint. When no update already trained would have had another rate (a warmup-stable-decay
+    run extended while stable), a note saying the extension is clean; otherwise which rates move, with the numbers."""
+    cfg, step = prepared.cfg, marker["step"]
+    now, now_steps = Schedule.of(cfg), max_steps_for(cfg, prepared.plan)
+    before_steps = marker.get("max_steps", now_steps)
+    before = Schedule(**marker["schedule"]) if "schedule" in marker else now  # older checkpoints: as configured
+    if before == now and before_steps == now_steps:
         return None
-    step, cfg = marker["step"], prepared.cfg
+    what = f"the run's length changed from {before_steps} to {now_steps} steps" if before_steps != now_steps else ""
+    if before != now:
+        fields = [f"{k} {v} -> {now.as_dict()[k]}" for k, v in before.as_dict().items() if now.as_dict()[k] != v]
+        what += ("; " if what else "") + "the schedule changed (" + ", ".join(fields) + ")"
+    changed = first_changed_step(before, before_steps, now, now_steps, step - 1)
+    if changed is None:
+        return (
+            f"note: {what} since step {step}; no update already trained would have had another rate, so the "
+            f"checkpoint continues cleanly: {now.describe(now_steps)}"
+        )
     return (
-        f"note: the run's length changed from {before} to {now} steps since {marker['step']}: the learning-rate "
-        f"schedule is re-stretched to {now} (lr at step {step}: {lr_at(step, cfg, before):.3g} before, "
-        f"{lr_at(step, cfg, now):.3g} now). Intended for extending a run; to keep the old schedule set "
-        f"train.max_steps: {before}, or optim.decay_steps"
+        f"note: {what} since {step}: the learning-rate schedule is re-stretched to {now_steps} steps from update "
+        f"{changed + 1} on, including updates already trained (lr at step {step}: "
+        f"{learning_rate(step, before, before_steps):.3g} before, {learning_rate(step, now, now_steps):.3g} now). "
+        f"Intended for extending a run; to keep the old schedule set train.max_steps: {before_steps}, or use "
+        "optim.schedule wsd, whose runs extend without changing a trained step"
     )

@@ -62,9 +62,20 @@ class OptimSection:
     offload)."""
     lr: float = 3e-4
     min_lr: float = 3e-5
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """The learning-rate schedule (pipeline.train.setup.schedule.SCHEDULES): cosine | wsd (warmup-stable-decay:
+    extendable while stable, cooldowns branched from any stable checkpoint) | constant (after warmup)."""
     warmup_steps: int = 100
+    warmup_from: Literal["auto", "zero", "min_lr"] = "auto"
+    """Where warmup starts: zero, or min_lr (a rewarm, for continued pretraining). auto: min_lr when the run starts
+    from a model's weights (model.init_from), zero otherwise."""
     decay_steps: int | None = None
-    """Cosine decay length after warmup; default: until max_steps."""
+    """cosine: the decay's length after warmup (default: until max_steps). wsd: the decay's length at the end of
+    the run (or decay_ratio)."""
+    decay_ratio: float | None = None
+    """wsd: the decay's share of the run's steps, in (0, 1] (default 0.2 when decay_steps is not given either)."""
+    decay_shape: Literal["linear", "sqrt", "cosine"] = "linear"
+    """wsd: the decay's shape (1 - p, 1 - sqrt(p), or half a cosine, p going 0 to 1)."""
     weight_decay: float = 0.1
     """Not applied to norms and biases."""
     beta1: float = 0.9
@@ -323,6 +334,18 @@ def check(cfg: PretrainConfig) -> list[str]:
         p.append(f"optim.min_lr {o.min_lr}: expected 0 <= min_lr <= lr ({o.lr})")
     if o.warmup_steps < 0:
         p.append("optim.warmup_steps: expected 0 or more")
+    if o.decay_steps is not None and o.decay_steps < 1:
+        p.append(f"optim.decay_steps {o.decay_steps}: expected 1 or more (or null)")
+    if o.decay_ratio is not None and not 0 < o.decay_ratio <= 1:
+        p.append(f"optim.decay_ratio {o.decay_ratio}: expected a share of the run in (0, 1], e.g. 0.2")
+    if o.schedule != "wsd" and o.decay_ratio is not None:
+        p.append(f"optim.decay_ratio is for optim.schedule wsd (this run's is {o.schedule}); remove it or use wsd")
+    if o.schedule != "wsd" and o.decay_shape != "linear":
+        p.append(f"optim.decay_shape is for optim.schedule wsd (this run's is {o.schedule}); remove it or use wsd")
+    if o.schedule == "wsd" and o.decay_steps is not None and o.decay_ratio is not None:
+        p.append("optim: give one of decay_steps or decay_ratio for the wsd decay, not both")
+    if o.schedule == "constant" and o.decay_steps is not None:
+        p.append("optim.decay_steps: a constant schedule has no decay; remove it, or use schedule wsd")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append("optim.beta1/beta2: expected values in [0, 1)")
     if o.grad_clip < 0:
