@@ -12,7 +12,6 @@ from pipeline.errors import ConfigError
 from pipeline.train.setup.config import OptimSection, from_dict
 from pipeline.train.setup.schedule import SCHEDULES, SHAPES, Schedule, first_changed_step, learning_rate, lr_at
 
-
 BATCH = {"micro_batch_size": 1, "global_batch_size": 2}
 
 
