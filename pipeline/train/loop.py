@@ -45,6 +45,7 @@ from pipeline.train.setup.config import dump
 from pipeline.train.setup.prepare import Prepared, Run
 from pipeline.train.setup.runlock import LOCK_NAME, RunLock
 from pipeline.train.setup.schedule import Schedule, lr_at, max_steps_for
+from pipeline.train.setup.stages import Stage, stage_at, stages
 from pipeline.train.state import TrainState
 from pipeline.train.step import train_step
 
@@ -125,10 +126,12 @@ class Trainer:
         self.stopped_early = False
         cfg, rank = run.cfg, run.dist.rank
         self.train_data = ShardedDataset(cfg.data.path, "train")
+        self.stage = stages(cfg.data)[0]
         has_val = run.manifest["splits"]["val"]["samples"]
         self.val_data = ShardedDataset(cfg.data.path, "val") if has_val else None
         if cfg.data.verify:
             splits = [self.train_data] + ([self.val_data] if self.val_data is not None else [])
+            splits += [ShardedDataset(stage.path, "train") for stage in stages(cfg.data)[1:]]
             here = run.run_dir if run.run_dir.is_dir() else None
             on_rank0(lambda: verify_shards(splits, here))  # every rank exits with rank 0's answer
         if not has_val and cfg.eval.interval and cfg.eval.batches and rank == 0:
@@ -187,6 +190,11 @@ class Trainer:
                 lambda ds: build_engine(cfg, ds, run.shape, run.manifest["tokenizer"], rank, speed)
             )
         self.state = TrainState(marker["step"], marker["consumed_samples"], True) if marker else TrainState()
+        if rank == 0 and self.checkpointer.branched_from is not None:
+            history = self.checkpointer.branched_from.parent / "metrics.jsonl"
+            if history.exists() and not (run.run_dir / "metrics.jsonl").exists():
+                shutil.copyfile(history, run.run_dir / "metrics.jsonl")  # the source's steps, cut at the branch below
+        self._enter_stage(stage_at(cfg.data, self.state.step))
         ranks: list[Any] = [None] * run.dist.world_size
         tdist.all_gather_object(ranks, rank_facts(run.dist))
         if rank == 0:
@@ -229,6 +237,9 @@ class Trainer:
         engine.train()
         loss = float("nan")
         while state.step < self.max_steps:
+            if (stage := stage_at(run.cfg.data, state.step)) != self.stage:
+                self._enter_stage(stage)
+                batches = self._batches()
             lr = lr_at(state.step, run.cfg, self.max_steps)
             loss, stopping, timings = self._step(batches, lr, stop.requested, offload, first=state.step == start)
             self.watchdog.beat()
@@ -248,8 +259,24 @@ class Trainer:
         elif run.dist.rank == 0 and not self.stopped_early:
             log.info("done: step %d, final loss %.4f", state.step, loss)
 
+    def _enter_stage(self, stage: Stage) -> None:
+        """Train on `stage`'s shards from here on; its checkpoints record their fingerprint."""
+        if stage != self.stage:
+            self.train_data = ShardedDataset(stage.path, "train")
+            if self.run.dist.rank == 0:
+                log.info(
+                    "data stage %d from step %d: %s, at its sample %d",
+                    stage.index + 1,
+                    stage.from_step,
+                    stage.path,
+                    stage.position(self.state.consumed_samples, self.run.plan.global_batch_size),
+                )
+        self.stage = stage
+        self.checkpointer.data_fingerprint = self.train_data.fingerprint
+
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        """This rank's micro-batches from where the run stands (the same samples whatever the world size)."""
+        """This rank's micro-batches from where the run stands in its data stage (the same samples whatever the
+        world size)."""
         run = self.run
         loader = build_loader(
             self.train_data,
@@ -257,7 +284,7 @@ class Trainer:
             micro_batch_size=run.plan.micro_batch_size,
             data_parallel_size=run.plan.data_parallel_size,  # a sequence-parallel group reads as one replica
             rank=run.replica,
-            consumed_samples=self.state.consumed_samples,
+            consumed_samples=self.stage.position(self.state.consumed_samples, run.plan.global_batch_size),
             num_workers=run.cfg.data.num_workers,
         )
         return iter(loader)

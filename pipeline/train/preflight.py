@@ -22,6 +22,7 @@ from pipeline.train.runtime.dist import accelerator_name
 from pipeline.train.setup.prepare import Prepared
 from pipeline.train.setup.runlock import check_free
 from pipeline.train.setup.schedule import max_steps_for
+from pipeline.train.setup.stages import stages
 
 VERIFIED = ".shards-verified.json"
 """In the run folder: the shards whose checksums a launch verified, with the size and mtime of every file, so the
@@ -149,17 +150,20 @@ def before_launch(prepared: Prepared, world: int, per_node: int, more: Sequence[
     try:
         splits = ["train"] + (["val"] if prepared.manifest["splits"]["val"]["samples"] else [])
         datasets = [ShardedDataset(cfg.data.path, split) for split in splits]  # sizes against the manifest
+        datasets += [ShardedDataset(stage.path, "train") for stage in stages(cfg.data)[1:]]
         if cfg.data.verify:
             verify_shards(datasets, run_dir if run_dir.is_dir() else None, record=False)
     except PipelineError as e:
         datasets = []
         problems.append(str(e))
-    found = resumable(run_dir, cfg.checkpoint.resume, cfg.checkpoint.verify)
+    found = resumable(run_dir, cfg.checkpoint.resume, cfg.checkpoint.verify, cfg.checkpoint.branch_from)
     if found is not None:
-        tag, marker, warnings = found
+        tag, marker, warnings, folder = found
         notes += warnings
+        if folder != run_dir:
+            notes.append(f"branching from {folder}/{tag} (step {marker['step']}): it is read, never written")
         try:
-            if note := continue_from(prepared, world, tag, marker):
+            if note := continue_from(prepared, world, tag, marker, folder=folder):
                 notes.append(note)
         except PipelineError as e:  # one of the launch's problems, said together
             problems.append(str(e))

@@ -48,6 +48,8 @@ class Checkpointer:
         self.size_hint = ckpt.checkpoint_size(run, run.dist.world_size, ranks_per_node(run.dist.world_size))
         self.last_saved = -1
         self.engine: Any = None
+        self.branched_from: Path | None = None
+        """The source checkpoint when this launch started the run from another run's (checkpoint.branch_from)."""
 
     # ---- resume -------------------------------------------------------------------------------------------------
 
@@ -61,21 +63,31 @@ class Checkpointer:
         if found is None:
             self.engine = build_engine(ds)
             return self.engine, None
-        tag, marker = found
-        load_tag = tag
+        tag, marker, folder = found
+        load_tag, load_dir = tag, folder
         if marker["world_size"] != run.dist.world_size and zero_stage(ds) > 0:
             # Another world size: DeepSpeed's universal checkpoint re-partitions the optimizer states. Rank 0
-            # converts once (kept beside the checkpoint for the next launch); the engine loads it with load_universal.
+            # converts once (kept beside the checkpoint for the next launch; a branch's in its own run_dir, so
+            # the source run is only read); the engine loads it with load_universal.
             timeout_s = run.cfg.train.comm_timeout_minutes * 60
-            load_tag = on_rank0(lambda: self._universal(tag), heartbeat_s=min(60.0, timeout_s / 4))
+            load_tag = on_rank0(lambda: self._universal(folder, tag), heartbeat_s=min(60.0, timeout_s / 4))
+            load_dir = run_dir
             ds = {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
         self.engine = build_engine(ds)
         self.engine.load_checkpoint(
-            str(run_dir), tag=load_tag, load_optimizer_states=True, load_lr_scheduler_states=False
+            str(load_dir), tag=load_tag, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         replay_adam_beta_powers(self.engine.optimizer, run.dist.device)
         self.last_saved = marker["step"]
-        if run.dist.rank == 0:
+        self.branched_from = None if folder == run_dir else folder / tag
+        if run.dist.rank == 0 and self.branched_from is not None:
+            log.info(
+                "branched from %s: step %d, %d samples consumed (that run is read, never written)",
+                self.branched_from,
+                marker["step"],
+                marker["consumed_samples"],
+            )
+        elif run.dist.rank == 0:
             through = (
                 f" (saved by {marker['world_size']} ranks, now {run.dist.world_size}: through the universal "
                 f"checkpoint {load_tag})"
@@ -92,46 +104,49 @@ class Checkpointer:
             )
         return self.engine, marker
 
-    def _choose(self) -> tuple[str, ckpt.Marker] | None:
+    def _choose(self) -> tuple[str, ckpt.Marker, Path] | None:
         """Rank 0: the checkpoint to continue (skipping complete ones whose files are damaged, with a warning each)
         and its marker, refused when this config cannot continue it (another model, seq_len, data...; `pipeline
         pretrain` refuses it before launch), with a note when the run's length changed. Warns when the disk cannot
         hold `keep_last` checkpoints plus the next (`pipeline pretrain` refuses such a run before launch)."""
         run_dir = self.run.run_dir
-        found = resumable(run_dir, self.cfg.resume, self.cfg.verify)
-        for w in found[2] if found else []:
+        found = resumable(run_dir, self.cfg.resume, self.cfg.verify, self.cfg.branch_from)
+        for w in found.warnings if found else []:
             log.warning("%s", w)
         if self.cfg.enabled and (problem := ckpt.space_problem(run_dir, self.size_hint, self.cfg.keep_last)):
             log.warning("warning: %s", problem)
         if found is None:
             return None
-        tag, marker, _ = found
-        if note := continue_from(self.run, self.run.dist.world_size, tag, marker, self.data_fingerprint):
+        tag, marker, _, folder = found
+        if note := continue_from(self.run, self.run.dist.world_size, tag, marker, folder=folder):
             log.warning("%s", note)
-        return tag, marker
+        return tag, marker, folder
 
-    def _universal(self, tag: str) -> str:
-        """Rank 0: the universal form of `tag`, converted now unless it is there from an earlier launch."""
+    def _universal(self, folder: Path, tag: str) -> str:
+        """Rank 0: the universal form of `folder`/`tag` in this run's folder, converted now unless it is there
+        from an earlier launch."""
         import psutil
 
         run_dir = self.run.run_dir
         workers = ckpt.CONVERSION_WORKERS
         if not (run_dir / f"{tag}{ckpt.UNIVERSAL}" / ckpt.MARKER).exists():
+            run_dir.mkdir(parents=True, exist_ok=True)
             free, ram = shutil.disk_usage(run_dir).free, psutil.virtual_memory().available
-            workers, problem = ckpt.conversion_plan(run_dir, tag, free, ram)
+            workers, problem = ckpt.conversion_plan(folder, tag, free, ram)
             if problem:
                 raise PipelineError(problem)
         try:
-            name, converted = ckpt.universal(run_dir, tag, workers)
+            name, converted = ckpt.universal(folder, tag, workers, into=run_dir)
         except Exception as e:  # noqa: BLE001 - said on every rank by on_rank0
             raise PipelineError(
-                f"converting {run_dir}/{tag} to a universal checkpoint failed: {type(e).__name__}: {e}"
+                f"converting {folder}/{tag} to a universal checkpoint failed: {type(e).__name__}: {e}"
             ) from e
         if converted:
             log.info(
-                "converted %s/%s to DeepSpeed's universal checkpoint %s (once; kept for later launches)",
-                run_dir,
+                "converted %s/%s to DeepSpeed's universal checkpoint %s/%s (once; kept for later launches)",
+                folder,
                 tag,
+                run_dir,
                 name,
             )
         return name

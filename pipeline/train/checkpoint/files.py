@@ -147,12 +147,14 @@ def conversion_plan(run_dir: Path, tag: str, free_disk: float, available_ram: fl
     return workers, f"cannot convert {folder} for another world size here: " + "; ".join(problems)
 
 
-def universal(run_dir: Path, tag: str, workers: int = CONVERSION_WORKERS) -> tuple[str, bool]:
+def universal(run_dir: Path, tag: str, workers: int = CONVERSION_WORKERS, into: Path | None = None) -> tuple[str, bool]:
     """`TAG.universal`, DeepSpeed's universal form of checkpoint `tag` (optimizer states per parameter, loadable
-    by any world size), converted with its own ds_to_universal once, into a temporary folder renamed when done.
-    Returns (tag to load, whether it was converted now)."""
+    by any world size), converted with its own ds_to_universal once, into a temporary folder renamed when done;
+    beside the checkpoint, or in `into` (a branch's own run folder). Returns (tag to load, whether it was
+    converted now)."""
 
-    out = Path(run_dir) / f"{tag}{UNIVERSAL}"
+    into = Path(into or run_dir)
+    out = into / f"{tag}{UNIVERSAL}"
     if (out / MARKER).exists():
         return out.name, False
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
@@ -171,7 +173,7 @@ def universal(run_dir: Path, tag: str, workers: int = CONVERSION_WORKERS) -> tup
         )
         with contextlib.redirect_stdout(io.StringIO()):
             ds_to_universal(args)
-        (Path(run_dir) / "latest_universal").unlink(missing_ok=True)  # it names the temporary folder; not ours
+        (into / "latest_universal").unlink(missing_ok=True)  # it names the temporary folder; not ours
         write_json(tmp / MARKER, read_marker(run_dir, tag))
     return out.name, True
 

@@ -6,7 +6,7 @@ Checkpointer asks again at start; the files themselves are pipeline.train.checkp
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline.errors import PipelineError
 from pipeline.train.checkpoint import files as ckpt
@@ -15,6 +15,7 @@ from pipeline.train.setup.ds_config import zero_stage
 from pipeline.train.setup.optimizers import OPTIMIZERS
 from pipeline.train.setup.prepare import Prepared
 from pipeline.train.setup.schedule import Schedule, first_changed_step, learning_rate, max_steps_for
+from pipeline.train.setup.stages import fingerprint_at
 
 
 def choose_resume(policy: str, complete_tags: list[str], run_dir: str) -> str | None:
@@ -89,10 +90,26 @@ def resume_problems(
     return problems
 
 
-def resumable(run_dir: Path, policy: str, verify: bool) -> tuple[str, ckpt.Marker, list[str]] | None:
+class Found(NamedTuple):
+    """The checkpoint a launch continues: its tag and marker, warnings about newer damaged ones, and the folder it
+    is in (the run's own, or under `checkpoint.branch_from` another run's, which is only read)."""
+
+    tag: str
+    marker: ckpt.Marker
+    warnings: list[str]
+    folder: Path
+
+
+def resumable(run_dir: Path, policy: str, verify: bool, branch_from: str | None = None) -> Found | None:
     """The checkpoint a launch continues (under `checkpoint.resume`, skipping complete ones whose files are
-    damaged, with a warning each) and its marker; None when it starts fresh."""
+    damaged, with a warning each) and its marker; when run_dir holds none, `branch_from`'s checkpoint; None when
+    it starts fresh."""
     tags = ckpt.complete_tags(run_dir)
+    if not tags and branch_from and policy == "auto":
+        source, source_tag = ckpt.resolve_checkpoint(branch_from)
+        if problem := ckpt.damage(source, source_tag, verify):
+            raise PipelineError(f"checkpoint.branch_from {branch_from}: {problem}")
+        return Found(source_tag, ckpt.read_marker(source, source_tag), [], source)
     tag = choose_resume(policy, tags, str(run_dir))
     warnings: list[str] = []
     if tag is not None and policy == "auto":
@@ -109,19 +126,19 @@ def resumable(run_dir: Path, policy: str, verify: bool) -> tuple[str, ckpt.Marke
             raise ckpt.not_shared(run_dir, tag, hosts)
         if problem := ckpt.damage(run_dir, tag, verify):
             raise PipelineError(f"checkpoint.resume {tag}: {problem}")
-    return (tag, ckpt.read_marker(run_dir, tag), warnings) if tag else None
+    return Found(tag, ckpt.read_marker(run_dir, tag), warnings, Path(run_dir)) if tag else None
 
 
 def continuation_problems(
     prepared: Prepared, world: int, marker: ckpt.Marker, data_fingerprint: str | None = None
 ) -> list[str]:
-    """Why this config cannot continue `marker`'s checkpoint (`resume_problems`); the data's
-    fingerprint is its shards' manifest's unless given (the trainer's, as its checkpoints record it)."""
+    """Why this config cannot continue `marker`'s checkpoint (`resume_problems`); the data's fingerprint is that
+    of the shards the checkpoint's last update trained on under this config's data stages, unless given."""
     from pipeline.plan.cluster import offload_devices
 
     return resume_problems(
         marker,
-        data_fingerprint=data_fingerprint or prepared.manifest["fingerprint"],
+        data_fingerprint=data_fingerprint or fingerprint_at(prepared.cfg.data, marker["step"]),
         model_shape=prepared.shape.as_dict(),
         world_size=world,
         zero_stage=zero_stage(prepared.ds),
@@ -132,14 +149,21 @@ def continuation_problems(
 
 
 def continue_from(
-    prepared: Prepared, world: int, tag: str, marker: ckpt.Marker, data_fingerprint: str | None = None
+    prepared: Prepared,
+    world: int,
+    tag: str,
+    marker: ckpt.Marker,
+    data_fingerprint: str | None = None,
+    folder: Path | None = None,
 ) -> str | None:
     """The decision to continue checkpoint `tag`, the same before launch and on rank 0 at start: the refusal (one
     PipelineError naming every reason) when this config cannot continue it, else a note when the run's length
     changed (None when nothing changed)."""
     if cannot := continuation_problems(prepared, world, marker, data_fingerprint):
         raise PipelineError(
-            f"cannot resume {prepared.run_dir}/{tag}: " + "; ".join(cannot) + ". Use a new run_dir to start fresh "
+            f"cannot resume {folder or prepared.run_dir}/{tag}: "
+            + "; ".join(cannot)
+            + ". Use a new run_dir to start fresh "
             "(to carry these weights onto new data or another shape: pipeline export, then model.init_from)"
         )
     return schedule_note(prepared, marker)

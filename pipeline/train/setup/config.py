@@ -40,6 +40,10 @@ class ModelSection:
 class DataSection:
     path: str = "data/shards"
     """Output folder of `pipeline shard`; its seq_len is the training sequence length."""
+    stages: dict[str, Any] = field(default_factory=dict)
+    """Data stages, {STEP: SHARD_FOLDER}: after update STEP the run trains on that folder's shards (the same
+    seq_len and tokenizer), e.g. {900: data/curated-4096} for a decay on a curated mix. Positions in a stage count
+    from its first update; validation stays on data.path's val split (pipeline.train.setup.stages)."""
     num_workers: int = 1
     verify: bool = True
     """Check shard checksums against the manifest at start (reads the data once)."""
@@ -143,6 +147,10 @@ class EvalSection:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointSection:
+    branch_from: str | None = None
+    """A checkpoint of another run (RUN_DIR/stepNNNNNNNN, or RUN_DIR for its latest) this run starts from when its
+    own run_dir holds none: weights, optimizer, step and data position, exactly as a resume, with its own schedule
+    (a cooldown branched from a stable phase) and data stages. The source run is only read."""
     enabled: bool = True
     """false: write no checkpoint at all, not even at the end or on SIGTERM (benchmarks, smoke runs)."""
     interval: int = 500

@@ -20,6 +20,8 @@ from pipeline.train.runtime.dist import Dist, accelerator_name, host_ram_bytes, 
 from pipeline.train.runtime.sequence import SequenceShard
 from pipeline.train.setup.config import PretrainConfig
 from pipeline.train.setup.ds_config import BatchPlan, batch_plan, load_ds_config, resolve
+from pipeline.train.setup.schedule import max_steps_for
+from pipeline.train.setup.stages import stage_problems
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,6 +85,7 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
             "over SDPA attends across the whole sample, so its documents would see each other; use "
             "sequence_parallel 1 with these shards, or shard without --whole-documents"
         )
+    found += stage_problems(cfg.data, manifest, max_steps_for(cfg, plan))
     if found:
         raise ConfigError(found)
     if cfg.train.deepspeed_config == "auto":
