@@ -17,6 +17,7 @@ import click
 from pipeline.errors import PipelineError
 from pipeline.options import (
     AS_JSON,
+    AVERAGE,
     CHECKPOINT,
     DEVICE,
     HOSTFILE,
@@ -196,7 +197,13 @@ def pretrain(config: str, sets: tuple[str, ...], **options: Any) -> None:
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--prompts", default=None, help="Text file, one prompt per line (\\n for a newline).")
 @click.option("--output", default=None, help="JSON results (default RUN_DIR/eval/TAG-SPLIT.json).")
-@click.option("--max-new-tokens", type=click.IntRange(0, 100_000), default=48, show_default=True)
+@opt(
+    "--max-new-tokens",
+    type=click.IntRange(0, 100_000),
+    default=48,
+    help="Tokens per sample continuation (0: none, the metrics only).",
+)
+@AVERAGE
 @SEED
 @DEVICE
 @WHERE
@@ -231,11 +238,15 @@ def evaluate(launched: bool, **options: Any) -> None:
 @click.option("--output", required=True, help="Folder to write the Hugging Face model into.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @opt("--max-shard-size", default="2GB", help="Largest safetensors file.", callback=size)
-def export(checkpoint: str, output: str, dtype: str, max_shard_size: int) -> None:
-    """Export a checkpoint to a Hugging Face model folder (safetensors, config, tokenizer)."""
+@AVERAGE
+def export(checkpoint: str, output: str, dtype: str, max_shard_size: int, average: str | None) -> None:
+    """Export a checkpoint (or the mean of several, --average) to a Hugging Face model folder (safetensors,
+    config, tokenizer)."""
     from pipeline.evaluate.export import export as export_checkpoint
 
-    out = export_checkpoint(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_size)
+    out = export_checkpoint(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_size, average=average)
+    if average:
+        checkpoint = f"the mean of {average} of {checkpoint}"
     click.echo(
         f"exported {checkpoint} to {out} ({dtype}); load it with "
         f"AutoModelForCausalLM.from_pretrained('{out}') and AutoTokenizer.from_pretrained('{out}')"

@@ -149,6 +149,12 @@ WHERE = group(
     ),
     MASTER_PORT,
 )
+AVERAGE = click.option(
+    "--average",
+    default=None,
+    help="The mean of several checkpoints of the run instead of one: last:N (the N newest) or a list of tags or "
+    "steps (100,200,300); weights averaged in fp32, one tensor at a time.",
+)
 SETS = click.option("--set", "sets", multiple=True, help="Override a config field: section.key=value (repeatable).")
 SEED = click.option("--seed", type=int, default=1234, show_default=True)
 CHECKPOINT = click.option(

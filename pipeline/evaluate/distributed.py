@@ -14,7 +14,7 @@ from pipeline.evaluate.inputs import EvalConfig, Inputs, open_inputs
 from pipeline.evaluate.run import generate, perplexity, write_result
 from pipeline.model import loss_chunk_tokens
 from pipeline.plan.memory import evaluation_batch
-from pipeline.train.checkpoint.consolidate import consolidated_state, materialize
+from pipeline.train.checkpoint.consolidate import materialize
 from pipeline.train.engine import build_for
 from pipeline.train.runtime.dist import Dist, init_distributed, on_rank0
 from pipeline.train.runtime.weights import fill_parameters, parameter_shapes, weight_mismatch
@@ -42,11 +42,11 @@ def load_partitioned(inputs: Inputs, env: Dist, ds: dict[str, Any]) -> Any:
 
     r = inputs.run
     model = build_for(r.shape, ds, inputs.dataset.manifest["tokenizer"])
-    state = consolidated_state(r.run_dir, r.tag, r.shape.tied_names()) if env.rank == 0 else {}
+    state = r.weights() if env.rank == 0 else {}
 
     def check() -> None:  # before any gather: a raise inside one would leave the other ranks waiting
         given = {name: tuple(value.shape) for name, value in state.items()}
-        if problem := weight_mismatch(parameter_shapes(model), given, f"{r.run_dir}/{r.tag}"):
+        if problem := weight_mismatch(parameter_shapes(model), given, f"{r.run_dir}/{r.name}"):
             raise PipelineError(problem)
 
     on_rank0(check)

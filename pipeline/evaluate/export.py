@@ -21,7 +21,7 @@ from pipeline.errors import PipelineError
 from pipeline.evaluate.inputs import open_run
 from pipeline.model import ModelShape, causal_lm_class, model_config
 from pipeline.model.families import TOKENIZER_FILES
-from pipeline.train.checkpoint.consolidate import consolidated_tensors
+from pipeline.train.checkpoint.consolidate import materialize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -155,10 +155,13 @@ def _flush(shard: dict[str, torch.Tensor], work: Path, k: int, save_file: Any, w
     return name
 
 
-def export(checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: int = 2 * 10**9) -> Path:
-    """RUN_DIR[/TAG] -> a Hugging Face folder that AutoModelForCausalLM / AutoTokenizer load offline."""
+def export(
+    checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: int = 2 * 10**9, average: str | None = None
+) -> Path:
+    """RUN_DIR[/TAG] -> a Hugging Face folder that AutoModelForCausalLM / AutoTokenizer load offline; with
+    `average` (last:N or tags), the mean of those checkpoints' weights, streamed one tensor at a time."""
     check_export_target(Path(output))
-    r = open_run(checkpoint)
+    r = open_run(checkpoint, average)
     data = Path(r.config["data"]["path"])
     tok_path: Path | None = None
     tok_ids = model_token_ids(None)
@@ -167,7 +170,7 @@ def export(checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: i
         tok_path = dataset.tokenizer_path
         tok_ids = model_token_ids(dataset.manifest["tokenizer"])
     return write_hf_model(
-        consolidated_tensors(r.run_dir, r.tag, r.shape.tied_names()),
+        ((name, materialize(value)) for name, value in r.weights().items()),
         r.shape,
         tok_path,
         Path(output),

@@ -18,7 +18,7 @@ from pipeline.data.tokenizer import Tokenizer, check_tokenizer
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model
 from pipeline.train.checkpoint import files as ckpt
-from pipeline.train.checkpoint.consolidate import consolidated_state, materialize
+from pipeline.train.checkpoint.consolidate import averaged_state, consolidated_state, materialize
 from pipeline.train.runtime.dist import unusable_gpu
 from pipeline.train.runtime.weights import parameter_shapes, weight_mismatch
 
@@ -38,7 +38,9 @@ class EvalConfig:
     prompts: str | None = None
     """A text file, one prompt per line."""
     output: str | None = None
-    """JSON results; default RUN_DIR/eval/TAG-SPLIT.json."""
+    """JSON results; default RUN_DIR/eval/TAG-SPLIT.json (TAG-avgN-SPLIT.json for an average)."""
+    average: str | None = None
+    """Evaluate the mean of several checkpoints of the run: last:N, or a list of tags or steps."""
     max_new_tokens: int = 48
     seed: int = 1234
     device: str = "auto"
@@ -48,18 +50,42 @@ class EvalConfig:
 class Run:
     run_dir: Path
     tag: str
+    """The checkpoint; of an average, the newest averaged."""
     config: dict[str, Any]
     marker: ckpt.Marker
     shape: ModelShape
+    averaged: tuple[str, ...] = ()
+    """The checkpoints whose mean is the model (`--average`); empty for one checkpoint."""
+
+    @property
+    def name(self) -> str:
+        """How results and messages name the model: TAG, or TAG-avgN for a mean of N checkpoints up to TAG."""
+        return f"{self.tag}-avg{len(self.averaged)}" if self.averaged else self.tag
+
+    def weights(self) -> dict[str, Any]:
+        """The full-precision weights by name, each read when `materialize`d: the checkpoint's, or the mean of the
+        averaged ones."""
+        tied = self.shape.tied_names()
+        if self.averaged:
+            return averaged_state(self.run_dir, list(self.averaged), tied)
+        return consolidated_state(self.run_dir, self.tag, tied)
 
 
-def open_run(checkpoint: str | Path) -> Run:
+def open_run(checkpoint: str | Path, average: str | None = None) -> Run:
+    """The run and checkpoint (RUN_DIR for its latest, or RUN_DIR/TAG); with `average`, the run's checkpoints
+    it names (ckpt.average_tags), whose mean is the model."""
     run_dir, tag = ckpt.resolve_checkpoint(checkpoint)
+    averaged: tuple[str, ...] = ()
+    if average:
+        averaged = tuple(ckpt.average_tags(run_dir, average))
+        tag = averaged[-1]
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.exists():
         raise PipelineError(f"{run_dir}: no config.yaml; not a run folder of `pipeline pretrain`")
     marker = ckpt.read_marker(run_dir, tag)
-    return Run(run_dir, tag, yaml.safe_load(cfg_path.read_text()), marker, ModelShape(**marker["model_shape"]))
+    return Run(
+        run_dir, tag, yaml.safe_load(cfg_path.read_text()), marker, ModelShape(**marker["model_shape"]), averaged
+    )
 
 
 def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.Module:
@@ -68,9 +94,9 @@ def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.M
     model = build_model(run.shape, skip_init=True, **model_token_ids(tok))
     if device.type == "cuda":
         model.to(torch.bfloat16)  # before filling: host RAM holds one bf16 copy, not an fp32 one
-    state = consolidated_state(run.run_dir, run.tag, run.shape.tied_names())
+    state = run.weights()
     given = {name: tuple(value.shape) for name, value in state.items()}
-    if problem := weight_mismatch(parameter_shapes(model), given, f"{run.run_dir}/{run.tag}"):
+    if problem := weight_mismatch(parameter_shapes(model), given, f"{run.run_dir}/{run.name}"):
         raise PipelineError(problem)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -167,7 +193,7 @@ class Inputs(NamedTuple):
 
 def open_inputs(cfg: EvalConfig) -> Inputs:
     prompts = _check_arguments(cfg)
-    r = open_run(cfg.checkpoint)
+    r = open_run(cfg.checkpoint, cfg.average)
     dataset = _dataset(r, cfg.data, cfg.split)
     tok_path = dataset.tokenizer_path
     if tok_path is None:

@@ -112,7 +112,10 @@ def generate(
     """Greedy and sampled continuations of every prompt. The prompts go in one batch (left-padded, masked), one
     greedy and one sampled call: under ZeRO-3 each forward gathers the whole model, so this is 2 x max_new_tokens
     gathers, not 2 x prompts x max_new_tokens. `synced`: under ZeRO-3 across ranks, every rank generates the same
-    prompts with the same seed, and transformers keeps the ranks' forwards in step until all are done."""
+    prompts with the same seed, and transformers keeps the ranks' forwards in step until all are done. No
+    continuation at all with `max_new_tokens` 0 (--max-new-tokens 0: the metrics only)."""
+    if max_new_tokens == 0 or not prompts:
+        return []
     encoded = [tokenizer.encode(p) or [tokenizer.eos_id] for p in prompts]
     width = max(len(e) for e in encoded)
     pad = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
@@ -187,6 +190,7 @@ def write_result(
     plot = plot_losses(r.run_dir)
     result = {
         "checkpoint": str(r.run_dir / r.tag),
+        **({"averaged": list(r.averaged)} if r.averaged else {}),
         "step": r.marker["step"],
         "consumed_tokens": r.marker["consumed_samples"] * dataset.seq_len,
         "split": cfg.split,
@@ -205,7 +209,7 @@ def write_result(
 
 
 def result_path(cfg: EvalConfig, r: Run) -> Path:
-    return Path(cfg.output) if cfg.output else r.run_dir / "eval" / f"{r.tag}-{cfg.split}.json"
+    return Path(cfg.output) if cfg.output else r.run_dir / "eval" / f"{r.name}-{cfg.split}.json"
 
 
 def _tokens(n: int) -> str:

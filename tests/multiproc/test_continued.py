@@ -7,9 +7,12 @@ loss the source's next) and leaves the source run folder untouched."""
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.train.checkpoint import files as ckpt
 from tests.conftest import shard_into
@@ -102,3 +105,56 @@ def test_a_cooldown_branched_from_a_stable_checkpoint_continues_it_and_leaves_it
     assert got[11] == pytest.approx(src[11], rel=1e-6)
     assert abs(got[12] - src[12]) > 1e-6
     assert ckpt.complete_tags(run_dir) == ["step00000013"] and tree(source) == before
+
+
+def test_three_checkpoints_averaged_export_reload_and_evaluate_as_their_mean(
+    tmp_path: Path, planned: tuple[Path, tuple[str, ...]]
+) -> None:
+    """`pipeline export --average last:3`: each weight is the mean of the three newest checkpoints' consolidated
+    weights; the export reloads in transformers with those weights; `pipeline evaluate --average last:3` writes
+    its own results file, naming the checkpoints, with a loss of its own."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.cli import main
+    from pipeline.train.checkpoint.consolidate import consolidated_state, materialize
+
+    source, _ = planned
+    tags = ["step00000010", "step00000015", "step00000016"]
+    out = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "--checkpoint",
+            str(source),
+            "--output",
+            str(tmp_path / "avg"),
+            "--dtype",
+            "fp32",
+            "--average",
+            "last:3",
+        ],
+    )
+    assert out.exit_code == 0, out.output
+    assert f"exported the mean of last:3 of {source}" in out.output
+    got = load_file(tmp_path / "avg" / "model.safetensors")
+    states = [consolidated_state(source, tag) for tag in tags]
+    for name, tensor in got.items():
+        want = sum(materialize(s[name]) for s in states) / 3
+        torch.testing.assert_close(tensor, want, rtol=1e-6, atol=1e-7)
+    last = materialize(states[-1]["model.embed_tokens.weight"])
+    assert not torch.allclose(got["model.embed_tokens.weight"], last), "an average, not the last checkpoint"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "avg", local_files_only=True)
+    torch.testing.assert_close(model.model.embed_tokens.weight.detach(), got["model.embed_tokens.weight"])
+    results = []
+    for extra in ([], ["--average", "last:3"]):
+        res = CliRunner().invoke(
+            main, ["evaluate", "--checkpoint", str(source), "--device", "cpu", "--max-new-tokens", "0", *extra]
+        )
+        assert res.exit_code == 0, res.output
+        results.append(res.output)
+    averaged = json.loads((source / "eval" / "step00000016-avg3-val.json").read_text())
+    single = json.loads((source / "eval" / "step00000016-val.json").read_text())
+    assert averaged["averaged"] == tags and "averaged" not in single
+    assert math.isfinite(averaged["loss"]) and averaged["loss"] != single["loss"]

@@ -151,3 +151,38 @@ def test_a_conversion_that_cannot_fit_is_refused_before_it_starts(tmp_path: Path
     _, problem = ckpt.conversion_plan(tmp_path, tag, free_disk=200e9, available_ram=30e9)
     assert problem is not None and "loads each optimizer shard whole (40.0 GB)" in problem
     assert "--num_extract_workers 1" in problem
+
+
+@pytest.mark.parametrize(
+    "spec, want",
+    [
+        ("last:3", ["step00000020", "step00000030", "step00000040"]),
+        ("last:2", ["step00000030", "step00000040"]),
+        ("40,10", ["step00000010", "step00000040"]),
+        ("step00000020, step00000030", ["step00000020", "step00000030"]),
+    ],
+)
+def test_average_names_the_newest_or_the_listed_checkpoints_oldest_first(tmp_path: Path, spec: str, want: list) -> None:
+    for s in (10, 20, 30, 40):
+        _save(tmp_path, s)
+    _save(tmp_path, 50, complete=False)  # a save that crashed is never averaged
+    assert ckpt.average_tags(tmp_path, spec) == want
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("last:5", r"--average last:5: .* holds step00000010, step00000020"),
+        ("last:1", "N of 2 or more"),
+        ("last:x", "N of 2 or more"),
+        ("10,50", r"no complete checkpoint step00000050; .* holds step00000010"),
+        ("10,10", "two or more different checkpoints"),
+    ],
+)
+def test_an_average_of_checkpoints_that_are_not_there_is_refused_naming_what_is(
+    tmp_path: Path, spec: str, says: str
+) -> None:
+    for s in (10, 20):
+        _save(tmp_path, s)
+    with pytest.raises(PipelineError, match=says):
+        ckpt.average_tags(tmp_path, spec)

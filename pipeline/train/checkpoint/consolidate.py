@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +34,45 @@ def consolidated_state(run_dir: Path, tag: str, tied: frozenset[str] = frozenset
     return {k: v for k, v in state.items() if k not in tied}
 
 
+class Mean:
+    """One weight averaged over several checkpoints, read when asked for (`materialize`): the checkpoints'
+    tensors are loaded and summed one at a time in fp32, so averaging holds this tensor N+1 times at most, never a
+    model."""
+
+    def __init__(self, parts: list[Any]):
+        self.parts = parts
+
+    @property
+    def shape(self) -> Any:
+        return self.parts[0].shape
+
+    def value(self) -> Any:
+        total = materialize(self.parts[0]).clone()
+        for part in self.parts[1:]:
+            total += materialize(part)
+        return total / len(self.parts)
+
+
+def averaged_state(run_dir: Path, tags: list[str], tied: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """`consolidated_state` of the mean of checkpoints `tags` of one run (checkpoint averaging): each weight the
+    fp32 mean of the checkpoints' full-precision weights, computed when asked for."""
+    states = [consolidated_state(run_dir, tag, tied) for tag in tags]
+    first = states[0]
+    for tag, state in zip(tags[1:], states[1:], strict=True):
+        differ = sorted(set(first) ^ set(state)) or [n for n in first if tuple(first[n].shape) != tuple(state[n].shape)]
+        if differ:
+            raise PipelineError(
+                f"cannot average {run_dir}/{tags[0]} with {tag}: weights {', '.join(differ[:3])} differ in name or "
+                "shape (checkpoints of one model only)"
+            )
+    return {name: Mean([state[name] for state in states]) for name in first}
+
+
 def materialize(value: Any) -> Any:
-    """One entry of `consolidated_state` as an fp32 tensor in RAM."""
+    """One entry of `consolidated_state` or `averaged_state` as an fp32 tensor in RAM."""
+    if isinstance(value, Mean):
+        return value.value()
     return value.contiguous().float()
-
-
-def consolidated_tensors(run_dir: Path, tag: str, tied: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
-    """`consolidated_state`, one fp32 tensor at a time."""
-    for name, value in consolidated_state(run_dir, tag, tied).items():
-        yield name, materialize(value)
 
 
 def _zero_stage_of(ckpt_dir: Path) -> int:

@@ -266,6 +266,33 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     return path, tag
 
 
+def average_tags(run_dir: Path, spec: str) -> list[str]:
+    """The checkpoints of `run_dir` that `--average SPEC` names, oldest first: `last:N` (the N newest complete
+    ones) or a comma list of tags or steps (step00000100,step00000200 or 100,200); refused naming what the run
+    folder holds when they are not there."""
+    tags = complete_tags(run_dir)
+    held = f"{run_dir} holds {', '.join(tags) or 'no complete checkpoint'}"
+    if spec.startswith("last:"):
+        try:
+            n = int(spec[5:])
+        except ValueError:
+            n = 0
+        if n < 2:
+            raise PipelineError(f"--average {spec}: expected last:N with N of 2 or more, e.g. last:3")
+        if n > len(tags):
+            raise PipelineError(f"--average {spec}: {held} (checkpoint.keep_last prunes older ones)")
+        return sorted(tags[-n:], key=lambda t: marker_step(run_dir, t))
+    chosen = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        tag = tag_for(int(part)) if part.isdigit() else part
+        if tag not in tags:
+            raise PipelineError(f"--average {spec}: no complete checkpoint {tag}; {held}")
+        chosen.append(tag)
+    if len(set(chosen)) < 2:
+        raise PipelineError(f"--average {spec}: name two or more different checkpoints, or last:N")
+    return sorted(set(chosen), key=lambda t: marker_step(run_dir, t))
+
+
 def writable_problem(run_dir: Path) -> str | None:
     """Whether this process can write the run folder (or create it in its nearest existing parent): a read-only
     mount or a folder of another user would otherwise show as a disk with no space, or fail at the first write."""
