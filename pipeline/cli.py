@@ -97,6 +97,23 @@ def tokenize(**options: Any) -> None:
     click.echo(tokenizing.run(TokenizeConfig(**options)).summary)
 
 
+@command(name="extend-vocab")
+@click.argument("model_dir")
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--output", required=True, help="Folder for the model with the extended tokenizer (a new folder).")
+@opt("--new-tokens", default=8000, help="Pieces to add at most.", type=click.IntRange(1, 1_000_000))
+@opt("--sample-docs", default=100_000, help="Documents sampled (seeded) to find the pieces.", type=click.IntRange(1))
+@opt("--held-out-docs", default=200, help="Documents kept aside to measure bytes per token.", type=click.IntRange(1))
+@SEED
+@click.option("--text-key", default="text", show_default=True, help="JSON field / parquet column holding the text.")
+def extend_vocab(**options: Any) -> None:
+    """Extend MODEL_DIR's tokenizer with pieces of a new corpus (INPUT...) and its embeddings to match: a
+    Hugging Face model folder to continue on a language its tokenizer splits into many tokens."""
+    from pipeline.data.vocab import VocabConfig, extend_vocabulary
+
+    click.echo(extend_vocabulary(VocabConfig(**options)).summary)
+
+
 @command()
 @click.argument("sources", nargs=-1)
 @click.option("--output", help="Folder for the shards and manifest.json.")

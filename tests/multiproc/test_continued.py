@@ -158,3 +158,50 @@ def test_three_checkpoints_averaged_export_reload_and_evaluate_as_their_mean(
     single = json.loads((source / "eval" / "step00000016-val.json").read_text())
     assert averaged["averaged"] == tags and "averaged" not in single
     assert math.isfinite(averaged["loss"]) and averaged["loss"] != single["loss"]
+
+
+def test_a_model_with_an_extended_vocabulary_trains_exports_and_reloads_with_its_tokenizer(tmp_path: Path) -> None:
+    """extend-vocab -> tokenize with the extended folder -> shard --model -> pretrain from it -> export: the export's
+    tokenizer holds the added pieces and round-trips the new script with them; its embedding holds every id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.data import tokenize as tokenizing
+    from pipeline.data.config import TokenizeConfig
+    from pipeline.data.tokenizer import check_model_tokenizer
+    from pipeline.data.vocab import VocabConfig, extend_vocabulary
+    from pipeline.evaluate.export import export
+    from tests.hf_families import write_model, write_tokenizer
+    from tests.unit.test_vocab import thai_corpus
+
+    model_dir = write_model("llama", tmp_path / "llama", write_tokenizer(tmp_path / "tok"))
+    corpus = thai_corpus(tmp_path / "thai.jsonl")
+    extended = tmp_path / "llama-th"
+    res = extend_vocabulary(
+        VocabConfig(model_dir=str(model_dir), inputs=(str(corpus),), output=str(extended), new_tokens=150)
+    )
+    prefix = tmp_path / "thai"
+    tokenizing.run(
+        TokenizeConfig(inputs=(str(corpus),), output_prefix=str(prefix), tokenizer=str(extended), progress=False)
+    )
+    check_model_tokenizer(str(extended), [str(prefix)])
+    shards = tmp_path / "shards"
+    shard_into([(prefix, 1.0)], shards, seq_len=64, split=(80.0, 10.0, 10.0))
+    run_dir = tmp_path / "run"
+    cfg = launch.write_config(
+        tmp_path / "r.yaml",
+        run_dir=run_dir,
+        shards=shards,
+        ds_config="zero2.json",
+        steps=3,
+        model=f"{{init_from: {extended}}}",
+    )
+    out = launch.run(cfg, num_gpus=1)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    exported = export(str(run_dir), str(tmp_path / "export"), dtype="fp32")
+    tok = AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    text = json.loads(corpus.read_text().splitlines()[1])["text"]
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(tok) == len(AutoTokenizer.from_pretrained(model_dir, local_files_only=True)) + res.added
+    assert tok.decode(ids) == text and max(ids) >= len(tok) - res.added
+    model = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    assert model.get_input_embeddings().weight.shape[0] >= len(tok)
