@@ -46,6 +46,18 @@ BUCKETS_ZERO3 = [(1e8, 1e8, 3e8), (2e8, 2e8, 5e8)]
 NEAR_TIE = 0.02  # throughputs within 2% are a tie, broken toward less memory
 
 
+@dataclass(frozen=True, slots=True)
+class OptimizerFit:
+    """What the search needs of the run's optimizer (pipeline.train.setup.optimizers.OPTIMIZERS' entry): the ZeRO
+    stages it runs under, whether its states may be offloaded, its state bytes per parameter. The default is
+    DeepSpeed's AdamW."""
+
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    offload: bool = True
+    moment_bytes: float = 8.0
+    name: str = "adamw"
+
+
 def candidates(
     c: Cluster,
     seq_len: int,
@@ -53,9 +65,12 @@ def candidates(
     micro_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
     fixed_micro: int | None = None,
     sequence_sizes: tuple[int, ...] = (1,),
+    optimizer: OptimizerFit | None = None,
 ) -> list[Candidate]:
     """Every configuration tried: ZeRO stage and offload, checkpointing, micro-batch, buckets, DeepSpeed 0.19's
-    offload features, and the sequence-parallel sizes given (`sequence_sizes`, pipeline.plan.search.search)."""
+    offload features, and the sequence-parallel sizes given (`sequence_sizes`, pipeline.plan.search.search); only
+    the stages and offloads `optimizer` runs under, its state bytes priced."""
+    opt = optimizer or OptimizerFit()
     out = []
     global_seqs = max(1, round(global_batch_tokens / seq_len))
     offloads: list[tuple[int, OffloadDevice, OffloadDevice]] = [
@@ -70,6 +85,8 @@ def candidates(
     if c.nvme_bytes:
         offloads += [(3, "nvme", "cpu"), (3, "nvme", "nvme")]
     for stage, oo, op in offloads:
+        if stage not in opt.zero_stages or (oo != "none" and not opt.offload):
+            continue
         for ckpt in (False, True):
             for micro, sp in itertools.product((fixed_micro,) if fixed_micro else micro_sizes, sequence_sizes):
                 per = micro * c.world // sp  # a sequence-parallel group is one data-parallel replica
@@ -77,7 +94,20 @@ def candidates(
                 buckets = BUCKETS_ZERO3 if stage == 3 else [(5e8, 5e7, 1e9)]
                 for rb, pb, ml in buckets:
                     sub = 1e8 if oo != "none" else 1e9
-                    base = Candidate(stage, oo, op, ckpt, micro, ga, rb, pb, ml, sub, sequence_parallel=sp)
+                    base = Candidate(
+                        stage,
+                        oo,
+                        op,
+                        ckpt,
+                        micro,
+                        ga,
+                        rb,
+                        pb,
+                        ml,
+                        sub,
+                        sequence_parallel=sp,
+                        moment_bytes=opt.moment_bytes,
+                    )
                     out += [v for v in feature_variants(base) if not (v.zenflow_interval and sp > 1)]
     return out
 
@@ -249,18 +279,22 @@ def search(
     rates: Rates | None = None,
     opt_in: frozenset[str] = frozenset(),
     fixed_sequence: int | None = None,
+    optimizer: OptimizerFit | None = None,
 ) -> Plan:
     """All candidate configurations, fitting ones ranked. `loss_chunk_tokens` -1: the trainer's default chunk.
     `fixed_micro`, `fixed_sequence`: a config's own micro-batch and sequence-parallel size (else every one).
     `opt_in`: the features that change the numerics (pipeline.plan.cluster.OPT_IN) the choice may use; the others
-    are priced too, and the fastest fitting configuration with each feature comes back in `by_feature`."""
+    are priced too, and the fastest fitting configuration with each feature comes back in `by_feature`.
+    `optimizer`: the run's, so that nothing it refuses is proposed (default AdamW)."""
     chunk = trainer_loss_chunk(shape) if loss_chunk_tokens == -1 else loss_chunk_tokens
 
     def price(cands: list[Candidate]) -> list[Estimate]:
         return [estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates) for cand in cands]
 
     def tried(sizes: tuple[int, ...]) -> list[Candidate]:
-        return candidates(c, seq_len, global_batch_tokens, fixed_micro=fixed_micro, sequence_sizes=sizes)
+        return candidates(
+            c, seq_len, global_batch_tokens, fixed_micro=fixed_micro, sequence_sizes=sizes, optimizer=optimizer
+        )
 
     ests = price(tried((fixed_sequence or 1,)))
     # Sharing a sample costs an all-to-all a layer: tried where one sample does not fit a rank alone
@@ -279,6 +313,15 @@ def search(
         closest = min((e for e in with_it if not e.fits), key=lambda e: e.gpu["reserved"], default=None)
         by_feature[name] = (fit[0] if fit else None, closest)
     advice = [] if fitting else _advice(shape, seq_len, c, global_batch_tokens, mfu_assumed)
+    if not fitting and optimizer is not None and optimizer != OptimizerFit():
+        adamw = search(shape, seq_len, c, global_batch_tokens, mfu_assumed, fixed_micro, fixed_sequence=fixed_sequence)
+        if adamw.best is not None:
+            advice.insert(
+                0,
+                f"optim.name {optimizer.name} runs under ZeRO {', '.join(map(str, optimizer.zero_stages))}"
+                f"{'' if optimizer.offload else ' without offload'}, where nothing fits; optim.name adamw would: "
+                f"{adamw.best.candidate.label()}",
+            )
     return Plan(
         shape,
         seq_len,

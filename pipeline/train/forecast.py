@@ -23,6 +23,7 @@ from pipeline.plan.timing import Measured, Rates, rates_from_run
 from pipeline.train.setup.config import PretrainConfig, load
 from pipeline.train.setup.ds_config import BatchPlan, batch_plan, load_ds_config
 from pipeline.train.setup.optimizers import OPTIMIZERS
+from pipeline.train.setup.prepare import optimizer_fit
 from pipeline.train.setup.schedule import Schedule, max_steps_for
 
 
@@ -94,6 +95,7 @@ def forecast_config(
         rates=rates,
         opt_in=opt_in,
         fixed_sequence=fixed,
+        optimizer=optimizer_fit(cfg.optim.name),
     )
     if auto:
         if found.best is None:

@@ -199,3 +199,49 @@ def test_a_tiled_mlp_keeps_one_tiles_intermediates_and_pays_one_more_mlp_forward
     )
     # offered only where one sample does not fit untiled: not at 4K, where a larger micro-batch would buy it
     assert not any(e.candidate.tiled_mlp for e in search(PRESETS["7b"], 4096, SEED).ranked)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
+@pytest.mark.parametrize(
+    "model, cluster",
+    [("7b", Cluster(1, 1, GPUS["4090d"], 512 * 10**9)), ("1b", Cluster(1, 1, GPUS["4090d"], 64 * 10**9)), ("7b", SEED)],
+)
+def test_the_search_proposes_only_what_the_runs_optimizer_accepts(name: str, model: str, cluster: Cluster) -> None:
+    """Every entry of the optimizer table: each configuration searched is one its entry takes (ZeRO stage,
+    offload), priced at its state bytes, and the trainer's own check accepts the choice; where nothing fits the
+    optimizer but AdamW would, the advice says so (a 7B on one 4090D needs Adam's CPU offload)."""
+    from pipeline.train.setup.optimizers import OPTIMIZERS
+    from pipeline.train.setup.prepare import optimizer_fit
+
+    entry = OPTIMIZERS[name]
+    p = search(PRESETS[model], 2048, cluster, 2**19, optimizer=optimizer_fit(name))
+    tried = p.ranked + p.rejected
+    assert tried and all(e.candidate.stage in entry.zero_stages for e in tried)
+    assert all(e.candidate.moment_bytes == entry.moment_bytes for e in tried)
+    assert entry.offload or all(e.candidate.offload_optimizer == "none" for e in tried)
+    if p.best is not None:
+        c = p.best.candidate
+        assert not entry.problems(name, c.stage, c.offload_optimizer != "none")
+    else:
+        assert name != "adamw" and p.advice[0].startswith(f"optim.name {name} runs under ZeRO 0, 1, 2 without offload")
+        assert "optim.name adamw would: ZeRO-" in p.advice[0]
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
+def test_deepspeed_config_auto_with_every_optimizer_prepares_a_config_the_trainer_accepts(shards, name: str) -> None:
+    """`train.deepspeed_config: auto` with each OPTIMIZERS entry: the planner's choice passes the trainer's checks
+    of the DeepSpeed JSON against the optimizer (pipeline.train.setup.ds_config.resolve)."""
+    from pipeline.train.setup.config import from_dict
+    from pipeline.train.setup.ds_config import zero_stage
+    from pipeline.train.setup.optimizers import OPTIMIZERS
+    from pipeline.train.setup.prepare import prepare
+
+    raw = {
+        "data": {"path": str(shards)},
+        "batch": {"micro_batch_size": 2, "global_batch_size": 4},
+        "optim": {"name": name},
+        "train": {"max_steps": 2, "deepspeed_config": "auto"},
+    }
+    prepared = prepare(from_dict(raw), 2, local_size=2)
+    offloaded = (prepared.ds["zero_optimization"].get("offload_optimizer") or {}).get("device", "none") != "none"
+    assert not OPTIMIZERS[name].problems(name, zero_stage(prepared.ds), offloaded)

@@ -20,6 +20,7 @@ from pipeline.train.runtime.dist import Dist, accelerator_name, host_ram_bytes, 
 from pipeline.train.runtime.sequence import SequenceShard
 from pipeline.train.setup.config import PretrainConfig
 from pipeline.train.setup.ds_config import BatchPlan, batch_plan, load_ds_config, resolve
+from pipeline.train.setup.optimizers import OPTIMIZERS
 from pipeline.train.setup.schedule import max_steps_for
 from pipeline.train.setup.stages import stage_problems
 
@@ -89,13 +90,23 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
     if found:
         raise ConfigError(found)
     if cfg.train.deepspeed_config == "auto":
-        raw, checkpointing = auto_ds_config(shape, plan, world_size, cfg.train.gpu_memory_cap_gib, local_size)
+        raw, checkpointing = auto_ds_config(
+            shape, plan, world_size, cfg.train.gpu_memory_cap_gib, local_size, cfg.optim.name
+        )
         cfg = replace(cfg, train=replace(cfg.train, activation_checkpointing=checkpointing))
         source = "deepspeed config chosen by the planner"
     else:
         raw, source = load_ds_config(cfg.train.deepspeed_config), cfg.train.deepspeed_config
     ds = resolve(cfg, raw, plan, accelerator=accelerator_name(), source=source, num_params=shape.num_params())
     return Prepared(cfg=cfg, ds=ds, plan=plan, shape=shape, manifest=manifest)
+
+
+def optimizer_fit(name: str) -> Any:
+    """What the planner's search needs of OPTIMIZERS' entry `name`."""
+    from pipeline.plan.search import OptimizerFit
+
+    entry = OPTIMIZERS[name]
+    return OptimizerFit(entry.zero_stages, entry.offload, entry.moment_bytes, name)
 
 
 def planning_card(device_name: str, total_bytes: int, gpu_memory_cap_gib: float | None) -> GPU:
@@ -123,10 +134,12 @@ def auto_ds_config(
     world_size: int,
     gpu_memory_cap_gib: float | None = None,
     local_size: int | None = None,
+    optimizer: str = "adamw",
 ) -> tuple[dict[str, Any], bool]:
     """Plan for this machine and world: nodes from the launcher's LOCAL_SIZE, the card from torch (capped at
     `gpu_memory_cap_gib`; a CPU run counts host RAM shared by its ranks), host RAM from the OS; the config's
-    micro-batch is kept. `local_size` (ranks per node) defaults to the launcher's LOCAL_SIZE."""
+    micro-batch is kept. `local_size` (ranks per node) defaults to the launcher's LOCAL_SIZE. Only the stages and
+    offloads `optimizer` (an OPTIMIZERS entry) runs under are searched, its state bytes priced."""
     from pipeline.plan import search as planner
     from pipeline.plan.cluster import Cluster
     from pipeline.plan.ds_json import ds_config
@@ -148,6 +161,7 @@ def auto_ds_config(
         plan.tokens_per_step,
         fixed_micro=plan.micro_batch_size,
         fixed_sequence=plan.sequence_parallel,
+        optimizer=optimizer_fit(optimizer),
     )
     if result.best is None:
         raise PipelineError(
