@@ -33,6 +33,14 @@ def parse_size(text: str) -> int:
         raise ValueError(f"'{text}': expected a size such as 512MB, 2GB or 64GiB") from None
 
 
+def format_size(n: float) -> str:
+    """Bytes as a person reads them: 2.6 MB, 41.0 GB, 1.2 TB (decimal units, as disks are sold and `df -H` says)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+
 def parse_gbps(text: str) -> float:
     """'100Gbps' (or '100gb/s', '100') -> 100.0 gigabits per second; ValueError when it is not a positive amount."""
     s = text.strip().lower().replace(" ", "")

@@ -4,6 +4,7 @@ The launcher runs that several multi-process tests share are in tests/multiproc/
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +71,35 @@ def shard_into(sources: list[tuple[Path, float]], out: Path, **kw: Any) -> Any:
 
     srcs = tuple((str(p), w) for p, w in sources)
     return shard_stage.run(ShardConfig(sources=srcs, output=str(out), progress=False, **kw))
+
+
+Mount = Callable[..., Path]
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[Mount]:
+    """mount(size, ro=False): a fresh tmpfs of `size` (e.g. 100k), unmounted after the test; `remount(where,
+    size)` grows it (a user freeing space). Root only: skipped elsewhere, with the reason."""
+    import subprocess
+
+    mounted: list[Path] = []
+
+    def make(size: str, ro: bool = False) -> Path:
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        options = f"size={size}" + (",ro" if ro else "")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): the disk cases need root")
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def remount(where: Path, size: str) -> None:
+    import subprocess
+
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(where)], check=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.train.checkpoint import files as ckpt
+from tests.conftest import Mount, remount
 from tests.multiproc import launch
 from tests.multiproc.conftest import STEPS
 
@@ -105,6 +106,36 @@ def test_a_full_disk_stops_every_rank_with_one_message(shards: Path, tmp_path: P
     assert "checkpoint step00000010 could not be saved (rank 1:" in log and "No space left on device" in log
     assert "step00000005 stays the latest complete checkpoint" in log and "GB free at" in log
     assert ckpt.latest_complete(run_dir) == "step00000005" and (run_dir / "latest").read_text() == "step00000005"
+
+
+def test_a_disk_that_fills_during_a_save_is_one_line_and_the_run_continues_once_space_is_freed(
+    shards: Path, tmp_path: Path, mount: Mount
+) -> None:
+    """A real full disk, not an injected error: run_dir on a 4 MB tmpfs holds checkpoint 5 (2.6 MB) and fills
+    while checkpoint 10 is written (torch.save then fails with a RuntimeError of its zip writer, not an OSError).
+    The launch says it once, in one line naming the disk and what to do, without a traceback; the half-written
+    step00000010 has no marker, so it is never resumed; with the disk grown (space freed) the same command
+    resumes from step 5 and trains steps 6-10 to the losses the first launch logged."""
+    disk = mount("4m")
+    run_dir = disk / "run"
+    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=12)
+    out = launch.run(cfg, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 2, log[-3000:]
+    said = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and "Traceback" not in log, log[-4000:]
+    assert "checkpoint step00000010 could not be saved" in said[0] and "No space left on device" in said[0]
+    assert f"free at {run_dir}" in said[0] and "the incomplete step00000010/ is never resumed" in said[0]
+    assert ckpt.complete_tags(run_dir) == ["step00000005"] and (run_dir / "step00000010").is_dir()
+    first = launch.losses(run_dir)
+    remount(disk, "32m")
+    out = launch.run(cfg, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert f"resumed from {run_dir}/step00000005" in log
+    again = launch.losses(run_dir)
+    assert [again[s] for s in range(6, 11)] == [first[s] for s in range(6, 11)]
+    assert ckpt.latest_complete(run_dir) == "step00000012"
 
 
 def test_a_nonfinite_loss_stops_without_saving_or_is_skipped(shards: Path, tmp_path: Path) -> None:

@@ -4,38 +4,13 @@ tmpfs mounts (root only; skipped elsewhere, with the reason)."""
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from tests.conftest import CORPUS, tokenizer_model
+from tests.conftest import CORPUS, Mount, tokenizer_model
 from tests.multiproc import launch
-
-Mount = Callable[..., Path]
-
-
-@pytest.fixture
-def mount(tmp_path: Path) -> Iterator[Mount]:
-    """mount(size, ro=False): a fresh tmpfs of `size` (e.g. 100k), unmounted after the test."""
-    mounted: list[Path] = []
-
-    def make(size: str, ro: bool = False) -> Path:
-        where = tmp_path / f"fs{len(mounted)}"
-        where.mkdir()
-        options = f"size={size}" + (",ro" if ro else "")
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
-        if r.returncode:
-            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): the disk cases need root")
-        mounted.append(where)
-        return where
-
-    yield make
-    for where in mounted:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def one_line_refusal(result: object, path: Path, said: str) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.atomic import sha256_file
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, SaidOnRankZero
 from pipeline.train import faults
 from pipeline.train.checkpoint import files as ckpt
 from pipeline.train.checkpoint.resume import continue_from, resumable
@@ -25,6 +25,7 @@ from pipeline.train.runtime.ds_workarounds import replay_adam_beta_powers
 from pipeline.train.setup.ds_config import zero_stage
 from pipeline.train.setup.prepare import Run
 from pipeline.train.setup.schedule import Schedule, max_steps_for
+from pipeline.units import format_size
 
 if TYPE_CHECKING:
     from pipeline.train.state import TrainState
@@ -204,14 +205,16 @@ class Checkpointer:
         reports: list[Any] = [None] * world
         tdist.all_gather_object(reports, (guard.error, guard.files, socket.gethostname()))
         errors = [f"rank {r}: {err}" for r, (err, _, _) in enumerate(reports) if err]
-        if errors:
+        if errors:  # the same words on every rank; rank 0 says them (pipeline.train.main)
             free = shutil.disk_usage(run_dir).free
             latest = ckpt.latest_complete(run_dir)
-            raise PipelineError(
-                f"checkpoint {tag} could not be saved ({errors[0]}); {free / 1e9:,.1f} GB free at {run_dir}"
-                + (f", a checkpoint needs about {self.size_hint / 1e9:,.1f} GB on a node" if self.size_hint else "")
+            said = PipelineError if rank == 0 else SaidOnRankZero
+            raise said(
+                f"checkpoint {tag} could not be saved ({errors[0]}); {format_size(free)} free at {run_dir}"
+                + (f", a checkpoint needs about {format_size(self.size_hint)} on a node" if self.size_hint else "")
                 + f". The run stops; {latest or 'no checkpoint'} stays the latest complete checkpoint and the "
-                f"incomplete {tag}/ can be deleted. Free space or move run_dir, then resume with the same command"
+                f"incomplete {tag}/ is never resumed (delete it to free its space). Free space or move run_dir, then "
+                "resume with the same command"
             )
         if rank == 0:
             files: dict[str, dict[str, Any]] = {}
@@ -237,6 +240,15 @@ class _GuardedWrites:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def fail(self, path: str | Path, e: BaseException) -> None:
+        """Record a failed write (the first), in words that name a full disk as such."""
+        if self.error:
+            return
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).strip().splitlines() or [""])[0]
+        if "No space left" not in reason and not isinstance(e, OSError) and _disk_full(Path(path)):
+            reason = f"No space left on device ({type(e).__name__}: {reason})"
+        self.error = f"{path}: {reason}"
+
     def save(self, state_dict: Any, path: str) -> Any:
         if self.error:
             return None
@@ -245,8 +257,8 @@ class _GuardedWrites:
                 faults.fired()
                 raise OSError(errno.ENOSPC, "No space left on device (injected by PIPELINE_FAULT_ENOSPC_IN_SAVE)")
             out = self.inner.save(state_dict, path)
-        except OSError as e:
-            self.error = f"{path}: {e.strerror or e}"
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
+            self.fail(path, e)
             Path(path).unlink(missing_ok=True)  # no half-written file that looks whole
             return None
         entry: dict[str, Any] = {"size": Path(path).stat().st_size}
@@ -258,11 +270,34 @@ class _GuardedWrites:
         return out
 
 
+def _disk_full(path: Path, slack: int = 1 << 20) -> bool:
+    """Whether the disk holding `path` has (almost) no space left."""
+    folder = path if path.is_dir() else path.parent
+    try:
+        return shutil.disk_usage(folder).free < slack
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def _guarded_writes(engine: Any, root: Path, **kw: Any) -> Iterator[_GuardedWrites]:
+    """During one save: DeepSpeed's checkpoint engine behind `_GuardedWrites`, and rank 0's copy of DeepSpeed's
+    recovery scripts (zero_to_fp32.py) guarded the same way, since a full disk can fail that copy too, after the
+    rank's last barrier of the save but one."""
     guard = _GuardedWrites(engine.checkpoint_engine, root, **kw)
     engine.checkpoint_engine = guard
+    copy_scripts = engine._copy_recovery_script
+
+    def guarded_copy(save_path: str) -> None:
+        if not guard.error:
+            try:
+                copy_scripts(save_path)
+            except OSError as e:
+                guard.fail(save_path, e)
+
+    engine._copy_recovery_script = guarded_copy
     try:
         yield guard
     finally:
         engine.checkpoint_engine = guard.inner
+        del engine._copy_recovery_script  # the class's method again
