@@ -79,9 +79,11 @@ def build_ops_ahead(ds: dict[str, Any], world: int, per_node: int) -> None:
     """The DeepSpeed ops this run loads and this environment has not built yet, built here before the launch
     (in parallel, with their times), instead of silently by every rank for a minute or more."""
     from pipeline.train.runtime.dist import accelerator_name
-    from pipeline.train.runtime.ops import build, is_built, needed
+    from pipeline.train.runtime.ops import build, clear_stale_locks, is_built, needed
 
-    todo = [n for n in needed(ds, accelerator_name(), per_node if world > 1 else 1) if not is_built(n)]
+    ops = needed(ds, accelerator_name(), per_node if world > 1 else 1)
+    clear_stale_locks(ops, lambda line: click.echo(line, err=True))  # built or not: the ranks load through the lock
+    todo = [n for n in ops if not is_built(n)]
     if not todo:
         return
     click.echo(
@@ -89,7 +91,7 @@ def build_ops_ahead(ds: dict[str, Any], world: int, per_node: int) -> None:
         f"parallel; kept in {use_project_cache()})",
         err=True,
     )
-    for name, seconds, error in build(todo, jobs=len(todo)):
+    for name, seconds, error in build(todo, jobs=len(todo), say=lambda line: click.echo(line, err=True)):
         if error is None:
             click.echo(f"  built {name} in {seconds:.0f} s", err=True)
         else:

@@ -10,6 +10,7 @@ on every node, or the tests. `python -m pipeline.train.runtime.ops` (what `make 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -40,6 +41,48 @@ def use_project_cache(environ: dict[str, str] | os._Environ[str] = os.environ) -
     return environ["TORCH_EXTENSIONS_DIR"]
 
 
+LOCK = "lock"
+"""torch's build lock in an op's folder (torch.utils.file_baton.FileBaton): created when a build starts, held open by
+the building process, removed when it ends. A build stopped by a signal leaves it, and every later build waits for
+it without a word."""
+
+
+def lock_holders(lock: Path) -> list[int] | None:
+    """The processes that hold `lock` open (a build in progress); None where that cannot be seen (no /proc)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    target = str(lock.resolve())
+    holders = []
+    for pid in (p for p in proc.iterdir() if p.name.isdigit()):
+        try:
+            if any(os.readlink(fd) == target for fd in (pid / "fd").iterdir()):
+                holders.append(int(pid.name))
+        except OSError:  # gone meanwhile, or another user's: not a build of this venv's cache
+            continue
+    return holders
+
+
+def clear_stale_locks(names: list[str], say: Any = print) -> None:
+    """Remove the build locks of `names` that no live process holds (a build stopped by a signal left them),
+    saying so; say which build is in progress where one is."""
+    for name in names:
+        lock = extensions_dir() / name / LOCK
+        if not lock.exists():
+            continue
+        holders = lock_holders(lock)
+        if holders is None:
+            say(
+                f"{lock} exists: a build of {name} is in progress, or one was stopped and left it; if no build is "
+                "running, delete that file (every build of the op waits for it otherwise)"
+            )
+        elif holders:
+            say(f"a build of {name} is in progress (process {', '.join(map(str, holders))}); waiting for it to end")
+        else:
+            lock.unlink(missing_ok=True)
+            say(f"cleared {lock}: a build of {name} was stopped before it finished and left it (no process holds it)")
+
+
 def is_built(name: str) -> bool:
     return (extensions_dir() / name / f"{name}.so").is_file()
 
@@ -66,21 +109,66 @@ def _build_one(name: str) -> tuple[str, float, str | None]:
     )
     env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
     started = time.monotonic()
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    proc = subprocess.Popen(  # its own process group, so that stopping it stops its compilers too
+        [sys.executable, "-c", code],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    _RUNNING[name] = proc
+    _, stderr = proc.communicate()
+    _RUNNING.pop(name, None)
     seconds = time.monotonic() - started
-    if res.returncode == 3:
+    if proc.returncode == 3:
         return name, seconds, "not buildable here (see `ds_report`)"
-    if res.returncode != 0:
-        return name, seconds, (res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1]
+    if proc.returncode != 0:
+        return name, seconds, (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
     return name, seconds, None
 
 
-def build(names: list[str], jobs: int = 2) -> list[tuple[str, float, str | None]]:
-    """Build the ops of `names` that are not built yet, `jobs` at a time (each op compiles on one core)."""
+_RUNNING: dict[str, subprocess.Popen[str]] = {}
+"""The builds this process started, by op: stopped with it (`_stop_builds`)."""
+
+
+def _stop_builds(signum: int, frame: Any) -> None:
+    """SIGTERM (docker stop, a Slurm time limit) or SIGINT while building: stop the builds and their compilers,
+    clear the locks they leave, say so in one line, exit 143 (130), instead of dying silently with every later
+    build waiting on the locks."""
+    import signal
+
+    for name, proc in list(_RUNNING.items()):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        (extensions_dir() / name / LOCK).unlink(missing_ok=True)
+    print(
+        f"stopped while building DeepSpeed's {', '.join(_RUNNING) or 'ops'}; the partial builds were cleared and the "
+        "next launch builds them again",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(128 + signum)
+
+
+def build(names: list[str], jobs: int = 2, say: Any = print) -> list[tuple[str, float, str | None]]:
+    """Build the ops of `names` that are not built yet, `jobs` at a time (each op compiles on one core), after
+    clearing the locks that stopped builds left; a SIGTERM meanwhile stops them cleanly (`_stop_builds`)."""
+    import signal
+    import threading
+
     use_project_cache()
+    clear_stale_locks(names, say)
     todo = [n for n in names if not is_built(n)]
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        return list(pool.map(_build_one, todo))
+    main = threading.current_thread() is threading.main_thread()
+    before = {sig: signal.signal(sig, _stop_builds) for sig in (signal.SIGTERM, signal.SIGINT)} if main and todo else {}
+    try:
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
+            return list(pool.map(_build_one, todo))
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
