@@ -61,6 +61,20 @@ read for the softmax and the product, forward, recompute and backward)."""
 STEP_OVERHEAD_S = 0.02
 """Engine bookkeeping per optimizer step (clipping, norms, the scheduler)."""
 COLLECTIVE_LATENCY_S = 2e-4
+"""The fixed cost of one ZeRO-3 bucket's collective where it crosses sockets or host memory: between nodes, and
+between GeForce cards without P2P (NCCL's staged copies)."""
+NVLINK_LATENCY_S = 1e-5
+"""The same inside one node whose cards talk over NVLink (or PCIe P2P): NCCL's intra-node latency is a few
+microseconds (nccl-tests' small-message all-reduce on 8 x H100 NVLink, 10-20 us); published steps of single-node
+NVLink runs show no per-bucket term, where 2e-4 made it 23-39% of the planned step with small buckets."""
+
+
+def collective_latency(c: Cluster) -> float:
+    """Seconds of fixed cost per bucket collective on this cluster's slowest hop."""
+    direct = c.gpu.nvlink_gbs > 0 or c.gpu.p2p
+    return NVLINK_LATENCY_S if c.nodes == 1 and direct else COLLECTIVE_LATENCY_S
+
+
 RANGE = (0.75, 1.2)
 """The compute, offload and CPU-Adam rates' low and high factors: the printed range (the published figures fall
 inside it; its width stays under 2x)."""
@@ -260,7 +274,8 @@ def step_time(
         intra = _links(replace(c, nodes=1), rates, net_eff)[1]  # a node's GPUs: NVLink, P2P or host memory
         nic = c.network_gbps / 8 * 1e9 * net_eff / gpn  # the node's NIC, shared by its GPUs
         sp_t = sp_bytes / (intra if link == "inside the node" else min(intra, nic))
-    micro_t = max(parts) + OVERLAP_RESIDUE * (sum(parts) - max(parts)) + n_coll * COLLECTIVE_LATENCY_S + sp_t
+    latency = collective_latency(c)
+    micro_t = max(parts) + OVERLAP_RESIDUE * (sum(parts) - max(parts)) + n_coll * latency + sp_t
 
     opt_t = _optimizer(shape, c, cand, stack, rates, node_pcie, micro_t)
     step_net_t = net_step / coll_bw if net_step else 0.0
@@ -275,7 +290,7 @@ def step_time(
         "host_copies": cand.grad_accum * copies_t,
         "param_fetch": cand.grad_accum * fetch_t,
         "optimizer": opt_t,
-        "collective_latency": cand.grad_accum * n_coll * COLLECTIVE_LATENCY_S,
+        "collective_latency": cand.grad_accum * n_coll * latency,
         "sequence_all_to_all": cand.grad_accum * sp_t,
         "overhead": STEP_OVERHEAD_S,
     }

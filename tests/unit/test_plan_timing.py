@@ -117,3 +117,19 @@ def test_cpu_adam_time_follows_the_nodes_cores_and_memory_bandwidth() -> None:
     unbound = estimate(PRESETS["7b"], 4096, replace(big, gpus_per_node=4, nodes=2), cand, stack=Stack(bind_cores=False))
     bound = estimate(PRESETS["7b"], 4096, replace(big, gpus_per_node=4, nodes=2), cand)
     assert unbound.time["optimizer"] / bound.time["optimizer"] == pytest.approx(1 + 3 * CPU_ADAM_UNBOUND_SLOPE)
+
+
+def test_the_per_bucket_collective_latency_is_the_slowest_hops() -> None:
+    """ZeRO-3's bucket collectives cost a fixed latency each: microseconds inside an NVLink (or P2P) node, where
+    published single-node steps show no such term; 0.2 ms across nodes or between GeForce cards staged through host
+    memory."""
+    from pipeline.plan.timing import COLLECTIVE_LATENCY_S, NVLINK_LATENCY_S, collective_latency
+
+    nvlink_node = Cluster(1, 8, GPUS["h100"], 2048 * 10**9)
+    assert collective_latency(nvlink_node) == NVLINK_LATENCY_S < COLLECTIVE_LATENCY_S / 10
+    assert collective_latency(replace(nvlink_node, nodes=2)) == COLLECTIVE_LATENCY_S
+    assert collective_latency(Cluster(1, 4, GPUS["4090d"], 120 * 10**9)) == COLLECTIVE_LATENCY_S  # no P2P
+    cand = Candidate(3, "none", "none", True, 1, 4, 1e7, 1e7, 3e8, 1e9)  # small buckets: many collectives
+    one = estimate(PRESETS["7b"], 4096, nvlink_node, cand).time["collective_latency"]
+    two = estimate(PRESETS["7b"], 4096, replace(nvlink_node, nodes=2), cand).time["collective_latency"]
+    assert two == pytest.approx(one * COLLECTIVE_LATENCY_S / NVLINK_LATENCY_S)
