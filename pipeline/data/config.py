@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,4 +136,13 @@ def parse_sources(specs: tuple[str, ...]) -> tuple[tuple[tuple[str, float], ...]
             given = True
         else:
             out.append((spec, 1.0))
+    firsts: dict[str, str] = {}
+    for prefix, _ in out:
+        key = os.path.realpath(prefix + ".manifest.json")
+        if key in firsts:
+            raise PipelineError(
+                f"{firsts[key]} and {prefix} are the same tokenize output: it would be blended twice; give it once, "
+                f"with a weight to draw more of it (e.g. {prefix}:2)"
+            )
+        firsts[key] = prefix
     return tuple(out), given

@@ -94,7 +94,31 @@ def resolve_inputs(inputs: list[str]) -> list[Source]:
                         "or a datasets save_to_disk folder"
                     )
                 out.append(Source(p, k))
+    _refuse_repeats(out)
     return out
+
+
+def _refuse_repeats(sources: list[Source]) -> None:
+    """A file named twice (directly and through a glob or its folder, by another path, through a symlink or a hard
+    link) would have its documents tokenized twice without a word: refused, naming both."""
+    seen: dict[tuple[int, int], Path] = {}
+    for src in sources:
+        st = src.path.stat()
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            first = seen[key]
+            if str(first) == str(src.path):
+                how = ""
+            elif first.resolve() == src.path.resolve():
+                how = ", by another path (a symlink, or another spelling of it)"
+            else:
+                how = ", through a hard link"
+            raise PipelineError(
+                f"{first} and {src.path} are the same {'folder' if src.path.is_dir() else 'file'}{how}: its documents "
+                "would be read twice; give it once (to weigh a source, tokenize it alone and give "
+                "`pipeline shard PREFIX:WEIGHT`)"
+            )
+        seen[key] = src.path
 
 
 def _hidden(rel: Path) -> bool:

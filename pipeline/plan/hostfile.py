@@ -31,6 +31,7 @@ def hostfile_hosts(path: str) -> list[tuple[str, int]]:
     if not p.is_file():
         raise PipelineError(f"--hostfile {path}: {'is a folder' if p.is_dir() else 'no such file'} (see hostfiles/)")
     slots = []
+    lines: dict[str, int] = {}
     with open(path) as f:
         for n, line in enumerate(f, start=1):
             line = line.strip()
@@ -41,6 +42,12 @@ def hostfile_hosts(path: str) -> list[tuple[str, int]]:
                 raise PipelineError(f"{path}:{n}: expected 'HOST slots=N', got {line!r}")
             if int(m.group(2)) < 1:
                 raise PipelineError(f"{path}:{n}: slots={m.group(2)}; a host needs 1 slot or more")
+            if m.group(1) in lines:
+                raise PipelineError(
+                    f"{path}:{n}: host {m.group(1)} is listed again (first on line {lines[m.group(1)]}); give each "
+                    "host once, with all its GPUs as its slots"
+                )
+            lines[m.group(1)] = n
             slots.append((m.group(1), int(m.group(2))))
     if not slots:
         raise PipelineError(f"{path}: no hosts")
