@@ -22,6 +22,7 @@ from pipeline.options import (
     DEVICE,
     HOSTFILE,
     MASTER_PORT,
+    PATH,
     SEED,
     SETS,
     WHERE,
@@ -30,6 +31,7 @@ from pipeline.options import (
     group,
     length_mix,
     opt,
+    output_prefix,
     ratios,
     size,
     user_errors,
@@ -57,9 +59,17 @@ def main(verbose: bool) -> None:
 
 
 @command()
-@click.argument("inputs", nargs=-1, required=True)
-@click.option("--output-prefix", required=True, help="Writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json.")
-@click.option("--tokenizer", default=None, help="An existing sentencepiece .model file or a Hugging Face folder.")
+@click.argument("inputs", nargs=-1, required=True, type=PATH)
+@click.option(
+    "--output-prefix",
+    required=True,
+    type=PATH,
+    callback=output_prefix,
+    help="Writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json.",
+)
+@click.option(
+    "--tokenizer", default=None, type=PATH, help="An existing sentencepiece .model file or a Hugging Face folder."
+)
 @click.option(
     "--train-tokenizer", is_flag=True, help="Train a sentencepiece tokenizer on the inputs (PREFIX.tokenizer.model)."
 )
@@ -98,9 +108,11 @@ def tokenize(**options: Any) -> None:
 
 
 @command(name="extend-vocab")
-@click.argument("model_dir")
-@click.argument("inputs", nargs=-1, required=True)
-@click.option("--output", required=True, help="Folder for the model with the extended tokenizer (a new folder).")
+@click.argument("model_dir", type=PATH)
+@click.argument("inputs", nargs=-1, required=True, type=PATH)
+@click.option(
+    "--output", required=True, type=PATH, help="Folder for the model with the extended tokenizer (a new folder)."
+)
 @opt("--new-tokens", default=8000, help="Pieces to add at most.", type=click.IntRange(1, 1_000_000))
 @opt("--sample-docs", default=100_000, help="Documents sampled (seeded) to find the pieces.", type=click.IntRange(1))
 @opt("--held-out-docs", default=200, help="Documents kept aside to measure bytes per token.", type=click.IntRange(1))
@@ -115,8 +127,8 @@ def extend_vocab(**options: Any) -> None:
 
 
 @command()
-@click.argument("sources", nargs=-1)
-@click.option("--output", help="Folder for the shards and manifest.json.")
+@click.argument("sources", nargs=-1, type=PATH)
+@click.option("--output", type=PATH, help="Folder for the shards and manifest.json.")
 @opt("--seq-len", help="Tokens per sample (each stores seq_len + 1 for the labels).", type=click.IntRange(8, 2**20))
 @opt("--split", default="98,1,1", help="train,val,test ratios, by document.", callback=ratios)
 @SEED
@@ -140,7 +152,7 @@ def extend_vocab(**options: Any) -> None:
     callback=length_mix,
 )
 @click.option("--overwrite", is_flag=True, help="Replace shards made with other arguments.")
-@click.option("--inspect", "inspect_dir", default=None, help="Print the summary of a shard folder.")
+@click.option("--inspect", "inspect_dir", default=None, type=PATH, help="Print the summary of a shard folder.")
 @click.option(
     "--model",
     "model_dir",
@@ -208,12 +220,12 @@ def pretrain(config: str, sets: tuple[str, ...], **options: Any) -> None:
 
 @command()
 @CHECKPOINT
-@click.option("--data", default=None, help="Shard folder (default: the run's own data.path).")
+@click.option("--data", default=None, type=PATH, help="Shard folder (default: the run's own data.path).")
 @click.option("--split", type=click.Choice(["val", "test", "train"]), default="val", show_default=True)
 @opt("--max-batches", help="Evaluate at most this many batches (default: all).", type=click.IntRange(1))
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--prompts", default=None, help="Text file, one prompt per line (\\n for a newline).")
-@click.option("--output", default=None, help="JSON results (default RUN_DIR/eval/TAG-SPLIT.json).")
+@click.option("--prompts", default=None, type=PATH, help="Text file, one prompt per line (\\n for a newline).")
+@click.option("--output", default=None, type=PATH, help="JSON results (default RUN_DIR/eval/TAG-SPLIT.json).")
 @opt(
     "--max-new-tokens",
     type=click.IntRange(0, 100_000),
@@ -252,7 +264,7 @@ def evaluate(launched: bool, **options: Any) -> None:
 
 @command()
 @CHECKPOINT
-@click.option("--output", required=True, help="Folder to write the Hugging Face model into.")
+@click.option("--output", required=True, type=PATH, help="Folder to write the Hugging Face model into.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @opt("--max-shard-size", default="2GB", help="Largest safetensors file.", callback=size)
 @AVERAGE
@@ -379,7 +391,7 @@ def doctor(config: str | None, sets: tuple[str, ...], master_port: int | None, *
     "fitted to published runs (which depends on the card and the micro-step); e.g. what your own run measured.",
 )
 @opt("--tokens", default="1B", help="Token budget for the time estimate.")
-@click.option("--write-ds-config", default=None, help="Write the chosen DeepSpeed JSON here.")
+@click.option("--write-ds-config", default=None, type=PATH, help="Write the chosen DeepSpeed JSON here.")
 @click.option(
     "--opt-in",
     multiple=True,
@@ -407,7 +419,7 @@ def plan(**options: Any) -> None:
 
 @command()
 @HOSTFILE
-@opt("--out", help="Write the rates here [default: HOSTFILE.probe.json beside --hostfile, else probe.json].")
+@opt("--out", type=PATH, help="Write the rates here [default: HOSTFILE.probe.json beside --hostfile, else probe.json].")
 @opt("--model", help="With a GPU, also its bf16 GEMM rate at this model's shapes (a preset or a HF folder).")
 @opt("--seq-len", default=4096, type=click.IntRange(1))
 @opt("--micro-batch-size", default=1, type=click.IntRange(1))

@@ -103,6 +103,30 @@ def ratios(ctx: click.Context, param: click.Parameter, value: str) -> tuple[floa
     return ratios
 
 
+class UserPath(click.ParamType):
+    """A file or folder the user typed: a leading ~ is their home even where no shell expanded it (quoted, or
+    from a script); relative paths stay relative to where they stand."""
+
+    name = "path"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return os.path.expanduser(value) if isinstance(value, str) else value
+
+
+PATH = UserPath()
+
+
+def output_prefix(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An output prefix (PREFIX.bin, PREFIX.idx, ...) that names a file stem, not a folder: `data/` or an existing
+    folder would write `data.bin` beside it, not in it."""
+    if value is None:
+        return None
+    if value.endswith(("/", os.sep)) or os.path.isdir(value):
+        stem = os.path.join(value.rstrip("/" + os.sep) or ".", "corpus")
+        raise click.BadParameter(f"{value} names a folder; give a file prefix inside it, e.g. {stem}")
+    return value
+
+
 def length_mix(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[tuple[int, float], ...]:
     """`pipeline shard --length-mix 8k:2,32k:4` as ((8192, 2.0), (32768, 4.0))."""
     from pipeline.units import parse_length_mix
@@ -130,11 +154,14 @@ def opt(*decls: str, default: Any = None, help: str | None = None, **kw: Any) ->
 
 
 def config_option(required: bool, help: str) -> Decorator:
-    return click.option("--config", required=required, default=None, help=help)
+    return click.option("--config", required=required, default=None, type=PATH, help=help)
 
 
 HOSTFILE = click.option(
-    "--hostfile", default=None, help="DeepSpeed hostfile (see hostfiles/): the hosts, reached by ssh, and their slots."
+    "--hostfile",
+    default=None,
+    type=PATH,
+    help="DeepSpeed hostfile (see hostfiles/): the hosts, reached by ssh, and their slots.",
 )
 MASTER_PORT = click.option(
     "--master-port", type=click.IntRange(1, 65535), default=None, help="Rendezvous port (default: 29500)."
@@ -158,7 +185,7 @@ AVERAGE = click.option(
 SETS = click.option("--set", "sets", multiple=True, help="Override a config field: section.key=value (repeatable).")
 SEED = click.option("--seed", type=int, default=1234, show_default=True)
 CHECKPOINT = click.option(
-    "--checkpoint", required=True, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG."
+    "--checkpoint", required=True, type=PATH, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG."
 )
 DEVICE = click.option(
     "--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto (cuda when torch sees a GPU)."

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,6 +219,16 @@ def apply_overrides(raw: dict[str, Any], sets: list[str]) -> dict[str, Any]:
     return raw
 
 
+PATH_FIELDS = {
+    ("data", "path"),
+    ("data", "stages"),
+    ("model", "init_from"),
+    ("checkpoint", "branch_from"),
+    ("train", "deepspeed_config"),
+}
+"""The fields (besides run_dir) that name files or folders: a leading ~ is the user's home, as in a shell."""
+
+
 def from_dict(raw: dict[str, Any], source: str = "config") -> PretrainConfig:
     """Build the config, reporting every problem at once: unknown sections and fields, values of the wrong type,
     and the range checks of `check` on every section that could be built."""
@@ -227,7 +238,7 @@ def from_dict(raw: dict[str, Any], source: str = "config") -> PretrainConfig:
         raise ConfigError(["expected a mapping of sections (run_dir, model, data, ...)"], source)
     for key, value in (raw or {}).items():
         if key == "run_dir":
-            kwargs[key] = str(value)
+            kwargs[key] = os.path.expanduser(str(value))
             continue
         if key not in _SECTIONS:
             problems.append(
@@ -248,6 +259,14 @@ def from_dict(raw: dict[str, Any], source: str = "config") -> PretrainConfig:
                 fields[k] = coerce(v, str(known[k].type))
             except ValueError as e:
                 problems.append(f"{key}.{k}: {e}")
+                continue
+            if (key, k) in PATH_FIELDS:  # "~/data" in YAML is no shell's: expanded as the user meant
+                v = fields[k]
+                fields[k] = (
+                    {s: os.path.expanduser(str(p)) for s, p in v.items()}
+                    if isinstance(v, dict)
+                    else (os.path.expanduser(v) if isinstance(v, str) else v)
+                )
         try:
             kwargs[key] = cls(**fields)
         except (TypeError, ValueError) as e:
