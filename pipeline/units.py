@@ -5,9 +5,10 @@ from __future__ import annotations
 
 
 def parse_size(text: str) -> int:
-    """'512MB' -> bytes (decimal units, and KiB/MiB/GiB binary ones)."""
+    """'512MB' -> bytes (decimal units, and KiB/MiB/GiB binary ones). A bare number is refused: '512' meant as
+    megabytes would be 512 bytes (a shard size of 512 bytes writes a file per sample); '512B' says bytes."""
     units = {
-        "": 1,
+        "": 1,  # a bare number: refused below unless 0
         "B": 1,
         "KB": 10**3,
         "MB": 10**6,
@@ -28,9 +29,12 @@ def parse_size(text: str) -> int:
     try:
         if unit not in units:
             raise ValueError
-        return int(float(num) * units[unit])
+        value = int(float(num) * units[unit])
     except ValueError:
         raise ValueError(f"'{text}': expected a size such as 512MB, 2GB or 64GiB") from None
+    if not unit and value:
+        raise ValueError(f"'{text}': a size needs its unit, e.g. {text}MB, {text}GB or {text}B for bytes")
+    return value
 
 
 def format_size(n: float) -> str:

@@ -118,6 +118,12 @@ CASES = [
     ("plan --gpu 4090ti", "'4090ti' is not the RTX 4090"),  # not planned as the card its name starts with
     ("plan --gpu 3090ti", "'3090ti' is not the RTX 3090"),
     ("plan --tokens 100GB", "expected a number of tokens such as 1B, 100bn"),
+    # a size without its unit, wherever a size is typed (512 meant as MB would be 512 bytes)
+    ("shard {PREFIX} --output {T}/s --seq-len 64 --shard-size 512", "'512': a size needs its unit, e.g. 512MB"),
+    ("tokenize {CORPUS} --tokenizer {MODEL} --output-prefix {T}/o --max-record-bytes 256", "a size needs its unit"),
+    ("export --checkpoint {T} --output {T}/e --max-shard-size 2", "'2': a size needs its unit"),
+    ("plan --nvme 2000", "'2000': a size needs its unit"),
+    ("plan --cpu-mem 512", "'512': a size needs its unit"),
 ]
 
 
