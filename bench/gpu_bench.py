@@ -78,6 +78,8 @@ class Case:
     """train.kernels (pipeline.model.kernels.KERNELS)."""
     tiled_mlp: int = 0
     """train.tiled_mlp (0: off)."""
+    optimizer: str = "adamw"
+    """optim.name (pipeline.train.setup.optimizers.OPTIMIZERS)."""
     timeout_s: int = 150
     """What the deadline reserves for the case."""
     note: str = ""
@@ -200,6 +202,9 @@ def cases(smoke: bool) -> list[Case]:
             )
             for k in (32, 64)
         ),
+        # Muon against 1b_zero2 (AdamW, the same eager ZeRO-2 run): peak memory (4 bytes of state a matrix
+        # parameter instead of 8) and step time (Newton-Schulz on every matrix at each step)
+        Case("1b_muon", "pipeline", "1b", 2048, 8, 14, optimizer="muon", timeout_s=90, note="Muon beside 1b_zero2"),
     ]
     if not smoke:
         return full
@@ -456,7 +461,7 @@ def run_pipeline(
         "model": {"preset": case.preset, "shape": {"num_layers": case.layers} if case.layers else {}},
         "data": {"path": str(shards), "num_workers": 2, "verify": False},
         "batch": {"micro_batch_size": case.micro_batch_size, "global_batch_size": case.micro_batch_size},
-        "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2},
+        "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2, "name": case.optimizer},
         "train": {
             "max_steps": case.steps,
             "precision": "bf16" if not smoke or "bf16" in case.ds_overrides else "fp32",
@@ -681,6 +686,7 @@ def cpu_path(case: Case) -> tuple[Any, ...]:
         overrides,
         bool(case.compile),
         case.tiled_mlp > 1,
+        case.optimizer,
     )
 
 
@@ -695,12 +701,15 @@ def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path) -> dict[
     from pipeline.plan.ds_json import candidate_from_ds
     from pipeline.plan.estimate import estimate
     from pipeline.plan.gpus import capped
+    from pipeline.train.setup.optimizers import OPTIMIZERS
 
     if case.kind != "pipeline":
         return {}
     ds = json.loads((work / f"{case.name}.ds.json").read_text())
     cand = replace(
-        candidate_from_ds(ds, case.micro_batch_size, 1, case.activation_checkpointing), tiled_mlp=case.tiled_mlp
+        candidate_from_ds(ds, case.micro_batch_size, 1, case.activation_checkpointing),
+        tiled_mlp=case.tiled_mlp,
+        moment_bytes=OPTIMIZERS[case.optimizer].moment_bytes,
     )
     cluster = Cluster(
         1,

@@ -105,7 +105,7 @@ def ds_config(e: Estimate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
         | ({"bf16_optimizer_states": True} if cand.bf16_optimizer_states else {}),
         "fp16": {"enabled": "auto", "loss_scale": 0},
         "optimizer": {
-            "type": "AdamW",
+            "type": "auto",  # the optimizer table writes it (pipeline.train.setup.ds_config)
             "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
         },
         "zero_optimization": zero,

@@ -158,6 +158,9 @@ def build_engine(
         config=ds,
         mpu=mpu,
     )
+    entry = OPTIMIZERS[cfg.optim.name]
+    for group in engine.optimizer.param_groups:  # what the schedule's rate is multiplied by (pipeline.train.step)
+        group["lr_scale"] = entry.lr_scale(group, cfg.optim)
     return engine
 
 

@@ -42,6 +42,7 @@ from pipeline.train.runtime.dist import (
 )
 from pipeline.train.runtime.ds_workarounds import sequence_parallel_loss_factor
 from pipeline.train.setup.config import dump
+from pipeline.train.setup.optimizers import OPTIMIZERS
 from pipeline.train.setup.prepare import Prepared, Run
 from pipeline.train.setup.runlock import LOCK_NAME, RunLock
 from pipeline.train.setup.schedule import Schedule, lr_at, max_steps_for
@@ -202,6 +203,15 @@ class Trainer:
             write_json(run.run_dir / "ds_config.json", run.ds)
             env = environment(run.dist.world_size, run.dist.device)
             env["optimizer"] = type(self.engine.optimizer).__name__  # which of DeepSpeed's it chose
+            inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+            groups = [
+                f"{g.get('name', f'group {i}')}: {len(g['params'])} tensors at {g.get('lr_scale', 1.0):g}x the "
+                "schedule's lr"
+                for i, g in enumerate(inner.param_groups)
+            ]
+            log.info("optimizer %s (%s); %s", cfg.optim.name, type(inner).__name__, "; ".join(groups))
+            if clip_note := OPTIMIZERS[cfg.optim.name].clip_note:
+                log.info("gradient clipping off: %s", clip_note)
             env["grad_accum_dtype"] = (run.ds.get("data_types") or {}).get("grad_accum_dtype") or "model dtype"
             env["ranks"] = ranks
             env["speed"] = speed.record()

@@ -73,8 +73,9 @@ def train_step(
     sequence: SequenceShard | None = None,
     backward_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Set the learning rate, run `grad_accum` micro-steps (forward, backward, DeepSpeed's step, which applies
-    the update at the accumulation boundary) and return the mean per-token loss as a float64 device tensor.
+    """Set the learning rate (each param group's `lr_scale` of it), run `grad_accum` micro-steps (forward,
+    backward, DeepSpeed's step, which applies the update at the accumulation boundary) and return the mean per-token
+    loss as a float64 device tensor.
     `poison` (tests only, pipeline.train.faults) makes the first micro-step's loss NaN. `timings` gets
     "optimizer_s": the boundary's engine.step from a synchronised start to a synchronised end (the optimizer, CPU
     Adam under offload, and what it waits for), which `pipeline plan --from-run` calibrates on. `around`: a context
@@ -83,7 +84,7 @@ def train_step(
     mean, which the group's ranks add up. `backward_scale` multiplies the loss backpropagated (not the one returned):
     pipeline.train.runtime.ds_workarounds.sequence_parallel_loss_factor says why."""
     for group in engine.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's matrices at muon_lr's share (engine.build_engine)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     slow = faults.seconds("SLOW_MICRO_STEP")
     for i in range(grad_accum):

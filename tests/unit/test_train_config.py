@@ -12,6 +12,7 @@ import pytest
 from pipeline.errors import ConfigError
 from pipeline.train.setup.config import from_dict, load
 from pipeline.train.setup.ds_config import batch_plan, load_ds_config, resolve
+from pipeline.train.setup.optimizers import OPTIMIZERS
 from pipeline.train.setup.schedule import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,6 +142,8 @@ def test_deepspeed_auto_fields_are_filled_and_conflicts_refused() -> None:
             "train.compile with ZeRO-3: not supported yet",
         ),
         ({"train": {"max_steps": 100, "precision": "fp16"}}, "zero2.json", "cpu", "fp16 is not supported on the CPU"),
+        ({"optim": {"name": "muon"}}, "zero3_offload.json", "cpu", "muon cannot run with ZeRO-3 and offload"),
+        ({"optim": {"name": "muon"}}, "zero0.json", "cpu", "muon cannot run with ZeRO-0"),
     ],
 )
 def test_unsupported_combinations_are_refused_with_the_matrix(overrides, ds_file, accel, message) -> None:
@@ -148,6 +151,26 @@ def test_unsupported_combinations_are_refused_with_the_matrix(overrides, ds_file
     with pytest.raises(ConfigError) as e:
         resolve(cfg, load_ds_config(ROOT / "ds_configs" / ds_file), batch_plan(cfg, 2, 64), accelerator=accel)
     assert message in str(e.value) and "supported combinations" in str(e.value)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizer_entry_writes_the_deepspeed_section_it_is_built_from(name: str) -> None:
+    """The optimizer table writes the JSON's optimizer section: an "auto" type becomes the entry's DeepSpeed type
+    and every "auto" parameter the config's value; an entry we build ourselves gets no section; a JSON naming
+    another optimizer is refused with the fix; clipping is off where the entry says why."""
+    cfg = from_dict({**BASE, "optim": {"name": name, "muon_lr": 0.03}})
+    ds = resolve(cfg, load_ds_config(ROOT / "ds_configs/zero2.json"), batch_plan(cfg, 2, 64), accelerator="cpu")
+    entry = OPTIMIZERS[name]
+    if entry.ds_params is None:
+        assert "optimizer" not in ds
+    else:
+        assert ds["optimizer"]["type"] == entry.ds_types[0]
+        assert ds["optimizer"]["params"] == entry.ds_params(cfg.optim) and "auto" not in str(ds["optimizer"])
+        other = load_ds_config(ROOT / "ds_configs/zero2.json")
+        other["optimizer"]["type"] = "Lamb"
+        with pytest.raises(ConfigError, match=rf'optimizer.type Lamb: optim.name {name} is built from .*"auto"'):
+            resolve(cfg, other, batch_plan(cfg, 2, 64), accelerator="cpu")
+    assert ds["gradient_clipping"] == (cfg.optim.grad_clip if entry.clip_note is None else 0.0)
 
 
 def test_pipeline_parallel_is_refused() -> None:

@@ -25,6 +25,7 @@ from pipeline.train.runtime.ds_workarounds import replay_adam_beta_powers
 from pipeline.train.setup.ds_config import zero_stage
 from pipeline.train.setup.prepare import Run
 from pipeline.train.setup.schedule import Schedule, max_steps_for
+from pipeline.train.setup.stages import stage_of_checkpoint
 from pipeline.units import format_size
 
 if TYPE_CHECKING:
@@ -119,7 +120,10 @@ class Checkpointer:
         if found is None:
             return None
         tag, marker, _, folder = found
-        if note := continue_from(self.run, self.run.dist.world_size, tag, marker, folder=folder):
+        # the data the checkpoint's last update read: the trainer's own for the first stage, else the stage's shards
+        first = stage_of_checkpoint(self.run.cfg.data, marker["step"]).index == 0
+        fingerprint = self.data_fingerprint if first else None
+        if note := continue_from(self.run, self.run.dist.world_size, tag, marker, fingerprint, folder=folder):
             log.warning("%s", note)
         return tag, marker, folder
 

@@ -22,7 +22,9 @@ def replay_adam_beta_powers(optimizer: Any, device: torch.device) -> int:
     steps = max((int(st["step"]) for st in basic.state.values() if isinstance(st, dict) and "step" in st), default=0)
     if steps == 0 or not basic.param_groups:
         return 0
-    group = basic.param_groups[0]
+    group = next((g for g in basic.param_groups if "betas" in g), None)  # Muon's matrix groups have none
+    if group is None:
+        return 0
     beta1, beta2 = group["betas"]
     dummy = [torch.zeros(8, dtype=torch.float32) for _ in range(4)]  # param, grad, exp_avg, exp_avg_sq
     if isinstance(basic, DeepSpeedCPUAdam):

@@ -62,9 +62,10 @@ class BatchSection:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimSection:
-    name: Literal["adamw", "adamw8bit"] = "adamw"
+    name: Literal["adamw", "adamw8bit", "muon"] = "adamw"
     """adamw (DeepSpeed's: FusedAdam on GPU, CPUAdam when offloading) | adamw8bit (bitsandbytes, ZeRO 0-2, no
-    offload)."""
+    offload) | muon (DeepSpeed's Muon for the hidden matrices at muon_lr, AdamW at lr for the rest; ZeRO 1-3, no
+    offload; pipeline.train.setup.optimizers.OPTIMIZERS)."""
     lr: float = 3e-4
     min_lr: float = 3e-5
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
@@ -87,6 +88,10 @@ class OptimSection:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    muon_lr: float = 0.02
+    """optim.name muon: the peak learning rate of the hidden matrices (Muon's own scale; the schedule shapes it as
+    it shapes lr, which the embeddings, norms and output layer train at)."""
+    muon_momentum: float = 0.95
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -375,6 +380,10 @@ def check(cfg: PretrainConfig) -> list[str]:
         p.append("optim.decay_steps: a constant schedule has no decay; remove it, or use schedule wsd")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append("optim.beta1/beta2: expected values in [0, 1)")
+    if not (0 < o.muon_lr < 1 and 0 <= o.muon_momentum < 1):
+        p.append(
+            f"optim.muon_lr {o.muon_lr} / muon_momentum {o.muon_momentum}: expected 0 < muon_lr < 1, momentum in [0, 1)"
+        )
     if o.grad_clip < 0:
         p.append("optim.grad_clip: expected 0 (off) or a positive norm")
     for name in ("max_steps", "max_tokens"):

@@ -92,10 +92,18 @@ def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
     return BatchPlan(b.micro_batch_size, replicas, global_batch // per_step, global_batch, seq_len, sp)
 
 
-SUPPORTED_MATRIX = """supported combinations:
-  optimizer adamw     : ZeRO 0-3, with or without CPU/NVMe offload, bf16/fp16/fp32 (fp16 needs a GPU)
-  optimizer adamw8bit : ZeRO 0-2 without any offload (bitsandbytes; GPU, and CPU for tests)
-  (pipeline.train.setup.optimizers.OPTIMIZERS)
+def _optimizer_lines() -> str:
+    """One line per entry of the optimizer table: its ZeRO stages and whether its states may be offloaded."""
+    lines = []
+    for name, o in OPTIMIZERS.items():
+        stages = f"{min(o.zero_stages)}-{max(o.zero_stages)}"
+        lines.append(f"  optimizer {name:<10}: ZeRO {stages}, {'with or without' if o.offload else 'without'} offload")
+    return "\n".join(lines)
+
+
+SUPPORTED_MATRIX = f"""supported combinations:
+{_optimizer_lines()}
+  (pipeline.train.setup.optimizers.OPTIMIZERS; fp16 needs a GPU)
   train.compile       : ZeRO 0-2 (null: on for a CUDA GPU with ZeRO 0-2)
   bf16 master/states  : bf16 precision, ZeRO 1-3 (bf16_optimizer_states needs bf16_master_weights_and_grads)
   zenflow             : ZeRO 1-2 with offload_optimizer cpu, grad_accum 1, integer update/select intervals
@@ -148,7 +156,7 @@ def _fill_batch_and_precision(ds: dict[str, Any], cfg: PretrainConfig, plan: Bat
         ("train_micro_batch_size_per_gpu", plan.micro_batch_size),
         ("gradient_accumulation_steps", plan.grad_accum),
         ("train_batch_size", plan.global_batch_size),
-        ("gradient_clipping", cfg.optim.grad_clip),
+        ("gradient_clipping", cfg.optim.grad_clip if OPTIMIZERS[cfg.optim.name].clip_note is None else 0.0),
     ):
         ds[key] = _filled(ds.get(key, "auto"), ours, key, p)
     if plan.sequence_parallel > 1 or "sequence_parallel_size" in ds:
@@ -164,15 +172,20 @@ def _fill_batch_and_precision(ds: dict[str, Any], cfg: PretrainConfig, plan: Bat
 
 
 def _fill_optimizer(ds: dict[str, Any], cfg: PretrainConfig, p: list[str]) -> None:
-    o = cfg.optim
-    if OPTIMIZERS[o.name].build is None:  # DeepSpeed builds it from the JSON's optimizer section
-        params = ds.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})
-        params["lr"] = o.lr if params.get("lr", "auto") == "auto" else params["lr"]
-        params["betas"] = _filled(params.get("betas", "auto"), [o.beta1, o.beta2], "optimizer.params.betas", p)
-        params["eps"] = _filled(params.get("eps", "auto"), o.eps, "optimizer.params.eps", p)
-        params["weight_decay"] = _filled(
-            params.get("weight_decay", "auto"), o.weight_decay, "optimizer.params.weight_decay", p
-        )
+    """The JSON's optimizer section from the optimizer table: an "auto" (or absent) type becomes optim.name's
+    DeepSpeed type, and each "auto" (or absent) parameter its value from the optim section; a value the JSON sets
+    must agree with the config (the learning rate is the schedule's, set at every step)."""
+    o, entry = cfg.optim, OPTIMIZERS[cfg.optim.name]
+    if entry.build is None and entry.ds_params is not None:  # DeepSpeed builds it from the JSON's section
+        section = ds.setdefault("optimizer", {"type": "auto", "params": {}})
+        if section.get("type", "auto") == "auto":
+            section["type"] = entry.ds_types[0]
+        params = section.setdefault("params", {})
+        for key, value in entry.ds_params(o).items():
+            if key == "lr":
+                params[key] = value if params.get(key, "auto") == "auto" else params[key]
+            else:
+                params[key] = _filled(params.get(key, "auto"), value, f"optimizer.params.{key}", p)
         return
     ds.pop("optimizer", None)
     # DeepSpeed's ZeRO-1/2 wrap only optimizers on its own list unless told otherwise; bitsandbytes' AdamW8bit
@@ -187,8 +200,11 @@ def unsupported(ds: dict[str, Any], cfg: PretrainConfig, accelerator: str) -> li
     stage, offload, train = zero_stage(ds), offload_devices(ds).any, cfg.train
     opt_type = str((ds.get("optimizer") or {}).get("type", ""))
     optimizer = OPTIMIZERS[cfg.optim.name]
-    if optimizer.ds_types and opt_type.lower() not in optimizer.ds_types:
-        p.append(f"optimizer.type {opt_type}: optim.name {cfg.optim.name} is built from {optimizer.ds_types[0]}")
+    if optimizer.ds_types and opt_type.lower() not in {t.lower() for t in optimizer.ds_types}:
+        p.append(
+            f"optimizer.type {opt_type}: optim.name {cfg.optim.name} is built from {optimizer.ds_types[0]}; set "
+            'optimizer.type to "auto" (the optimizer table then writes it) or remove the optimizer section'
+        )
     p += optimizer.problems(cfg.optim.name, stage, offload)
     if train.compile is True and stage == 3:
         p.append(
