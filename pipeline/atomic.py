@@ -55,6 +55,28 @@ def write_json(path: str | Path, obj: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
+SEAL = "sealed_sha256"
+"""The field of a manifest or marker that holds the sha256 of all its other fields, as written: what a stage reads
+back is what it wrote, every field of it (a field edited by hand, a file half replaced by a copy)."""
+
+
+def _canonical(obj: dict[str, Any]) -> bytes:
+    return json.dumps({k: v for k, v in obj.items() if k != SEAL}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sealed(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` with its seal (`SEAL`), to write with write_json."""
+    return {**{k: v for k, v in obj.items() if k != SEAL}, SEAL: hashlib.sha256(_canonical(obj)).hexdigest()}
+
+
+def seal_broken(obj: Any) -> bool:
+    """Whether a manifest or marker read back differs from what was written. Files written before seals (no
+    `SEAL` field) are taken as they are."""
+    if not isinstance(obj, dict) or SEAL not in obj:
+        return False
+    return bool(obj[SEAL] != hashlib.sha256(_canonical(obj)).hexdigest())
+
+
 def write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     tmp = tmp_path_for(path)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from pipeline import __version__
-from pipeline.atomic import sha256_file
+from pipeline.atomic import seal_broken, sha256_file
 from pipeline.errors import PipelineError
 
 
@@ -140,12 +140,19 @@ def read_shard_manifest(path: str | Path) -> ShardManifest:
 
 
 def _read(path: Path, missing: str, fix: str) -> dict[str, Any]:
+    """The manifest at `path`, refused when it is not what its stage wrote (pipeline.atomic.SEAL: every field)."""
     if not path.exists():
         raise PipelineError(missing)
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise PipelineError(f"{path}: not valid JSON ({e}); {fix}") from None
+    if seal_broken(data):
+        raise PipelineError(
+            f"{path}: changed after it was written (a field edited by hand, or a copy mixed with another run's), so "
+            f"it no longer vouches for the files beside it; {fix}"
+        )
+    return data  # type: ignore[no-any-return]
 
 
 def model_token_ids(tok: TokenizerInfo | None) -> dict[str, Any]:

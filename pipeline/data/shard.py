@@ -25,7 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.atomic import OneWriter, file_in_the_way, held_by, make_temp_dir, sha256_file, write_json, writing_to
+from pipeline.atomic import (
+    OneWriter,
+    file_in_the_way,
+    held_by,
+    make_temp_dir,
+    sealed,
+    sha256_file,
+    write_json,
+    writing_to,
+)
 from pipeline.data.config import ShardConfig
 from pipeline.data.indexed import IndexedReader
 from pipeline.data.manifest import (
@@ -412,7 +421,7 @@ def _build(
         "wall_time_s": round(wall, 3),
         "throughput_mb_per_s": round(total_tokens * dtype.itemsize / 1e6 / wall, 2),
     }
-    write_json(out / "manifest.json", manifest)
+    write_json(out / "manifest.json", sealed(manifest))
     return ShardResult(out, manifest)
 
 

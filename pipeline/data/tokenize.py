@@ -21,7 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.atomic import OneWriter, file_in_the_way, held_by, sha256_file, tmp_path_for, write_json, writing_to
+from pipeline.atomic import (
+    OneWriter,
+    file_in_the_way,
+    held_by,
+    sealed,
+    sha256_file,
+    tmp_path_for,
+    write_json,
+    writing_to,
+)
 from pipeline.data.config import TokenizeConfig
 from pipeline.data.encode import ErrorSink, FileStats, chunks, encode_all, refuse_lost_input, worker_init
 from pipeline.data.indexed import IndexedWriter, token_dtype
@@ -261,5 +270,5 @@ def _run(cfg: TokenizeConfig) -> TokenizeResult:
         "unchecked_cuts": cut_stats["unchecked_cuts"],
     }
     manifest["notes"] = vocabulary_notes(writer.id_counts, cfg.vocab_size) if trained else []
-    write_json(prefix.with_name(prefix.name + ".manifest.json"), manifest)
+    write_json(prefix.with_name(prefix.name + ".manifest.json"), sealed(manifest))
     return TokenizeResult(prefix, manifest)

@@ -182,7 +182,7 @@ def test_tokenized_files_changed_after_tokenizing_are_refused(tokenized: Path, t
 
     older = copy()  # a manifest from before the files were recorded still shards
     manifest = json.loads(Path(str(older) + ".manifest.json").read_text())
-    del manifest["files"]
+    del manifest["files"], manifest["sealed_sha256"]  # nor sealed
     Path(str(older) + ".manifest.json").write_text(json.dumps(manifest))
     assert shard_into([(older, 1.0)], tmp_path / "s4", seq_len=32).manifest["seq_len"] == 32
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
-from pipeline.atomic import replacing_dir, sha256_file, write_json, write_text
+from pipeline.atomic import replacing_dir, seal_broken, sealed, sha256_file, write_json, write_text
 from pipeline.errors import PipelineError
 from pipeline.plan.memory import checkpoint_bytes
 from pipeline.train import faults
@@ -74,12 +74,21 @@ def latest_complete(run_dir: str | Path) -> str | None:
 
 def mark_complete(run_dir: Path, tag: str, info: Marker) -> None:
     """Rank 0, after every rank has written its shards (the caller holds a barrier)."""
-    write_json(run_dir / tag / MARKER, info)
+    write_json(run_dir / tag / MARKER, sealed(dict(info)))
     write_text(run_dir / "latest", tag)
 
 
 def read_marker(run_dir: str | Path, tag: str) -> Marker:
-    return json.loads((Path(run_dir) / tag / MARKER).read_text())
+    """A complete checkpoint's marker, refused when it is not what the save wrote (pipeline.atomic.SEAL)."""
+    path = Path(run_dir) / tag / MARKER
+    marker = json.loads(path.read_text())
+    if seal_broken(marker):
+        raise PipelineError(
+            f"{path}: changed after the save wrote it (a field edited, or a copy mixed with another run's); it no "
+            f"longer says what {tag} holds: restore it, or move {tag}/ out of the run folder to resume from an "
+            "earlier checkpoint"
+        )
+    return marker  # type: ignore[no-any-return]
 
 
 def marker_step(run_dir: Path, tag: str) -> int:
