@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +191,6 @@ def _pack_sources(
 ) -> tuple[dict[str, list[Packed]], dict[str, dict[str, Any]]]:
     """Split each source by document and pack each split into rows (a temporary file per source, split and length
     bucket); refuse a seq_len that leaves the train split empty, warn about empty val/test splits."""
-    width = cfg.seq_len + 1
     readers = [IndexedReader(p) for p, _ in cfg.sources]
     progress = Progress(sum(int(r.lengths.sum()) for r in readers) * dtype.itemsize, "shard", cfg.progress)
     packed: dict[str, list[Packed]] = {s: [] for s in SPLITS}
@@ -205,32 +204,48 @@ def _pack_sources(
                 bucket = length_buckets(reader.lengths[doc_ids], cfg.length_mix)
                 groups = [doc_ids[bucket == b] for b in range(len(cfg.length_mix) + 1)]
             for bi, ids in enumerate(groups):
-                rows_path, lens_path = work / f"src{si}-{split}-{bi}.rows", work / f"src{si}-{split}-{bi}.lens"
-                n_rows = 0
-                docs = (reader[int(d)] for d in ids)
-                packing = (
-                    pack_whole(docs, cfg.seq_len, pad_id, dtype)
-                    if cfg.whole_documents
-                    else pack(docs, cfg.seq_len, cfg.cross_document, pad_id, dtype)
-                )
-                with open(rows_path, "wb") as fr, open(lens_path, "wb") as fl:
-                    for rows, lens, dropped in packing:
-                        fr.write(rows.tobytes())
-                        if lens is not None:
-                            fl.write(lens.tobytes())
-                        n_rows += len(rows)
-                        split_stats[split]["dropped_tokens"] += dropped
-                        progress.update(rows.nbytes, tok=rows.size)
-                rows_mm = np.memmap(rows_path, dtype, "r", shape=(n_rows, width)) if n_rows else None
-                lens_mm = (
-                    np.memmap(lens_path, np.int32, "r", shape=(n_rows,)) if n_rows and not cfg.cross_document else None
-                )
-                packed[split].append(Packed(rows_mm, lens_mm, si, bi, n_rows))
+                group, dropped = _pack_group(cfg, reader, ids, work / f"src{si}-{split}-{bi}", dtype, pad_id, progress)
+                packed[split].append(replace(group, source=si, bucket=bi))
+                split_stats[split]["dropped_tokens"] += dropped
             st = split_stats[split]
             st["documents"] += len(doc_ids)
             st["tokens_in"] += int(reader.lengths[doc_ids].sum()) if len(doc_ids) else 0
             st["per_source_samples"].append(sum(p.samples for p in packed[split] if p.source == si))
     progress.close()
+    _check_splits(cfg, readers, split_stats)
+    return packed, split_stats
+
+
+def _pack_group(
+    cfg: ShardConfig, reader: IndexedReader, ids: np.ndarray, stem: Path, dtype: np.dtype, pad_id: int, progress: Any
+) -> tuple[Packed, int]:
+    """Pack documents `ids` of one source into rows in STEM.rows (and their valid lengths in STEM.lens): the
+    packed rows, mapped back (source and bucket 0, for the caller to set), and the tokens dropped."""
+    width = cfg.seq_len + 1
+    rows_path, lens_path = stem.with_name(stem.name + ".rows"), stem.with_name(stem.name + ".lens")
+    n_rows = dropped_total = 0
+    docs = (reader[int(d)] for d in ids)
+    packing = (
+        pack_whole(docs, cfg.seq_len, pad_id, dtype)
+        if cfg.whole_documents
+        else pack(docs, cfg.seq_len, cfg.cross_document, pad_id, dtype)
+    )
+    with open(rows_path, "wb") as fr, open(lens_path, "wb") as fl:
+        for rows, lens, dropped in packing:
+            fr.write(rows.tobytes())
+            if lens is not None:
+                fl.write(lens.tobytes())
+            n_rows += len(rows)
+            dropped_total += dropped
+            progress.update(rows.nbytes, tok=rows.size)
+    rows_mm = np.memmap(rows_path, dtype, "r", shape=(n_rows, width)) if n_rows else None
+    lens_mm = np.memmap(lens_path, np.int32, "r", shape=(n_rows,)) if n_rows and not cfg.cross_document else None
+    return Packed(rows_mm, lens_mm, 0, 0, n_rows), dropped_total
+
+
+def _check_splits(cfg: ShardConfig, readers: list[IndexedReader], split_stats: dict[str, dict[str, Any]]) -> None:
+    """Refuse a seq_len that leaves the train split empty; warn about missing, empty or tiny val/test splits."""
+    width = cfg.seq_len + 1
     train = split_stats["train"]
     if sum(train["per_source_samples"]) == 0:
         longest = max((int(r.lengths.max()) for r in readers if len(r)), default=0)
@@ -268,7 +283,6 @@ def _pack_sources(
                 samples,
                 split_stats[split]["documents"],
             )
-    return packed, split_stats
 
 
 def _write_split(
@@ -286,44 +300,16 @@ def _write_split(
     width = cfg.seq_len + 1
     available = st["per_source_samples"]
     counts = blend_counts(available, weights) if split == "train" else list(available)
-    bucket_weight = [1.0] + [w for _, w in cfg.length_mix]
-    drawn: list[int] = []
-    for s, count in enumerate(counts):
-        mine = [p for p in packed if p.source == s]
-        drawn += bucket_counts([p.samples for p in mine], [bucket_weight[p.bucket] for p in mine], count)
+    drawn = _bucket_draws(cfg, packed, counts)
     rng = np.random.default_rng([cfg.seed, 1, si_split])
     picks = [(e, i) for e, p in enumerate(packed) for i in draw(p.samples, drawn[e], rng)]
     order = rng.permutation(len(picks)) if picks else np.zeros(0, np.int64)
     src_ids = np.array([p[0] for p in picks], np.int64)[order] if picks else np.zeros(0, np.int64)
     row_ids = np.array([p[1] for p in picks], np.int64)[order] if picks else np.zeros(0, np.int64)
-    files = []
-    for k, (a, b) in enumerate(_shard_ranges(len(order), width * dtype.itemsize, cfg)):
-        name = f"{split}-{k:05d}"
-        with open(work / f"{name}.bin", "wb") as fb, open(work / f"{name}.len", "wb") as fl:
-            for c in range(a, b, _GATHER_ROWS):
-                s_ids, r_ids = src_ids[c : min(b, c + _GATHER_ROWS)], row_ids[c : min(b, c + _GATHER_ROWS)]
-                block = np.empty((len(s_ids), width), dtype)
-                lens = np.empty(len(s_ids), np.int32)
-                for e in np.unique(s_ids):
-                    sel = s_ids == e
-                    block[sel] = packed[e].rows[r_ids[sel]]  # type: ignore[index]
-                    lens_mm = packed[e].lens
-                    lens[sel] = lens_mm[r_ids[sel]] if lens_mm is not None else width
-                fb.write(block.tobytes())
-                if not cfg.cross_document:
-                    fl.write(lens.tobytes())
-        entry = {
-            "file": f"{name}.bin",
-            "samples": b - a,
-            "bytes": (b - a) * width * dtype.itemsize,
-            "sha256": sha256_file(work / f"{name}.bin"),
-        }
-        if cfg.cross_document:
-            (work / f"{name}.len").unlink()
-        else:
-            entry["lengths_file"] = f"{name}.len"
-            entry["lengths_sha256"] = sha256_file(work / f"{name}.len")
-        files.append(entry)
+    files = [
+        _write_shard(cfg, work / f"{split}-{k:05d}", packed, src_ids[a:b], row_ids[a:b], dtype)
+        for k, (a, b) in enumerate(_shard_ranges(len(order), width * dtype.itemsize, cfg))
+    ]
     n = len(order)
     return {
         "samples": n,
@@ -339,18 +325,7 @@ def _write_split(
                 "effective_epochs": round(counts[s] / available[s], 4) if available[s] else 0.0,
                 "weight": weights[s] if weights else None,
                 **(
-                    {
-                        "length_buckets": [
-                            {
-                                "from_tokens": ([0] + [e for e, _ in cfg.length_mix])[p.bucket],
-                                "weight": bucket_weight[p.bucket],
-                                "available_samples": p.samples,
-                                "drawn_samples": drawn[e],
-                            }
-                            for e, p in enumerate(packed)
-                            if p.source == s
-                        ]
-                    }
+                    {"length_buckets": _buckets_of(cfg, packed, drawn, s)}
                     if cfg.length_mix and split == "train"
                     else {}
                 ),
@@ -359,6 +334,68 @@ def _write_split(
         ],
         "shards": files,
     }
+
+
+def _write_shard(
+    cfg: ShardConfig, stem: Path, packed: list[Packed], src_ids: np.ndarray, row_ids: np.ndarray, dtype: np.dtype
+) -> dict[str, Any]:
+    """One shard file STEM.bin (and its valid lengths, STEM.len, where samples are padded): the rows named by
+    (packed group, row) in order, gathered a block at a time; returns its manifest entry."""
+    width = cfg.seq_len + 1
+    name = stem.name
+    with open(stem.with_name(f"{name}.bin"), "wb") as fb, open(stem.with_name(f"{name}.len"), "wb") as fl:
+        for c in range(0, len(src_ids), _GATHER_ROWS):
+            s_ids, r_ids = src_ids[c : c + _GATHER_ROWS], row_ids[c : c + _GATHER_ROWS]
+            block = np.empty((len(s_ids), width), dtype)
+            lens = np.empty(len(s_ids), np.int32)
+            for e in np.unique(s_ids):
+                sel = s_ids == e
+                block[sel] = packed[e].rows[r_ids[sel]]  # type: ignore[index]
+                lens_mm = packed[e].lens
+                lens[sel] = lens_mm[r_ids[sel]] if lens_mm is not None else width
+            fb.write(block.tobytes())
+            if not cfg.cross_document:
+                fl.write(lens.tobytes())
+    entry = {
+        "file": f"{name}.bin",
+        "samples": len(src_ids),
+        "bytes": len(src_ids) * width * dtype.itemsize,
+        "sha256": sha256_file(stem.with_name(f"{name}.bin")),
+    }
+    if cfg.cross_document:
+        stem.with_name(f"{name}.len").unlink()
+    else:
+        entry["lengths_file"] = f"{name}.len"
+        entry["lengths_sha256"] = sha256_file(stem.with_name(f"{name}.len"))
+    return entry
+
+
+def _bucket_weights(cfg: ShardConfig) -> list[float]:
+    return [1.0] + [w for _, w in cfg.length_mix]
+
+
+def _bucket_draws(cfg: ShardConfig, packed: list[Packed], counts: list[int]) -> list[int]:
+    """Samples drawn from each packed group: each source's count split over its length buckets by their weights."""
+    drawn: list[int] = []
+    for s, count in enumerate(counts):
+        mine = [p for p in packed if p.source == s]
+        drawn += bucket_counts([p.samples for p in mine], [_bucket_weights(cfg)[p.bucket] for p in mine], count)
+    return drawn
+
+
+def _buckets_of(cfg: ShardConfig, packed: list[Packed], drawn: list[int], source: int) -> list[dict[str, Any]]:
+    """The manifest's record of one source's length buckets: where each starts, its weight, available and drawn."""
+    edges = [0] + [e for e, _ in cfg.length_mix]
+    return [
+        {
+            "from_tokens": edges[p.bucket],
+            "weight": _bucket_weights(cfg)[p.bucket],
+            "available_samples": p.samples,
+            "drawn_samples": drawn[e],
+        }
+        for e, p in enumerate(packed)
+        if p.source == source
+    ]
 
 
 def _build(

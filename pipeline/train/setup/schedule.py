@@ -57,9 +57,7 @@ class Schedule:
         return asdict(self)
 
     def decay_start(self, max_steps: int) -> int:
-        """The first step of the decay (warmup-stable-decay); `max_steps` for schedules without a final decay."""
-        if self.name != "wsd":
-            return self.warmup_steps if self.name == "cosine" else max_steps
+        """The first step of warmup-stable-decay's final decay."""
         length = self.decay_steps or round((self.decay_ratio or DEFAULT_DECAY_RATIO) * max_steps)
         return max(self.warmup_steps, max_steps - max(1, length))
 
