@@ -32,6 +32,7 @@ Usage: python bench/gpu_bench.py [--smoke] [--out DIR] [--logs DIR] [--budget SE
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -690,14 +691,31 @@ def cpu_path(case: Case) -> tuple[Any, ...]:
     )
 
 
-def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path) -> dict[str, Any]:
-    """The planner's prediction for exactly this case: its DeepSpeed JSON on one GPU capped as the case is, the
-    lent machine's RAM and cores, and what `pipeline probe` measured on it in the warm-up (`probe`), as a user's
-    plan with a probed hostfile would be."""
-    import psutil
+@dataclass(frozen=True)
+class Host:
+    """The lent machine's facts a plan reads besides its card and probe (recorded in results.json as `host`)."""
 
+    ram_bytes: int
+    cores: int
+
+    @staticmethod
+    def here() -> Host:
+        import psutil
+
+        return Host(int(psutil.virtual_memory().total), psutil.cpu_count(logical=False) or 1)
+
+
+LEASE_HOST = Host(128 * 2**30, 16)
+"""The lent machines of 2026-12-04 (one H200, 16 cores, 128 GiB, as the lease described them): their results
+predate the `host` record."""
+
+
+def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path, host: Host | None = None) -> dict[str, Any]:
+    """The planner's prediction for exactly this case: its DeepSpeed JSON on one GPU capped as the case is, the
+    lent machine's RAM and cores (`host`, default this machine's), and what `pipeline probe` measured on it in the
+    warm-up (`probe`), as a user's plan with a probed hostfile would be."""
     from pipeline.model import loss_chunk_tokens
-    from pipeline.plan.cluster import Cluster, with_probe
+    from pipeline.plan.cluster import Cluster, trainer_stack, with_probe
     from pipeline.plan.ds_json import candidate_from_ds
     from pipeline.plan.estimate import estimate
     from pipeline.plan.gpus import capped
@@ -705,23 +723,19 @@ def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path) -> dict[
 
     if case.kind != "pipeline":
         return {}
-    ds = json.loads((work / f"{case.name}.ds.json").read_text())
+    host = host or Host.here()
+    ds = json.loads(ds_json(case, work).read_text())
     cand = replace(
         candidate_from_ds(ds, case.micro_batch_size, 1, case.activation_checkpointing),
         tiled_mlp=case.tiled_mlp,
         moment_bytes=OPTIMIZERS[case.optimizer].moment_bytes,
     )
-    cluster = Cluster(
-        1,
-        1,
-        capped(card, case.memory_cap_gib),
-        int(psutil.virtual_memory().total),
-        cpu_cores=psutil.cpu_count(logical=False) or 1,
-    )
+    cluster = Cluster(1, 1, capped(card, case.memory_cap_gib), host.ram_bytes, cpu_cores=host.cores)
     if probe.exists():
         cluster, _ = with_probe(cluster, probe, set())
     shape = shape_of(case, vocab)
-    e = estimate(shape, case.seq_len, cluster, cand, loss_chunk_tokens=loss_chunk_tokens(shape.vocab_size))
+    stack = trainer_stack(case.compile, case.kernels)
+    e = estimate(shape, case.seq_len, cluster, cand, loss_chunk_tokens=loss_chunk_tokens(shape.vocab_size), stack=stack)
     return {
         "plan_tokens_per_s": e.tokens_per_s,
         "plan_step_time_s": e.step_time_s,
@@ -731,6 +745,40 @@ def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path) -> dict[
         "plan_reserved_gib": e.gpu["reserved"] / 2**30,
         "plan_assumed": [{"figure": f, "value": v, "source": src} for f, v, src in e.assumed],
     }
+
+
+def replanned(results: Path, probe_doc: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Today's planner on every case a stored GPU run measured (`results`: a results.json): per case its measured
+    step time and peak allocated beside the plan's, planned with the run's own host probe (`probe_doc` where the
+    run kept none: another lease's of the same machine) and host facts. How the planner is held to the GPU."""
+    import tempfile
+
+    from pipeline.plan.gpus import lookup
+
+    doc = json.loads(results.read_text())
+    probe_doc = doc.get("warm_up", {}).get("host") or probe_doc
+    host = Host(**doc["host"]) if doc.get("host") else LEASE_HOST
+    by_name = {c.name: c for c in cases(False)}
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work, probe = Path(tmp), Path(tmp) / PROBE
+        if probe_doc and "error" not in probe_doc:
+            probe.write_text(
+                json.dumps({"host": "the lent machine", "when": doc["date"], "gpu": doc["gpu"], **probe_doc})
+            )
+        for r in doc["cases"]:
+            case = by_name.get(r["name"])
+            if case is None or case.kind != "pipeline" or "step_time_s" not in r:
+                continue
+            out.append(
+                {
+                    "name": case.name,
+                    "step_time_s": r["step_time_s"],
+                    "peak_allocated_gib": r["peak_allocated_gib"],
+                    **planned(case, 32000, lookup(doc["gpu"]), work, probe, host),
+                }
+            )
+    return out
 
 
 def mfu(result: dict[str, Any], case: Case, vocab: int, peak_tflops: float | None) -> dict[str, Any]:
@@ -855,6 +903,7 @@ def main() -> None:
     doc["warm_up"] = warm_up(args.smoke, out_dir)
     save()
     print(json.dumps(doc["warm_up"])[:600], flush=True)
+    doc["host"] = dataclasses.asdict(Host.here()) if cuda else None
     work = out_dir / ".work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()

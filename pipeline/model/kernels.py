@@ -146,6 +146,36 @@ def apply_attention(choice: AttentionChoice) -> None:
     ctx.__enter__()  # for the life of the process: nothing else in a training process sets SDPA flags
 
 
+# ---- what a speed switch does to time and memory, as measured: the planner prices it from here ----------------
+
+
+@dataclass(frozen=True, slots=True)
+class Effect:
+    """A speed switch's effect in the planner's terms (pipeline.plan), each figure measured on a GPU."""
+
+    fused_activations: bool
+    """A decoder layer keeps the fused layout's activations for the backward (pipeline.plan.memory FUSED_PER_H/F:
+    the norms keep their input and 1/rms, the SwiGLU its gate and up) instead of transformers' modules'."""
+    knee_factor: float
+    """The planner's compute efficiency is the card's GEMM ceiling x g / (g + knee), g the time of one (tokens x
+    h) x (h x h) GEMM of a micro-step: the knee is what small micro-steps lose to kernel launches and the norms',
+    RoPE's, SwiGLU's and residuals' separate memory-bound kernels. A switch that fuses those scales the knee by
+    this (1: no change): much of a narrow model's small micro-step, little of a wide one's large one."""
+    measured: str
+    """Where the figures come from: card, date, cases."""
+
+
+NO_EFFECT = Effect(False, 1.0, "transformers' own modules: what the planner's fitted rates were measured with")
+COMPILE_EFFECT = Effect(
+    True,
+    0.6,
+    "H200, 2026-12-04 (bench/results/gpu-h200-2026-12-04b.json): the 1b preset at micro 8 x 2048, ZeRO-2, "
+    "1b_default (compiled) 0.286 s a step and 37.0 GiB peak against 1b_zero2 (eager) 0.377 s and 46.3 GiB; the "
+    "knee's factor fits it and 1b_liger_micro16 (compiled, micro 16: 0.505 s) together, planned 1.08x and 0.91x",
+)
+"""train.compile: Inductor fuses the decoder layer's elementwise work and saves what the fused kernels save."""
+
+
 # ---- kernels: what replaces transformers' modules and our chunked loss ----------------------------------------
 
 
@@ -163,6 +193,8 @@ class KernelSet:
     """Its loss never builds logits (the planner counts no logits chunk; ZeRO-3 keeps the chunked loss)."""
     patch: str | None
     """liger_kernel.transformers function per family is `{patch}_{family}`."""
+    effect: Effect
+    """What it changes in time and memory, measured (the planner's price)."""
 
 
 KERNELS: dict[str, KernelSet] = {
@@ -177,6 +209,7 @@ KERNELS: dict[str, KernelSet] = {
             frozenset(),
             False,
             None,
+            NO_EFFECT,
         ),
         KernelSet(
             "liger",
@@ -187,6 +220,14 @@ KERNELS: dict[str, KernelSet] = {
             frozenset({"llama", "mistral", "qwen2", "qwen3"}),
             True,
             "apply_liger_kernel_to",
+            Effect(
+                True,
+                0.6,
+                "H200, 2026-12-04 (bench/results/gpu-h200-2026-12-04{b,c}.json): the 1b preset eager, ZeRO-2, "
+                "1b_liger_eager 0.289 s and 36.5 GiB against 1b_zero2 0.377 s and 46.3 GiB; with compile it adds "
+                "nothing (1b_liger 0.286 s, 1b_default 0.286 s); the 2-layer 7B offload slice 6.1 against 8.5 GiB; the "
+                "knee's factor as compile's (1b_liger_eager planned 1.07x)",
+            ),
         ),
     )
 }
@@ -212,17 +253,27 @@ def _installed(package: str) -> bool:
 
 
 def choose_kernels(
-    setting: str, shape: ModelShape, device_type: str, zero3: bool, compiled: bool = False
+    setting: str,
+    shape: ModelShape,
+    device_type: str,
+    zero3: bool,
+    compiled: bool = False,
+    assume_installed: bool = False,
 ) -> KernelChoice:
     """`train.kernels` resolved for this model on this device (see KERNELS): the set, whether the fused loss is
     used, and one line saying what replaced what, or what was used instead and why. `compiled`: the decoder
-    layers are compiled (auto then keeps transformers' modules, see AUTO_WHEN_COMPILED)."""
+    layers are compiled (auto then keeps transformers' modules, see AUTO_WHEN_COMPILED). `assume_installed`: the
+    packages are taken as installed where it will run (a plan made on another machine than the cluster's)."""
+
+    def missing(package: str | None) -> bool:
+        return bool(package) and not assume_installed and not _installed(str(package))
+
     if setting == "auto":
         if device_type != "cuda":
             return KernelChoice("torch", False, "kernels: torch (auto uses fused kernels on a CUDA GPU only)")
         name = AUTO_WHEN_COMPILED if compiled else AUTO_WHEN_EAGER
         package = KERNELS[name].package
-        if package and not _installed(package):
+        if missing(package):
             return KernelChoice(
                 "torch",
                 False,
@@ -239,7 +290,7 @@ def choose_kernels(
         why = f"its kernels are Triton kernels for CUDA GPUs, and this rank runs on {device_type}"
     elif entry.families and shape.family not in entry.families:
         why = f"it has no kernels for the {shape.family} family (it has {', '.join(sorted(entry.families))})"
-    elif entry.package and not _installed(entry.package):
+    elif missing(entry.package):
         why = f"the package {entry.package} is not installed (pip install {entry.package})"
     if why is not None:
         return KernelChoice("torch", False, f"kernels: {name} asked for, but {why}; using transformers' modules")
@@ -251,6 +302,40 @@ def choose_kernels(
             "partitions)"
         )
     return KernelChoice(name, fused, note)
+
+
+@dataclass(frozen=True, slots=True)
+class Switches:
+    """The speed switches a configuration runs with on a CUDA GPU, as the trainer resolves them, and their
+    combined measured effect (what the planner prices)."""
+
+    compiled: bool
+    kernels: str
+    fused_loss: bool
+    effect: Effect
+
+
+def gpu_switches(
+    compile_setting: bool | None, kernels_setting: str, shape: ModelShape, zero_stage: int, long_context: bool
+) -> Switches:
+    """`train.compile` and `train.kernels` resolved on a CUDA GPU for a configuration (its ZeRO stage, whether it
+    uses the long-context parts) exactly as choose_compile and choose_kernels resolve them at the start of a run,
+    the kernels' packages taken as installed there. Their effects combine as measured: compile and Liger together
+    fuse what either fuses alone (1b_liger = 1b_default), so the larger saving counts once."""
+    compiled, _ = choose_compile(compile_setting, "cuda", zero_stage, long_context)
+    choice = choose_kernels(kernels_setting, shape, "cuda", zero_stage == 3, compiled, assume_installed=True)
+    effects = [KERNELS[choice.kernels].effect, *([COMPILE_EFFECT] if compiled else [])]
+    used = [e for e in effects if e is not NO_EFFECT]
+    effect = (
+        Effect(
+            any(e.fused_activations for e in used),
+            min(e.knee_factor for e in used),
+            "; ".join(e.measured for e in used),
+        )
+        if used
+        else NO_EFFECT
+    )
+    return Switches(compiled, choice.kernels, choice.fused_loss, effect)
 
 
 def apply_kernels(choice: KernelChoice, shape: ModelShape) -> None:

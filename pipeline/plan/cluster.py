@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.errors import PipelineError
+from pipeline.model import ModelShape
+from pipeline.model.kernels import Switches, gpu_switches
 from pipeline.plan.gpus import GPU, lookup
 from pipeline.plan.hostfile import hostfile_facts, parse_hostfile
 from pipeline.plan.probe import SUFFIX, measured
@@ -66,6 +68,56 @@ class Stack:
     bind_cores: bool = True
     """CPU Adam ranks bound to their share of the node's cores (`pipeline pretrain` does it with numactl); unbound,
     every rank starts threads on every core (DeepSpeed's default)."""
+    compile: bool | None = False
+    """This trainer's `train.compile` (None: auto); other stacks: False."""
+    kernel_set: str = "torch"
+    """This trainer's `train.kernels` (pipeline.model.kernels.KERNELS, or auto); other stacks: torch."""
+    switches: Switches | None = None
+    """compile and kernel_set resolved for one configuration (`resolved`), with their measured effect."""
+    fused_loss: bool | None = None
+    """lm_head and the loss in one kernel, no logits kept; None: as `kernels` (the fused stacks have it)."""
+
+    @property
+    def loss_fused(self) -> bool:
+        return self.kernels == "fused" if self.fused_loss is None else self.fused_loss
+
+    @property
+    def knee_factor(self) -> float:
+        """What the resolved switches leave of the compute efficiency's knee (pipeline.plan.timing.efficiency)."""
+        return self.switches.effect.knee_factor if self.switches else 1.0
+
+    def resolved(self, shape: ModelShape, cand: Candidate) -> Stack:
+        """The stack one configuration of this trainer runs on a CUDA GPU: `compile` and `kernel_set` resolved as
+        the trainer resolves them for its ZeRO stage and long-context parts (pipeline.model.kernels.gpu_switches),
+        their measured effect in the fields the memory and time models read. Other stacks as they are."""
+        if self.switches is not None or (self.compile is False and self.kernel_set == "torch"):
+            return self
+        long_context = cand.sequence_parallel > 1 or cand.tiled_mlp > 1
+        sw = gpu_switches(self.compile, self.kernel_set, shape, cand.stage, long_context)
+        return replace(
+            self,
+            switches=sw,
+            kernels="fused" if sw.effect.fused_activations else self.kernels,
+            fused_loss=sw.fused_loss,
+        )
+
+    def label(self) -> str:
+        """The resolved switches in a few words (empty where none)."""
+        if self.switches is None:
+            return ""
+        sw = self.switches
+        return ", ".join(
+            [*(["compiled"] if sw.compiled else []), *([f"{sw.kernels} kernels"] if sw.kernels != "torch" else [])]
+        )
+
+
+TRAINER = Stack(compile=None, kernel_set="auto")
+"""This trainer as it runs unless told otherwise: `train.compile` and `train.kernels` auto."""
+
+
+def trainer_stack(compile_setting: bool | None, kernels_setting: str) -> Stack:
+    """This trainer with a config's `train.compile` and `train.kernels`."""
+    return Stack(compile=compile_setting, kernel_set=kernels_setting)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from typing import Any
 from pipeline.errors import PipelineError
 from pipeline.plan import report as plan_report
 from pipeline.plan import search as planner
-from pipeline.plan.cluster import CLUSTER_DEFAULTS, Cluster, cluster_from_flags
+from pipeline.plan.cluster import CLUSTER_DEFAULTS, TRAINER, Cluster, cluster_from_flags
 from pipeline.plan.ds_json import write_ds_config
 from pipeline.plan.timing import Rates
 from pipeline.units import parse_count
@@ -104,7 +104,15 @@ def plan_model(
     if shape.hf_config and not req.as_json:
         echo(shape.describe())
     p = planner.search(
-        shape, seq_len, cluster, gbt, req.mfu, fixed_micro=req.micro_batch_size, rates=rates, opt_in=req.opt_in
+        shape,
+        seq_len,
+        cluster,
+        gbt,
+        req.mfu,
+        fixed_micro=req.micro_batch_size,
+        rates=rates,
+        opt_in=req.opt_in,
+        stack=TRAINER,
     )
     if req.write_ds_config and p.best is not None:
         write_ds_config(p.best, req.write_ds_config, req.flags.get("nvme"))

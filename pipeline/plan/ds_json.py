@@ -61,9 +61,9 @@ def candidate_from_ds(
     )
 
 
-def ds_config(e: Estimate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
+def ds_config(e: Estimate | Candidate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
     """A DeepSpeed JSON for the chosen configuration; batch and precision fields stay "auto" for pretrain."""
-    cand = e.candidate
+    cand = e if isinstance(e, Candidate) else e.candidate
     zero: dict[str, Any] = {
         "stage": cand.stage,
         "overlap_comm": True,

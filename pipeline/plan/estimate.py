@@ -103,7 +103,7 @@ def estimate(
     models a plain loss over full logits. `keep_last`: checkpoints kept (checkpoint.keep_last); a safe save writes
     one more before the oldest goes. `stack`: the training software (default: this trainer). `rates`: measured
     ones (`plan --from-run`)."""
-    stack = stack or Stack()
+    stack = (stack or Stack()).resolved(shape, cand)
     rates = rates or Rates()
     if mfu_assumed is not None:
         rates = replace(rates, efficiency=mfu_assumed, sources=(*rates.sources, ("compute efficiency", "given: --mfu")))
@@ -164,6 +164,8 @@ def assumptions(
             f", {tokens:,} tokens per micro-step",
         )
     ]
+    if stack.switches is not None and stack.switches.effect.knee_factor != 1.0:
+        out.append(("speed switches", stack.label(), f"measured: {stack.switches.effect.measured}"))
     if cand.offload_param != "none":
         out.append(
             (

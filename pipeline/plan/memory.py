@@ -25,6 +25,14 @@ reuse for one another: under a memory cap (a 24 GiB card) about 5x their live si
 one OOM we measured: DeepSpeed's defaults (reduce 5e8) ran a 2-layer 70B slice out of a 24 GiB cap on an H200
 whose live tensors were 9.4 GiB (the smallest factor that puts its reserved memory above the cap is 4.8), while
 1e8 peaked at 5.8 GiB and ran; LLaMA-Factory's h^2 buckets (S1-S4) fit 24 GB cards."""
+ZERO3_CHUNKED_LOSS_UNEXPLAINED = 5.6
+"""Bytes per lm_head parameter that ZeRO-3 runs of this trainer (chunked loss) held at their peak beyond every
+term above, carried as measured until a memory snapshot names them: the 2- and 4-layer 70B slices on the H200
+under a 23 GiB cap (bench/results/gpu-h200-2026-12-04.json) peaked at 7.57 and 7.82 GiB where the terms give 6.20
+and 6.45, the same 1.37 GiB at both depths (so not per layer), 5.6 bytes for each of the 262M lm_head parameters;
+the 7B slices' terms were above their peaks by less than the 0.68 GiB this adds there (now 1.09-1.18x). A guess
+at the mechanism, not yet checked: the lm_head gradient of every chunk alive beside the accumulated one, and its
+fp32 copy for the reduce. The plan names it ("measured_unexplained") rather than hide it in another term."""
 MARGIN_MIN_BYTES = int(1.5 * GiB)
 MARGIN_FRACTION = 0.07
 RANK_HOST_OVERHEAD = 6 * GiB  # torch + CUDA libraries + DeepSpeed per rank process, host RAM
@@ -187,7 +195,7 @@ def gpu_memory(
     # Under sequence parallelism a rank holds seq_len / N tokens of each sample in every layer (attention too:
     # after Ulysses' all-to-all, all tokens of N-th of the heads); the loss, its share of the tokens.
     local = seq_len // cand.sequence_parallel
-    if stack.kernels == "fused":  # a fused linear cross-entropy (Liger's) computes ~tokens x h / V tokens at a time
+    if stack.loss_fused:  # a fused linear cross-entropy (Liger's) computes ~tokens x h / V tokens at a time
         tokens = cand.micro_batch_size * local
         loss_chunk_tokens = max(256, tokens * shape.hidden_size // shape.vocab_size)
     act = activation_bytes(
@@ -206,15 +214,23 @@ def gpu_memory(
         # its use), at most max live; the reduce path's temporaries; the largest layer's gradient.
         live = 2 * min(cand.max_live, shape.layer_params() + cand.prefetch_bucket, psi)
         reduce = cand.reduce_bucket * (REDUCE_BYTES + (4 / g if cand.fp32_grad_accum else 0))
+        unexplained = 0.0
+        if loss_chunk_tokens is not None and not stack.loss_fused:  # this trainer's chunked loss under ZeRO-3
+            unexplained = ZERO3_CHUNKED_LOSS_UNEXPLAINED * shape.embedding_params()
         if stack.engine == "fsdp":  # one flat 16-bit gradient per layer, reduce-scattered into its shard
             reduce = 2.0 * cand.reduce_bucket
-        buffers = live + reduce + 2.0 * largest
+        buffers = live + reduce + unexplained + 2.0 * largest
         transient_grads = 0.0
     else:
+        reduce = unexplained = 0.0
         buffers = 4.5 * 2 * cand.reduce_bucket if cand.stage in (1, 2) else 2 * 2.5e7
         # bf16 gradients exist from the backward until the step; stage 0/1 keep them whole, stage 2 in buckets.
         transient_grads = (2.0 * psi if cand.stage in (0, 1) else 0.0) + zenflow_grads
     static = sum(split.values()) - transient_grads
+    if stack.loss_fused and stack.switches is not None:  # this trainer's fused loss (Liger's, fp32 accumulation)
+        # computes its gradients in the forward and keeps them for the backward: lm_head's weight gradient in fp32
+        # and the hidden states' gradient in bf16
+        act["logits"] += 4.0 * shape.embedding_params() + 2.0 * cand.micro_batch_size * local * shape.hidden_size
     forward_act = act["layers"] + act["embeddings"] + act["logits"]  # the loss's backward starts with all of it
     zero3_buffers = buffers if cand.stage == 3 else 0.0  # ZeRO-3's live through the forward as well
     forward = forward_act + zero3_buffers
@@ -228,7 +244,8 @@ def gpu_memory(
     return {
         **split,
         "working_layer": 2.0 * largest if cand.stage == 3 else 0.0,
-        "ds_buffers": buffers - (2.0 * largest if cand.stage == 3 else 0.0),
+        "ds_buffers": buffers - (2.0 * largest if cand.stage == 3 else 0.0) - unexplained,
+        "measured_unexplained": unexplained,
         "activations": act["layers"] + act["embeddings"],
         "logits": act["logits"],
         "peak_phase_backward": float(backward > forward),

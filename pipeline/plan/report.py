@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pipeline
 from pipeline.model import resolve_shape
-from pipeline.plan.cluster import Candidate, Cluster, cluster_from_flags
-from pipeline.plan.estimate import Estimate
+from pipeline.plan.cluster import TRAINER, Candidate, Cluster, cluster_from_flags
+from pipeline.plan.estimate import FITTED, Estimate
 from pipeline.plan.memory import GiB
 from pipeline.plan.search import Plan, search
-from pipeline.plan.timing import MEASURED_SPREAD, RANGE
+from pipeline.plan.timing import ASSUMED_SPREAD, MEASURED_SPREAD, RANGE
 
 
 def _days(tokens: float, tps: float) -> str:
@@ -31,9 +31,19 @@ def header(p: Plan) -> list[str]:
     ]
 
 
+def provenance(e: Estimate) -> str:
+    """One line: which of the plan's rates were measured (by `pipeline probe`, a run, a GPU bench) and which are
+    assumed (fitted to published runs on other hosts), as the estimate's `assumed` list says."""
+    measured = [f for f, _, src in e.assumed if not src.startswith(FITTED)]
+    assumed = [f for f, _, src in e.assumed if src.startswith(FITTED)]
+    return f"figures: measured: {', '.join(measured) or 'none'}; assumed: {', '.join(assumed) or 'none'}" + (
+        " (`pipeline probe` on a node measures CPU Adam and the GEMMs; the range says how far assumed ones go)"
+    ) * bool(assumed)
+
+
 def render(p: Plan, token_budget: float | None = None) -> str:
     c = p.cluster
-    lines = header(p)
+    lines = ([provenance(p.best)] if p.best is not None else []) + header(p)
     if p.best is None:
         lines.append("\nNOTHING FITS. Closest rejected configurations:")
         shown: set[str] = set()
@@ -90,13 +100,19 @@ def render(p: Plan, token_budget: float | None = None) -> str:
     return "\n".join(lines)
 
 
+def _verdict(e: Estimate) -> str:
+    """Why a configuration does not run, in two words: the trainer refuses it, or it does not fit."""
+    return "REFUSED" if any(w.startswith("refused: ") for w in e.why_not) else "DOES NOT FIT"
+
+
 def label_width(rows: list[Estimate]) -> int:
     """The column the rows' labels fill: 74 characters, or the longest label (with the offload-feature names)."""
     return max([74] + [len(row_label(r.candidate)) for r in rows])
 
 
-def range_line(c: Cluster) -> str:
-    """What the printed range spans: every rate's factors (narrower for what `pipeline probe` measured) and the
+def range_line(c: Cluster, e: Estimate | None = None) -> str:
+    """What the printed range spans: every rate's factors, narrower for what `pipeline probe` measured, wider for
+    the host rates real hosts spread over when assumed (ASSUMED_SPREAD, where the configuration uses them), and the
     network's efficiency."""
     measured = (
         f" ({', '.join(sorted(c.measured))}, measured: x{RANGE[0] ** MEASURED_SPREAD:.2f}-x"
@@ -104,8 +120,21 @@ def range_line(c: Cluster) -> str:
         if c.measured
         else ""
     )
+    used = set()
+    if e is not None:
+        used |= {"cpu_adam"} if e.candidate.offload_optimizer != "none" else set()
+        used |= {"param_fetch"} if e.candidate.offload_param != "none" else set()
+    names = {"cpu_adam": "CPU Adam", "param_fetch": "the parameter fetch"}
+    wide = [
+        f"{names[k]} x{lo:g}-x{hi:g}" for k, (lo, hi) in ASSUMED_SPREAD.items() if k in used and k not in c.measured
+    ]
+    assumed = (
+        f"; assumed host rates as real hosts spread: {', '.join(wide)} (`pipeline probe` measures CPU Adam)"
+        if wide
+        else ""
+    )
     network = "6-12 GB/s per 100 Gbps (sockets: no GPUDirect RDMA)" if not c.gpu.gpudirect else "90-98% of line rate"
-    return f"  the range: every rate x{RANGE[0]:g}-x{RANGE[1]:g}{measured} and the network's {network}"
+    return f"  the range: every rate x{RANGE[0]:g}-x{RANGE[1]:g}{measured}{assumed} and the network's {network}"
 
 
 def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, title: str = "chosen") -> list[str]:
@@ -125,7 +154,7 @@ def _configuration_lines(p: Plan, e: Estimate, title: str) -> list[str]:
     unsaved = any(w.startswith("checkpoint disk") for w in e.warnings)
     lines = [
         f"\n{title}: {cand.label()}"
-        + ("" if e.fits else "  -- DOES NOT FIT: " + "; ".join(e.why_not))
+        + ("" if e.fits else f"  -- {_verdict(e)}: " + "; ".join(w.removeprefix("refused: ") for w in e.why_not))
         + ("  -- BUT ITS CHECKPOINTS DO NOT FIT THE DISK (below)" if e.fits and unsaved else ""),
         f"  global batch {gb} sequences x {p.seq_len} = {gb * p.seq_len / 1e6:.2f}M tokens per step; "
         f"buckets: reduce {cand.reduce_bucket:.0e}, prefetch {cand.prefetch_bucket:.0e}, "
@@ -201,7 +230,7 @@ def _time_lines(p: Plan, e: Estimate, budget: float) -> list[str]:
         + f"overhead {t['overhead']:,.2f} s (the parts of a micro-step overlap partly)",
         f"throughput {e.tokens_per_s:,.0f} tokens/s (range {tlo:,.0f}-{thi:,.0f}; physical ceiling at 100% of "
         f"peak: {e.ceiling_tokens_per_s:,.0f}), MFU {e.mfu:.1%} (PaLM count: 6N + 12*L*h*s per token)",
-        range_line(p.cluster),
+        range_line(p.cluster, e),
         "assumed:",
         *(f"  {figure} {value} ({source})" for figure, value, source in e.assumed),
         f"time to {budget / 1e9:g}B tokens: {_days(budget, e.tokens_per_s)} (range "
@@ -255,7 +284,7 @@ def reference_fits_table(
         c, _ = cluster_from_flags(str(hostfiles / hf), 1, 1, flags)
         for name in ("1b", "7b", "13b", "70b"):
             shape = resolve_shape(name, {}, vocab_size)
-            rows.append((name, f"hostfiles/{hf}", search(shape, seq_len, c, global_batch_tokens, mfu)))
+            rows.append((name, f"hostfiles/{hf}", search(shape, seq_len, c, global_batch_tokens, mfu, stack=TRAINER)))
     return fits_table(rows, budget)
 
 

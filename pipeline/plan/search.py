@@ -16,6 +16,7 @@ runs (tests/unit/test_plan_published.py) and our own H200 anchors (tests/unit/te
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -280,16 +281,23 @@ def search(
     opt_in: frozenset[str] = frozenset(),
     fixed_sequence: int | None = None,
     optimizer: OptimizerFit | None = None,
+    refused: Callable[[Candidate], list[str]] | None = None,
 ) -> Plan:
     """All candidate configurations, fitting ones ranked. `loss_chunk_tokens` -1: the trainer's default chunk.
     `fixed_micro`, `fixed_sequence`: a config's own micro-batch and sequence-parallel size (else every one).
     `opt_in`: the features that change the numerics (pipeline.plan.cluster.OPT_IN) the choice may use; the others
     are priced too, and the fastest fitting configuration with each feature comes back in `by_feature`.
-    `optimizer`: the run's, so that nothing it refuses is proposed (default AdamW)."""
+    `optimizer`: the run's, so that nothing it refuses is proposed (default AdamW). `refused`: what the trainer
+    would refuse of a configuration for the run's config (pipeline.train.setup.prepare.trainer_refusals): such
+    configurations are not tried."""
     chunk = trainer_loss_chunk(shape) if loss_chunk_tokens == -1 else loss_chunk_tokens
 
     def price(cands: list[Candidate]) -> list[Estimate]:
-        return [estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates) for cand in cands]
+        return [
+            estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates)
+            for cand in cands
+            if refused is None or not refused(cand)
+        ]
 
     def tried(sizes: tuple[int, ...]) -> list[Candidate]:
         return candidates(

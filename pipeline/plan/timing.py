@@ -111,9 +111,10 @@ class Rates:
     """(figure, where it came from) for the report."""
 
 
-def efficiency(shape: ModelShape, tokens_micro: int, c: Cluster) -> float:
+def efficiency(shape: ModelShape, tokens_micro: int, c: Cluster, knee_factor: float = 1.0) -> float:
+    """`knee_factor`: what the speed switches leave of the knee (pipeline.model.kernels.Effect)."""
     g = 2.0 * tokens_micro * shape.hidden_size**2 / (c.gpu.bf16_tflops * 1e12)
-    return c.gpu.gemm_fraction * g / (g + EFFICIENCY_KNEE_S)
+    return c.gpu.gemm_fraction * g / (g + EFFICIENCY_KNEE_S * knee_factor)
 
 
 def cpu_adam_rate(c: Cluster, cand: Candidate, stack: Stack) -> float:
@@ -130,9 +131,29 @@ def cpu_adam_rate(c: Cluster, cand: Candidate, stack: Stack) -> float:
     return rate if stack.bind_cores else rate / (1 + CPU_ADAM_UNBOUND_SLOPE * (c.gpus_per_node - 1))
 
 
+ASSUMED_SPREAD = {
+    "cpu_adam": (RANGE[0], 4.4),
+    "param_fetch": (RANGE[0], 1.6),
+}
+"""Host rates the planner derives from assumed facts, and how far real hosts fall from the derivation (low and
+high factor on the rate, the printed range's ends; other rates: RANGE). CPU Adam from cores and memory bandwidth:
+the lent H200 host (16 cores, 72.9 GB/s measured) ran DeepSpeed's CPU Adam at 4.04e9 parameters/s where the
+formula gives 0.91e9 (4.4x; bench/results/gpu-h200-2026-12-04b.json), the published rows sit inside RANGE. The
+parameter fetch as OFFLOAD_BW_FRACTION of memory bandwidth: 0.13 fits the hosts of DeepSpeed #6695; the H200
+host's 70B slices imply about 0.2 (1.6x). `pipeline probe` measures CPU Adam, and the range narrows to
+MEASURED_SPREAD; the fetch share stays assumed."""
+
+
 def spread(c: Cluster, rates: Rates, fact: str) -> float:
-    """The range factor of a rate that rests on node fact `fact`: narrower where `pipeline probe` measured it."""
-    return rates.factor**MEASURED_SPREAD if fact in c.measured else rates.factor
+    """The range factor of a rate that rests on node fact `fact`: narrower where `pipeline probe` measured it,
+    wider where it is assumed and real hosts spread further (ASSUMED_SPREAD); 1 at the point estimate."""
+    f = rates.factor
+    if fact in c.measured:
+        return f**MEASURED_SPREAD
+    lo, hi = ASSUMED_SPREAD.get(fact, RANGE)
+    if f == 1.0:
+        return 1.0
+    return f ** (math.log(hi) / math.log(RANGE[1])) if f > 1 else f ** (math.log(lo) / math.log(RANGE[0]))
 
 
 def offload_rate(c: Cluster, rates: Rates, pinned: bool = True) -> float:
@@ -176,7 +197,7 @@ def _compute(
     eff = (
         rates.efficiency
         if rates.efficiency is not None
-        else efficiency(shape, tokens_micro, c) * rates.efficiency_scale
+        else efficiency(shape, tokens_micro, c, stack.knee_factor) * rates.efficiency_scale
     )
     eff = min(eff * spread(c, rates, "gemm"), 1.0)  # the fast end never above the card's peak
     hw_fpt = shape.flops_per_token(seq_len) * (4 / 3 if cand.activation_checkpointing else 1)
@@ -189,16 +210,32 @@ def _compute(
     return compute, eff
 
 
-def _traffic(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate) -> tuple[int, float, float, float]:
+def regathered(shape: ModelShape, max_reuse: float) -> float:
+    """Share of a decoder layer's parameters that ZeRO-3 gathers a third time under activation checkpointing.
+    The recompute of a layer runs just before its backward; DeepSpeed keeps a gathered module until its next use
+    only when the parameters used in between (its reuse distance, `stage3_max_reuse_distance`) are fewer than the
+    limit. In between a module's recompute and its own backward come the modules after it in the layer, twice
+    (their recompute, then their backward in reverse order): the last projections are kept, the first gathered
+    again."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    modules = [h * q, h * kv, h * kv, q * h, h * f, h * f, h * f]  # in forward order: q, k, v, o, gate, up, down
+    again = sum(m for i, m in enumerate(modules) if 2 * sum(modules[i + 1 :]) > max_reuse)
+    return again / sum(modules)
+
+
+def _traffic(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate) -> tuple[float, float, float, float]:
     """Bytes one GPU moves: (ZeRO-3's all-gathers of every parameter per micro-step, collective bytes per
     micro-step, collective bytes once per step, the larger direction of its host copies per micro-step)."""
     psi, g = shape.num_params(), c.world
     share = (g - 1) / g if g > 1 else 0.0
-    gathers = 0
+    gathers = 0.0
     if cand.stage == 3:
-        gathers = 2  # forward and backward all-gather of every parameter
-        if cand.activation_checkpointing and (cand.max_reuse or cand.max_live) < shape.layer_params():
-            gathers += 1  # the recompute gathers each layer again: it was released (reuse distance < a layer)
+        gathers = 2.0  # forward and backward all-gather of every parameter
+        if cand.activation_checkpointing:  # the recompute gathers a layer; its backward again what was released
+            gathers += (
+                regathered(shape, cand.max_reuse or cand.max_live) * shape.layer_params() * shape.num_layers / psi
+            )
     if cand.stage == 3:
         net_micro = (gathers * 2 * psi + 2 * psi) * share
     else:
@@ -264,7 +301,10 @@ def step_time(
     net_t = net_micro / coll_bw if net_micro else 0.0
     copies_t = gpn * host_bytes / node_pcie if host_bytes else 0.0
     off_par = cand.offload_param != "none"
-    fetch_t = gathers * 2 * psi / g * gpn / (offload_rate(c, rates, cand.pin_memory) * f) if off_par else 0.0
+    fetch_rate = offload_rate(c, rates, cand.pin_memory) * (
+        f if rates.offload_node_gbs else spread(c, rates, "param_fetch")
+    )
+    fetch_t = gathers * 2 * psi / g * gpn / fetch_rate if off_par else 0.0
     parts = [compute, net_t, copies_t, fetch_t]
     n_coll = (3 * psi / cand.reduce_bucket) if cand.stage == 3 and g > 1 else 0.0  # one GPU: no collective
     # Ulysses' all-to-alls sit between a layer's projections and its attention: nothing overlaps them.
@@ -340,6 +380,7 @@ def rates_from_run(
     notes: list[str] = []
     rates = Rates()
     net = net_efficiency(c)[1]
+    stack = stack.resolved(shape, cand)
 
     def part(r: Rates, key: str) -> float:
         return step_time(shape, seq_len, c, cand, stack, r, net)[key]

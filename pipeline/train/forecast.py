@@ -14,7 +14,7 @@ from pipeline.data.manifest import read_shard_manifest
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, loss_chunk_tokens
 from pipeline.model.families import model_shape
-from pipeline.plan.cluster import Cluster, Stack
+from pipeline.plan.cluster import Cluster, Stack, trainer_stack
 from pipeline.plan.ds_json import candidate_from_ds
 from pipeline.plan.estimate import Estimate, estimate
 from pipeline.plan.gpus import capped, lookup
@@ -23,7 +23,7 @@ from pipeline.plan.timing import Measured, Rates, rates_from_run
 from pipeline.train.setup.config import PretrainConfig, load
 from pipeline.train.setup.ds_config import BatchPlan, batch_plan, load_ds_config
 from pipeline.train.setup.optimizers import OPTIMIZERS
-from pipeline.train.setup.prepare import optimizer_fit
+from pipeline.train.setup.prepare import optimizer_fit, trainer_refusals
 from pipeline.train.setup.schedule import Schedule, max_steps_for
 
 
@@ -39,6 +39,8 @@ class Forecast:
     search: Plan
     schedule: str = ""
     """The learning-rate schedule, as the run's log says it."""
+    stack: Stack = Stack()
+    """The config's speed switches (train.compile, train.kernels) as the planner prices them."""
 
 
 def shape_and_seq(
@@ -85,6 +87,8 @@ def forecast_config(
     # tries every size
     auto = cfg.train.deepspeed_config == "auto"
     fixed = bp.sequence_parallel if auto else None
+    stack = trainer_stack(cfg.train.compile, cfg.train.kernels)
+    refused = trainer_refusals(cfg, bp, "cuda")
     found = search(
         shape,
         seq,
@@ -96,6 +100,8 @@ def forecast_config(
         opt_in=opt_in,
         fixed_sequence=fixed,
         optimizer=optimizer_fit(cfg.optim.name),
+        stack=stack,
+        refused=refused,
     )
     if auto:
         if found.best is None:
@@ -110,9 +116,11 @@ def forecast_config(
             OPTIMIZERS[cfg.optim.name].moment_bytes,
             bp.sequence_parallel,
         )
-        yours = estimate(shape, seq, cluster, cand, mfu, chunk, rates=rates)
+        yours = estimate(shape, seq, cluster, cand, mfu, chunk, rates=rates, stack=stack)
+        if problems := refused(cand):  # the trainer would not start it: say why beside what does not fit
+            yours = replace(yours, fits=False, why_not=[*yours.why_not, *(f"refused: {p}" for p in problems)])
     schedule = Schedule.of(cfg).describe(max_steps_for(cfg, bp))
-    return Forecast(config_path, shape, seq, source, bp, cluster, yours, found, schedule)
+    return Forecast(config_path, shape, seq, source, bp, cluster, yours, found, schedule, stack)
 
 
 @dataclass
@@ -164,7 +172,7 @@ def run_rates(f: Forecast, got: RunMeasured, env: dict[str, Any]) -> tuple[Rates
         return None, ["a CPU run measures no GPU rates: plans keep the fitted ones"]
     label = f"run {Path(f.config).parent}, {got.steps} steps"
     m = Measured(got.step_time_s, got.optimizer_s, label)
-    return rates_from_run(f.shape, f.seq_len, f.cluster, f.yours.candidate, Stack(), m)
+    return rates_from_run(f.shape, f.seq_len, f.cluster, f.yours.candidate, f.stack, m)
 
 
 def forecast_run(
@@ -224,13 +232,15 @@ def forecast_run(
     moments = OPTIMIZERS[cfg.optim.name].moment_bytes
     checkpointing = cfg.train.activation_checkpointing
     cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, checkpointing, moments, sp)
-    yours = estimate(shape, seq, cluster, cand, mfu, chunk)
-    found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk)
+    stack = trainer_stack(cfg.train.compile, cfg.train.kernels) if env.get("device", "cpu") != "cpu" else Stack()
+    yours = estimate(shape, seq, cluster, cand, mfu, chunk, stack=stack)
+    found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk, stack=stack)
     got = measured(rd, bp.tokens_per_step)
     got.memory_kind = (
         "peak RSS per process (CPU run)" if env.get("device", "cpu") == "cpu" else "torch.cuda.max_memory_allocated"
     )
-    return Forecast(str(rd / "config.yaml"), shape, seq, source, bp, cluster, yours, found), got, env
+    forecast = Forecast(str(rd / "config.yaml"), shape, seq, source, bp, cluster, yours, found, stack=stack)
+    return forecast, got, env
 
 
 def calibration(run_dir: str, cluster: Cluster | None) -> tuple[Rates, Cluster, list[str]]:

@@ -25,7 +25,8 @@ def render_config(f: Forecast, token_budget: float | None = None) -> str:
     lines = header(f.search) + [f"config {f.config}; seq_len {f.seq_len} from {f.seq_len_from}"]
     lines += [f.schedule] if f.schedule else []
     lines += describe_estimate(f.search, e, token_budget, title="your config")
-    verdict = "FITS" if e.fits else "DOES NOT FIT"
+    refused = any(w.startswith("refused: ") for w in e.why_not)
+    verdict = "FITS" if e.fits else "REFUSED BY THE TRAINER (above)" if refused else "DOES NOT FIT"
     free = f.cluster.gpu.memory_gib - (e.gpu["reserved"] + e.gpu["margin"]) / 2**30
     lines.append(
         f"\n{verdict}: {free:+.2f} GiB per GPU beyond the {e.gpu['margin'] / 2**30:.2f} GiB margin; host RAM "
@@ -168,7 +169,7 @@ def rates_dict(rates: Rates | None) -> dict[str, Any] | None:
 
 def measured_rate_lines(f: Forecast, rates: Rates) -> list[tuple[str, str, str]]:
     """(figure, value, source) for the rates a run measured, as the plan with them reports them."""
-    e = estimate(f.shape, f.seq_len, f.cluster, f.yours.candidate, rates=rates)
+    e = estimate(f.shape, f.seq_len, f.cluster, f.yours.candidate, rates=rates, stack=f.stack)
     given = dict(rates.sources)
     return [a for a in e.assumed if a[0] in given]
 

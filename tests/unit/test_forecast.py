@@ -38,9 +38,8 @@ def test_a_configs_plan_says_what_each_offload_feature_would_bring_and_takes_opt
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0 and "bf16-states: not chosen; --opt-in bf16-states allows it" in r.output
     r = CliRunner().invoke(main, [*args, "--opt-in", "bf16-states"])
-    assert "the search would choose: ZeRO-3 + cpu offload (opt, params) + ckpt (offloaded) + bf16 master/states" in (
-        r.output
-    )
+    # compiled under ZeRO-2 (train.compile auto), the layers keep the fused layout's activations: ZeRO-2 fits
+    assert "the search would choose: ZeRO-2 + cpu offload (opt) + ckpt + bf16 master/states" in r.output
 
 
 def test_plan_config_evaluates_the_run_about_to_launch(tmp_path) -> None:
@@ -89,7 +88,7 @@ def test_plan_config_evaluates_the_run_about_to_launch(tmp_path) -> None:
     assert r.exit_code == 3, r.output
     d = json.loads(r.output)
     assert d["fits"] is False and "GPU memory" in d["yours"]["why_not"][0]
-    assert d["yours"]["config"]["max_live"] == 1e9 and d["search_best"]["config"]["max_live"] <= 5e8
+    assert d["yours"]["config"]["max_live"] == 1e9 and d["search_best"]["fits"]
 
 
 def test_plan_config_takes_seq_len_from_the_shards(tmp_path) -> None:
@@ -168,7 +167,7 @@ def gpu_run(tmp_path: Path, shards: Path) -> tuple[Path, forecast.Forecast, floa
     c, cand = f.cluster, f.yours.candidate
     fetch = 0.7 * offload_rate(c, Rates(), cand.pin_memory) / 1e9
     truth = Rates(efficiency_scale=0.7, offload_node_gbs=fetch, cpu_adam_params_per_s=1.5e9)
-    t = step_time(f.shape, f.seq_len, c, cand, Stack(), truth, net_efficiency(c)[1])
+    t = step_time(f.shape, f.seq_len, c, cand, f.stack.resolved(f.shape, cand), truth, net_efficiency(c)[1])
     write_run(run_dir, shards, GPU_ENV, rows_at(t["total"], t["optimizer"]))
     return run_dir, f, t["total"], t["optimizer"]
 

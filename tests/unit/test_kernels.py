@@ -130,3 +130,24 @@ def test_a_tiled_mlp_gives_the_untiled_outputs_and_gradients() -> None:
     assert wa.keys() == wb.keys() and [n for n, g in wa.items() if g is None] == ["model.embed_tokens.weight"]
     for name in (n for n, g in wa.items() if g is not None):
         assert wb[name] is not None and torch.allclose(wa[name], wb[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_the_planner_resolves_the_switches_as_the_trainer_does_on_a_gpu() -> None:
+    """gpu_switches: compile on where auto compiles (ZeRO 0-2, no long-context parts), Liger where the layers run
+    eager, its fused loss but under ZeRO-3; each with the measured effect of its table entry, combined as measured
+    (compile and Liger together fuse what either does alone)."""
+    sw = kernels.gpu_switches(None, "auto", TINY, 2, False)
+    assert (sw.compiled, sw.kernels, sw.effect) == (True, "torch", kernels.COMPILE_EFFECT)
+    sw = kernels.gpu_switches(None, "auto", TINY, 3, False)
+    assert (sw.compiled, sw.kernels, sw.fused_loss) == (False, "liger", False)
+    assert sw.effect == kernels.KERNELS["liger"].effect and sw.effect.fused_activations
+    sw = kernels.gpu_switches(None, "auto", TINY, 2, True)  # sequence parallelism or the tiled MLP: eager
+    assert (sw.compiled, sw.kernels, sw.fused_loss) == (False, "liger", True)
+    both = kernels.gpu_switches(True, "liger", TINY, 1, False)
+    knees = (kernels.COMPILE_EFFECT.knee_factor, kernels.KERNELS["liger"].effect.knee_factor)
+    assert both.compiled and both.kernels == "liger" and both.effect.knee_factor == min(knees)
+    assert kernels.gpu_switches(False, "torch", TINY, 2, False).effect is kernels.NO_EFFECT
+    phi3 = replace(TINY, hf_config={"model_type": "phi3"})  # no Liger kernels for it: transformers modules
+    assert kernels.gpu_switches(False, "liger", phi3, 2, False).effect is kernels.NO_EFFECT
+    for entry in kernels.KERNELS.values():  # every entry names where its effect was measured
+        assert entry.effect is kernels.NO_EFFECT or "H200" in entry.effect.measured

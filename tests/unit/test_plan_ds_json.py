@@ -38,16 +38,16 @@ def test_written_ds_config_is_accepted_by_pretrain(tmp_path: Path) -> None:
     assert ds["zero_optimization"]["reduce_bucket_size"] <= 2e8
     # with the settings the command says to put in the pretrain config
     assert (
-        "set batch.micro_batch_size: 4, batch.global_batch_size: 992, train.activation_checkpointing: true" in r.output
+        "set batch.micro_batch_size: 8, batch.global_batch_size: 960, train.activation_checkpointing: true" in r.output
     )
     cfg = from_dict(
         {
-            "batch": {"micro_batch_size": 4, "global_batch_size": 992},
+            "batch": {"micro_batch_size": 8, "global_batch_size": 960},
             "train": {"max_steps": 1, "activation_checkpointing": True},
         }
     )
     resolved = resolve(cfg, ds, batch_plan(cfg, 8, 4096), accelerator="cuda")
-    assert resolved["gradient_accumulation_steps"] == 31 and resolved["bf16"]["enabled"] is True
+    assert resolved["gradient_accumulation_steps"] == 15 and resolved["bf16"]["enabled"] is True
     assert resolved["activation_checkpointing"]["cpu_checkpointing"] is True
 
 

@@ -26,6 +26,7 @@ from pipeline.plan.cluster import Candidate, Cluster, Stack
 from pipeline.plan.estimate import Estimate, estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.memory import GiB
+from pipeline.plan.timing import ASSUMED_SPREAD, RANGE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -471,9 +472,12 @@ def test_speed_within_a_third_for_most_published_rows_and_inside_the_printed_ran
     inside = [r.id for r in SPEED if (lambda p: p[1] <= r.published <= p[2])(r.predicted())]
     assert len(close) >= 0.8 * len(SPEED), {i: round(x, 2) for i, x in ratios.items()}
     assert len(inside) >= 0.8 * len(SPEED), sorted(set(ratios) - set(inside))
-    for r in SPEED:  # a range wide enough to hold what the field measured, and no wider than 2x
+    for r in SPEED:  # a range wide enough to hold what the field measured, and no wider than 2x, but where an
+        # assumed host rate (CPU Adam, the parameter fetch) carries the spread of real hosts (ASSUMED_SPREAD)
         _, lo, hi = r.predicted()
-        assert hi / lo <= 2.0, (r.id, lo, hi)
+        offload = r.cand.offload_optimizer != "none" or r.cand.offload_param != "none"
+        widest = max(b / a for a, b in ASSUMED_SPREAD.values()) / RANGE[0] * RANGE[1] if offload else 2.0
+        assert hi / lo <= widest, (r.id, lo, hi)
 
 
 def test_deepspeed_3901_offload_penalties_within_30pct() -> None:

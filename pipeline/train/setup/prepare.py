@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -90,15 +91,30 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
     if found:
         raise ConfigError(found)
     if cfg.train.deepspeed_config == "auto":
-        raw, checkpointing = auto_ds_config(
-            shape, plan, world_size, cfg.train.gpu_memory_cap_gib, local_size, cfg.optim.name
-        )
+        raw, checkpointing = auto_ds_config(shape, plan, world_size, cfg, local_size)
         cfg = replace(cfg, train=replace(cfg.train, activation_checkpointing=checkpointing))
         source = "deepspeed config chosen by the planner"
     else:
         raw, source = load_ds_config(cfg.train.deepspeed_config), cfg.train.deepspeed_config
     ds = resolve(cfg, raw, plan, accelerator=accelerator_name(), source=source, num_params=shape.num_params())
     return Prepared(cfg=cfg, ds=ds, plan=plan, shape=shape, manifest=manifest)
+
+
+def trainer_refusals(cfg: PretrainConfig, plan: BatchPlan, accelerator: str) -> Callable[[Any], list[str]]:
+    """What the trainer refuses of each configuration the planner's search tries for this config (`resolve`'s
+    checks on the DeepSpeed JSON the planner would write, with the config's own settings and the configuration's
+    activation checkpointing): `deepspeed_config: auto` and `plan --config` never propose such a one."""
+    from pipeline.plan.ds_json import ds_config
+
+    def refused(cand: Any) -> list[str]:
+        trial = replace(cfg, train=replace(cfg.train, activation_checkpointing=cand.activation_checkpointing))
+        try:
+            resolve(trial, ds_config(cand), plan, accelerator=accelerator)
+        except ConfigError as e:
+            return e.problems
+        return []
+
+    return refused
 
 
 def optimizer_fit(name: str) -> Any:
@@ -129,27 +145,27 @@ def cpu_card(ram_bytes: float, ranks: int) -> GPU:
 
 
 def auto_ds_config(
-    shape: ModelShape,
-    plan: BatchPlan,
-    world_size: int,
-    gpu_memory_cap_gib: float | None = None,
-    local_size: int | None = None,
-    optimizer: str = "adamw",
+    shape: ModelShape, plan: BatchPlan, world_size: int, cfg: PretrainConfig, local_size: int | None = None
 ) -> tuple[dict[str, Any], bool]:
     """Plan for this machine and world: nodes from the launcher's LOCAL_SIZE, the card from torch (capped at
-    `gpu_memory_cap_gib`; a CPU run counts host RAM shared by its ranks), host RAM from the OS; the config's
+    train.gpu_memory_cap_gib; a CPU run counts host RAM shared by its ranks), host RAM from the OS; the config's
     micro-batch is kept. `local_size` (ranks per node) defaults to the launcher's LOCAL_SIZE. Only the stages and
-    offloads `optimizer` (an OPTIMIZERS entry) runs under are searched, its state bytes priced."""
+    offloads optim.name runs under are searched, its state bytes priced; train.compile and train.kernels are
+    priced per configuration as they resolve on a GPU; nothing the trainer refuses for this config is chosen."""
     from pipeline.plan import search as planner
-    from pipeline.plan.cluster import Cluster
+    from pipeline.plan.cluster import Cluster, Stack, trainer_stack
     from pipeline.plan.ds_json import ds_config
 
     local = local_size or ranks_per_node(world_size)
     ram = host_ram_bytes()
     card: GPU
+    stack = Stack()  # on the CPU every speed switch falls back to transformers' modules
     if accelerator_name() == "cuda":
+        stack = trainer_stack(cfg.train.compile, cfg.train.kernels)
         card = planning_card(
-            torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory, gpu_memory_cap_gib
+            torch.cuda.get_device_name(0),
+            torch.cuda.get_device_properties(0).total_memory,
+            cfg.train.gpu_memory_cap_gib,
         )
     else:
         card = cpu_card(ram, local)
@@ -161,7 +177,9 @@ def auto_ds_config(
         plan.tokens_per_step,
         fixed_micro=plan.micro_batch_size,
         fixed_sequence=plan.sequence_parallel,
-        optimizer=optimizer_fit(optimizer),
+        optimizer=optimizer_fit(cfg.optim.name),
+        stack=stack,
+        refused=trainer_refusals(cfg, plan, accelerator_name()),
     )
     if result.best is None:
         raise PipelineError(
