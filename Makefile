@@ -86,8 +86,12 @@ data: data/shakespeare.jsonl
 data/shakespeare.jsonl: | install
 	$(BIN)/python -m pipeline.data.demo data
 
-data/shakespeare.manifest.json: data/shakespeare.jsonl
-	$(BIN)/pipeline tokenize data/shakespeare.jsonl --output-prefix data/shakespeare --train-tokenizer \
+# Stage 0, curate: exact and near duplicates out (the web-text quality rules would drop most plays: off here).
+data/curated/report.json: data/shakespeare.jsonl
+	$(BIN)/pipeline curate data/shakespeare.jsonl --output data/curated --no-quality --workers 2
+
+data/shakespeare.manifest.json: data/curated/report.json
+	$(BIN)/pipeline tokenize data/curated/documents --output-prefix data/shakespeare --train-tokenizer \
 		--vocab-size 4096 --workers 2
 
 data/shards-256/manifest.json: data/shakespeare.manifest.json

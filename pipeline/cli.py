@@ -54,8 +54,54 @@ def _where(options: dict[str, Any]) -> Any:
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @click.version_option(package_name="pipeline")
 def main(verbose: bool) -> None:
-    """Pretrain GPT/LLaMA-class models with DeepSpeed: tokenize -> shard -> pretrain -> evaluate, and plan."""
+    """Pretrain GPT/LLaMA-class models with DeepSpeed: curate -> tokenize -> shard -> pretrain -> evaluate, and plan."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s")
+
+
+@command()
+@click.argument("inputs", nargs=-1, required=True, type=PATH)
+@click.option(
+    "--output",
+    required=True,
+    type=PATH,
+    help="Folder: documents/ (what tokenize reads), report.json, removed/ (every removed document, by reason).",
+)
+@click.option("--exact/--no-exact", default=True, show_default=True, help="Remove exact duplicates (normalised text).")
+@click.option("--near/--no-near", default=True, show_default=True, help="Remove near duplicates (MinHash LSH).")
+@click.option(
+    "--quality/--no-quality", default=True, show_default=True, help="Gopher, C4 and FineWeb quality heuristics."
+)
+@opt(
+    "--decontaminate",
+    multiple=True,
+    type=PATH,
+    help="An evaluation file or folder (what tokenize reads), repeatable: a training document sharing a "
+    "--decontaminate-ngrams word n-gram with it is removed.",
+)
+@opt(
+    "--near-threshold",
+    type=float,
+    default=0.3,
+    help="Jaccard similarity of word n-gram sets that LSH finds half the time (0-1; lower removes more).",
+)
+@opt("--permutations", type=int, default=120, help="MinHash hashes per document (LSH bands x rows).")
+@opt("--ngrams", type=int, default=3, help="Words per shingle for near duplicates.")
+@opt("--decontaminate-ngrams", type=int, default=13, help="Words per n-gram shared with evaluation text.")
+@click.option("--text-key", default="text", show_default=True, help="JSON field / parquet column holding the text.")
+@opt("--workers", type=click.IntRange(1, 512), default=None, help="Tasks run at once (default: this machine's cores).")
+@SEED
+def curate(inputs: tuple[str, ...], output: str, **options: Any) -> None:
+    """Stage 0: remove duplicates, near duplicates, low-quality and contaminated documents from INPUT... (what
+    tokenize reads) before tokenizing: quality filters, decontamination against
+    evaluation files, exact and near-duplicate removal, on Hugging Face datatrove's steps and local executor. The
+    same input and options keep the same documents; a re-run replaces OUTPUT whole."""
+    from pipeline.data.curate import CurateOptions
+    from pipeline.data.curate import curate as curating
+
+    options["decontaminate"] = tuple(options["decontaminate"])
+    if options["workers"] is None:
+        options.pop("workers")
+    curating(list(inputs), output, CurateOptions(**options), echo=click.echo)
 
 
 @command()

@@ -34,6 +34,7 @@ class Record:
     reason: str | None = None  # short category for counting: malformed_json, missing_field, ...
     nbytes: int = 0  # raw bytes this record took in the input, for progress
     last: bool = True  # False: a block of a long document; the document goes on in the next record
+    fields: dict[str, Any] | None = None  # the record's other fields (read_records(keep_fields=True)), e.g. id, url
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +155,9 @@ def _open_binary(path: Path) -> IO[bytes]:
     return open(path, "rb")
 
 
-def _jsonl(path: Path, text_key: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[Record]:
+def _jsonl(
+    path: Path, text_key: str, max_record_bytes: int = MAX_RECORD_BYTES, keep_fields: bool = False
+) -> Iterator[Record]:
     with _open_binary(path) as raw:
         # zstd's stream reader has no line iteration of its own
         reader = raw if isinstance(raw, (io.BufferedReader, gzip.GzipFile)) else io.BufferedReader(cast(Any, raw))
@@ -196,6 +199,8 @@ def _jsonl(path: Path, text_key: str, max_record_bytes: int = MAX_RECORD_BYTES) 
             )
             if record.reason == "missing_field" and isinstance(obj, dict):
                 record = replace(record, error=missing_field(text_key, list(obj)))
+            if keep_fields and record.text is not None:
+                record = replace(record, fields={k: v for k, v in obj.items() if k != text_key})
             yield record
 
 
@@ -253,7 +258,7 @@ def _txt(path: Path) -> Iterator[Record]:
             block = following
 
 
-def _parquet(path: Path, text_key: str) -> Iterator[Record]:
+def _parquet(path: Path, text_key: str, keep_fields: bool = False) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     with _open_binary(path) as f:
@@ -263,13 +268,17 @@ def _parquet(path: Path, text_key: str) -> Iterator[Record]:
                 f"{path}: no column '{text_key}' (columns: {', '.join(pf.schema_arrow.names)}); set --text-key"
             )
         row = 0
-        for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
-            for value in batch.column(0).to_pylist():
+        for batch in pf.iter_batches(columns=None if keep_fields else [text_key], batch_size=1024):
+            for record in batch.to_pylist():
                 row += 1
-                yield _check_text(row, value, text_key, True)
+                yield _with_fields(_check_text(row, record.pop(text_key), text_key, True), record, keep_fields)
 
 
-def _hf(path: Path, text_key: str) -> Iterator[Record]:
+def _with_fields(record: Record, others: dict[str, Any], keep: bool) -> Record:
+    return replace(record, fields=others) if keep and record.text is not None else record
+
+
+def _hf(path: Path, text_key: str, keep_fields: bool = False) -> Iterator[Record]:
     import datasets
 
     dataset = datasets.load_from_disk(str(path))
@@ -283,24 +292,30 @@ def _hf(path: Path, text_key: str) -> Iterator[Record]:
             raise PipelineError(
                 f"{path}: no column '{text_key}' (columns: {', '.join(part.column_names)}); set --text-key"
             )
-        for batch in part.select_columns([text_key]).iter(batch_size=1024):
-            for value in batch[text_key]:
+        columns = part.column_names if keep_fields else [text_key]
+        for batch in part.select_columns(columns).iter(batch_size=1024):
+            for i, value in enumerate(batch[text_key]):
                 row += 1
-                yield _check_text(row, value, text_key, True)
+                others = {k: batch[k][i] for k in columns if k != text_key}
+                yield _with_fields(_check_text(row, value, text_key, True), others, keep_fields)
 
 
-def read_records(src: Source, text_key: str = "text", max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[Record]:
+def read_records(
+    src: Source, text_key: str = "text", max_record_bytes: int = MAX_RECORD_BYTES, keep_fields: bool = False
+) -> Iterator[Record]:
+    """The documents of one source, in order. `keep_fields`: each record also carries its other fields (a JSON
+    line's other keys, a row's other columns; none for .txt)."""
     if src.kind in ("jsonl", "txt"):
         check_not_compressed(src.path)
     try:
         if src.kind == "jsonl":
-            yield from _jsonl(src.path, text_key, max_record_bytes)
+            yield from _jsonl(src.path, text_key, max_record_bytes, keep_fields)
         elif src.kind == "txt":
             yield from _txt(src.path)
         elif src.kind == "parquet":
-            yield from _parquet(src.path, text_key)
+            yield from _parquet(src.path, text_key, keep_fields)
         else:
-            yield from _hf(src.path, text_key)
+            yield from _hf(src.path, text_key, keep_fields)
     except PipelineError:
         raise
     except (OSError, EOFError, ValueError) as e:
