@@ -93,7 +93,9 @@ class Stack:
         if self.switches is not None or (self.compile is False and self.kernel_set == "torch"):
             return self
         long_context = cand.sequence_parallel > 1 or cand.tiled_mlp > 1
-        sw = gpu_switches(self.compile, self.kernel_set, shape, cand.stage, long_context)
+        key = (self.compile, self.kernel_set, shape.family, cand.stage, long_context)
+        if (sw := _SWITCHES.get(key)) is None:  # the search resolves thousands of configurations, few kinds
+            sw = _SWITCHES[key] = gpu_switches(self.compile, self.kernel_set, shape, cand.stage, long_context)
         return replace(
             self,
             switches=sw,
@@ -111,6 +113,8 @@ class Stack:
         )
 
 
+_SWITCHES: dict[tuple[Any, ...], Switches] = {}
+"""gpu_switches by (compile, kernels, model family, ZeRO stage, long context): all it reads."""
 TRAINER = Stack(compile=None, kernel_set="auto")
 """This trainer as it runs unless told otherwise: `train.compile` and `train.kernels` auto."""
 

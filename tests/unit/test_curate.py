@@ -40,6 +40,7 @@ def records(folder: Path) -> list[dict[str, Any]]:
     return out
 
 
+@pytest.mark.slow  # two curations of 600 documents through datatrove's processes: about 10 s
 def test_near_duplicates_are_found_at_the_default_threshold_and_the_same_seed_keeps_the_same(tmp_path: Path) -> None:
     """150 originals, 15 of them copied with 5%, 10% and 20% of their words edited and once exactly: the pair
     (copy, original) deduplicated for >= 90% of the 10% copies, every exact copy, and nothing else removed
@@ -68,6 +69,7 @@ def test_near_duplicates_are_found_at_the_default_threshold_and_the_same_seed_ke
     assert not (tmp_path / "out.partial").exists()
 
 
+@pytest.mark.slow
 def test_decontamination_removes_what_shares_a_13_gram_with_an_eval_file_and_keeps_fields(tmp_path: Path) -> None:
     b = bench()
     corpus = tmp_path / "corpus.jsonl"
