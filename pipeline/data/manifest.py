@@ -80,6 +80,9 @@ class ShardManifest(TypedDict, total=False):
     split_ratios: list[float]
     tokenizer: TokenizerInfo
     splits: dict[str, SplitInfo]
+    leak_check: dict[str, Any]
+    """Held-out documents that are near duplicates of training ones (pipeline.data.leaks); absent before
+    2026-12-06."""
 
 
 def read_tokenize_manifest(prefix: str | Path) -> TokenizeManifest:

@@ -37,6 +37,7 @@ from pipeline.atomic import (
 )
 from pipeline.data.config import ShardConfig
 from pipeline.data.indexed import IndexedReader
+from pipeline.data.leaks import LeakCount, count_leaks
 from pipeline.data.manifest import (
     ShardManifest,
     TokenizeManifest,
@@ -188,17 +189,21 @@ def _run(cfg: ShardConfig) -> ShardResult:
 
 def _pack_sources(
     cfg: ShardConfig, work: Path, dtype: np.dtype, pad_id: int
-) -> tuple[dict[str, list[Packed]], dict[str, dict[str, Any]]]:
+) -> tuple[dict[str, list[Packed]], dict[str, dict[str, Any]], LeakCount]:
     """Split each source by document and pack each split into rows (a temporary file per source, split and length
-    bucket); refuse a seq_len that leaves the train split empty, warn about empty val/test splits."""
+    bucket); refuse a seq_len that leaves the train split empty, warn about empty val/test splits and about held-out
+    documents that are near duplicates of training ones (pipeline.data.leaks, within each source)."""
     readers = [IndexedReader(p) for p, _ in cfg.sources]
     progress = Progress(sum(int(r.lengths.sum()) for r in readers) * dtype.itemsize, "shard", cfg.progress)
     packed: dict[str, list[Packed]] = {s: [] for s in SPLITS}
     split_stats: dict[str, dict[str, Any]] = {
         s: {"documents": 0, "tokens_in": 0, "dropped_tokens": 0, "per_source_samples": []} for s in SPLITS
     }
+    leaks = LeakCount({"val": 0, "test": 0}, {"val": 0, "test": 0}, 0, 0)
     for si, reader in enumerate(readers):
-        for split, doc_ids in split_documents(len(reader), cfg.split, cfg.seed, si).items():
+        by_split = split_documents(len(reader), cfg.split, cfg.seed, si)
+        leaks += count_leaks(reader, by_split, cfg.seed + si)
+        for split, doc_ids in by_split.items():
             groups = [doc_ids]
             if split == "train" and cfg.length_mix:
                 bucket = length_buckets(reader.lengths[doc_ids], cfg.length_mix)
@@ -213,7 +218,9 @@ def _pack_sources(
             st["per_source_samples"].append(sum(p.samples for p in packed[split] if p.source == si))
     progress.close()
     _check_splits(cfg, readers, split_stats)
-    return packed, split_stats
+    if warning := leaks.line():
+        log.warning(warning)
+    return packed, split_stats, leaks
 
 
 def _pack_group(
@@ -411,7 +418,7 @@ def _build(
     t0: float,
 ) -> ShardResult:
     width = cfg.seq_len + 1
-    packed, split_stats = _pack_sources(cfg, work, dtype, pad_id)
+    packed, split_stats, leaks = _pack_sources(cfg, work, dtype, pad_id)
     shards = {
         split: _write_split(cfg, work, i, split, packed[split], split_stats[split], weights, dtype)
         for i, split in enumerate(SPLITS)
@@ -455,6 +462,7 @@ def _build(
             for (p, _), a, m in zip(cfg.sources, args["sources"], manifests, strict=True)
         ],
         "splits": shards,
+        "leak_check": leaks.as_dict(),
         "wall_time_s": round(wall, 3),
         "throughput_mb_per_s": round(total_tokens * dtype.itemsize / 1e6 / wall, 2),
     }
@@ -505,4 +513,11 @@ def describe(path: str | Path) -> str:
                     f"           documents of {b['from_tokens']:,}+ tokens (x{b['weight']:g}): "
                     f"{b['drawn_samples']:,} of {b['available_samples']:,} samples"
                 )
+    if leak := m.get("leak_check"):
+        found, held = leak["near_duplicates_of_train"], leak["held_out_checked"]
+        lines.append(
+            "  near duplicates of train documents: "
+            + ", ".join(f"{found[s]:,} of {held[s]:,} {s}" for s in held)
+            + f" (checked against {leak['train_checked']:,} of {leak['train_documents']:,} train documents)"
+        )
     return "\n".join(lines)

@@ -18,6 +18,8 @@ from pipeline.data.packing import blend_counts
 from pipeline.errors import PipelineError
 from tests.conftest import CORPUS, shard_into, tokenize_with, tokenizer_model
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def test_shard_outputs_manifest_and_reader(shards: Path, tokenized: Path) -> None:
     m = json.loads((shards / "manifest.json").read_text())
@@ -303,3 +305,41 @@ def test_whole_documents_need_documents_that_end_with_eos(tokenized: Path, tmp_p
     tokenize_with(tmp_path / "plain", [str(CORPUS)], tokenizer_model(tokenized), append_eos=False)
     with pytest.raises(PipelineError, match="append_eos false"):
         shard_into([(tmp_path / "plain", 1.0)], tmp_path / "o", seq_len=64, cross_document=False, whole_documents=True)
+
+
+def test_shard_counts_held_out_documents_that_are_near_duplicates_of_training_ones(
+    tokenized: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A corpus with copies of some documents (a few words edited, or none) split by document: copies that fell
+    in val or test beside their original in train are counted, said in one warning naming `pipeline curate`, and
+    kept in the manifest; the same corpus without the copies counts none."""
+    import importlib.util
+    import logging
+
+    spec = importlib.util.spec_from_file_location("curate_bench", ROOT / "bench" / "curate_bench.py")
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    corpus = tmp_path / "copies.jsonl"
+    truth = bench.synthetic_corpus(corpus, 300, (0.02,))  # 30 originals with an edited and an exact copy each
+    rows = [json.loads(line) for line in corpus.read_text().splitlines()]
+    copies = {i for c in truth["clusters"] for i in c[1:]}
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("".join(json.dumps(r) + "\n" for r in rows if r["id"] not in copies))
+    model = tokenizer_model(tokenized)
+    counted = {}
+    for name in ("copies", "clean"):
+        tokenize_with(tmp_path / name, [str(tmp_path / f"{name}.jsonl")], model)
+        with caplog.at_level(logging.WARNING):
+            caplog.clear()
+            res = shard_into(
+                [(tmp_path / name, 1.0)], tmp_path / f"{name}-shards", seq_len=64, split=(60.0, 20.0, 20.0)
+            )
+        leak = res.manifest["leak_check"]
+        counted[name] = sum(leak["near_duplicates_of_train"].values())
+        warned = [r.getMessage() for r in caplog.records if "near duplicates of training" in r.getMessage()]
+        assert bool(warned) == bool(counted[name]) and all("pipeline curate" in w for w in warned)
+        assert leak["train_checked"] == leak["train_documents"] == res.manifest["splits"]["train"]["documents"]
+    assert counted["clean"] == 0
+    assert counted["copies"] >= 20  # of about 30 held-out cluster members with a sibling in train (32 here)
+    assert "near duplicates of train documents:" in shard_stage.describe(tmp_path / "copies-shards")
