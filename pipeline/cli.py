@@ -314,11 +314,23 @@ def evaluate(launched: bool, **options: Any) -> None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @opt("--max-shard-size", default="2GB", help="Largest safetensors file.", callback=size)
 @AVERAGE
-def export(checkpoint: str, output: str, dtype: str, max_shard_size: int, average: str | None) -> None:
+@opt(
+    "--gguf",
+    multiple=True,
+    type=click.Choice(["f16", "q8_0"]),
+    help="Also write OUTPUT/NAME-TYPE.gguf for llama.cpp and Ollama (repeatable; sentencepiece tokenizers).",
+)
+def export(
+    checkpoint: str, output: str, dtype: str, max_shard_size: int, average: str | None, gguf: tuple[str, ...]
+) -> None:
     """Export a checkpoint (or the mean of several, --average) to a Hugging Face model folder (safetensors,
-    config, tokenizer)."""
+    config, tokenizer), and with --gguf to GGUF files llama.cpp runs."""
     from pipeline.evaluate.export import export as export_checkpoint
 
+    if gguf:
+        from pipeline.evaluate.to_gguf import check_gguf
+
+        check_gguf()  # before the export's minutes: the package is there
     out = export_checkpoint(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_size, average=average)
     if average:
         checkpoint = f"the mean of {average} of {checkpoint}"
@@ -326,6 +338,11 @@ def export(checkpoint: str, output: str, dtype: str, max_shard_size: int, averag
         f"exported {checkpoint} to {out} ({dtype}); load it with "
         f"AutoModelForCausalLM.from_pretrained('{out}') and AutoTokenizer.from_pretrained('{out}')"
     )
+    for kind in gguf:
+        from pipeline.evaluate.to_gguf import write_gguf
+
+        path = write_gguf(out, out / f"{out.name}-{kind}.gguf", kind)
+        click.echo(f"wrote {path} ({path.stat().st_size / 1e6:,.1f} MB): llama-cli -m {path}")
 
 
 @command()

@@ -69,6 +69,45 @@ def test_exported_tokenizer_matches_pipeline_tokenizer(zero_runs: dict[int, Path
     assert theirs.eos_token_id == ours.eos_id and theirs.pad_token_id == ours.pad_id
 
 
+def test_export_writes_gguf_files_that_load_with_the_engines_logits_and_our_ids(
+    zero_runs: dict[int, Path], tmp_path: Path
+) -> None:
+    """`pipeline export --gguf f16 --gguf q8_0` on a trained ZeRO-3 run: two .gguf files beside the Hugging Face
+    folder; transformers' GGUF loader gives the engine's logits (f16: within the bf16 export's rounding; q8_0:
+    within 3% of the largest logit) and the file's vocabulary is the run's sentencepiece model's."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    import shutil
+
+    import sentencepiece as spm
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.cli import main
+    from tests.unit.test_gguf import assert_vocabulary_is
+
+    run_dir = zero_runs[3]
+    ref = engine_logits(run_dir, tmp_path)
+    out = tmp_path / "hf"
+    r = CliRunner().invoke(
+        main, ["export", "--checkpoint", str(run_dir), "--output", str(out), "--gguf", "f16", "--gguf", "q8_0"]
+    )
+    assert r.exit_code == 0, r.output
+    tok_path = ShardedDataset(open_run(run_dir).config["data"]["path"]).tokenizer_path  # type: ignore[arg-type]
+    for kind, tolerance in (("f16", 0.01), ("q8_0", 0.03)):
+        path = out / f"hf-{kind}.gguf"
+        assert f"wrote {path}" in r.output
+        alone = tmp_path / kind
+        alone.mkdir()
+        shutil.copyfile(path, alone / path.name)
+        model = AutoModelForCausalLM.from_pretrained(alone, gguf_file=path.name, dtype=torch.float32).eval()
+        with torch.no_grad():
+            got = model(input_ids=ref["input_ids"]).logits
+        scale = ref["logits"].abs().max().item()
+        assert (got - ref["logits"]).abs().max().item() <= tolerance * scale, kind
+        assert_vocabulary_is(path, spm.SentencePieceProcessor(model_file=str(tok_path)))
+
+
 def test_trained_model_beats_fresh_init_on_held_out_data(zero_runs: dict[int, Path], tmp_path: Path) -> None:
     from pipeline.model import build_model
     from pipeline.train.runtime.weights import init_weights
