@@ -81,6 +81,8 @@ class Case:
     """train.tiled_mlp (0: off)."""
     optimizer: str = "adamw"
     """optim.name (pipeline.train.setup.optimizers.OPTIMIZERS)."""
+    fp8: bool = False
+    """train.fp8: the decoder's matmuls in float8 (torchao)."""
     timeout_s: int = 150
     """What the deadline reserves for the case."""
     note: str = ""
@@ -206,6 +208,9 @@ def cases(smoke: bool) -> list[Case]:
         # Muon against 1b_zero2 (AdamW, the same eager ZeRO-2 run): peak memory (4 bytes of state a matrix
         # parameter instead of 8) and step time (Newton-Schulz on every matrix at each step)
         Case("1b_muon", "pipeline", "1b", 2048, 8, 14, optimizer="muon", timeout_s=90, note="Muon beside 1b_zero2"),
+        # FP8 matmuls beside 1b_default (compiled bf16): tokens/s and the first steps' losses; an H100/H200 is an
+        # upper reference for a 4090's FP8, not its measurement
+        Case("1b_fp8", "pipeline", "1b", 2048, 8, 14, fp8=True, timeout_s=100, note="fp8 beside 1b_default", **default),
     ]
     if not smoke:
         return full
@@ -253,7 +258,7 @@ def preflight(out: Path) -> dict[str, Any]:
             versions[name] = str(getattr(importlib.import_module(name), "__version__", "?"))
         except Exception as e:  # noqa: BLE001 - reported, then the run stops
             missing.append(f"{name} ({type(e).__name__}: {e})")
-    for name in ("liger_kernel", "triton"):  # optional: the cases that need them fail alone, and say so
+    for name in ("liger_kernel", "triton", "torchao"):  # optional: the cases that need them fail alone, and say so
         try:
             module = importlib.import_module(name)
             versions[name] = str(getattr(module, "__version__", "installed"))
@@ -465,7 +470,8 @@ def run_pipeline(
         "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2, "name": case.optimizer},
         "train": {
             "max_steps": case.steps,
-            "precision": "bf16" if not smoke or "bf16" in case.ds_overrides else "fp32",
+            "precision": "bf16" if not smoke or "bf16" in case.ds_overrides or case.fp8 else "fp32",
+            "fp8": case.fp8,
             "compile": case.compile,
             "attention": case.attention,
             "kernels": case.kernels,
@@ -688,6 +694,7 @@ def cpu_path(case: Case) -> tuple[Any, ...]:
         bool(case.compile),
         case.tiled_mlp > 1,
         case.optimizer,
+        case.fp8,
     )
 
 
@@ -734,7 +741,7 @@ def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path, host: Ho
     if probe.exists():
         cluster, _ = with_probe(cluster, probe, set())
     shape = shape_of(case, vocab)
-    stack = trainer_stack(case.compile, case.kernels)
+    stack = trainer_stack(case.compile, case.kernels, case.fp8)
     e = estimate(shape, case.seq_len, cluster, cand, loss_chunk_tokens=loss_chunk_tokens(shape.vocab_size), stack=stack)
     return {
         "plan_tokens_per_s": e.tokens_per_s,

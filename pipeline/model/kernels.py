@@ -365,6 +365,81 @@ def fused_linear_cross_entropy() -> Any:
     return loss
 
 
+# ---- fp8: the linear layers' matmuls in float8 (torchao) -------------------------------------------------------
+
+FP8_CAPABILITY = (8, 9)
+"""FP8 tensor cores: Ada (sm_89: RTX 4090, L40S) and Hopper (sm_90), twice the bf16 rate with fp32 accumulation."""
+FP8_MULTIPLE = 16
+"""torchao's float8 matmuls (cuBLAS's) need both dimensions of a weight divisible by 16."""
+FP8_PUBLISHED = (
+    "published end to end on 4 x RTX 4090 (LLMQ benchmarks/4090x4.md, six-step snapshots): 7B 1.51x, 1.5B 1.37x, "
+    "0.5B 1.18x over bf16; torchtitan on H100: about +25% at 8B with compile"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Choice:
+    on: bool
+    emulate: bool
+    """torchao's emulation (float8 rounding in higher precision): where there are no FP8 tensor cores (the CPU,
+    where the project is tested); numerically the float8 recipe, no faster."""
+    note: str
+
+
+def fp8_keeps(module: Any, fqn: str) -> bool:
+    """Which linear layers get float8 matmuls: the decoder layers' projections whose both dimensions are multiples of
+    FP8_MULTIPLE; the output layer (lm_head: its logits feed the loss, and the fused and chunked losses read its
+    weight directly) and anything not an nn.Linear (embeddings, norms) stay in the training precision."""
+    import torch
+
+    return (
+        isinstance(module, torch.nn.Linear)
+        and fqn.split(".")[-1] != "lm_head"
+        and module.in_features % FP8_MULTIPLE == 0
+        and module.out_features % FP8_MULTIPLE == 0
+    )
+
+
+def fp8_layers(shape: ModelShape) -> int:
+    """How many linear layers fp8_keeps takes in a model of this shape (q, k, v, o, gate, up, down per layer)."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    dims = [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
+    return shape.num_layers * sum(1 for a, b in dims if a % FP8_MULTIPLE == 0 and b % FP8_MULTIPLE == 0)
+
+
+def choose_fp8(setting: bool, device: Any, shape: ModelShape) -> Fp8Choice:
+    """`train.fp8` resolved on this device: float8 matmuls on a GPU with FP8 tensor cores, emulated on the CPU (the
+    plumbing and the numerics, for tests), off with the reason on an older GPU."""
+    if not setting:
+        return Fp8Choice(False, False, "fp8: off")
+    layers = f"{fp8_layers(shape)} of the decoder's linear layers (embeddings, norms and lm_head stay bf16)"
+    if getattr(device, "type", str(device)) != "cuda":
+        return Fp8Choice(True, True, f"fp8: {layers} in float8, emulated on {device} (the numerics; speed on a GPU)")
+    import torch
+
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        return Fp8Choice(
+            False,
+            False,
+            f"fp8: asked for, but this GPU (sm_{capability[0]}{capability[1]}) has no FP8 tensor cores "
+            "(Ada sm_89 or Hopper sm_90 and later); bf16 matmuls instead",
+        )
+    return Fp8Choice(True, False, f"fp8: {layers} in float8 (torchao, tensorwise scaling)")
+
+
+def apply_fp8(model: Any, choice: Fp8Choice) -> int:
+    """Swap the kept linear layers for torchao's Float8Linear in place (their parameters and names unchanged, so
+    checkpoints and exports are the bf16 model's, with or without fp8); returns how many. Before compiling."""
+    if not choice.on:
+        return 0
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=choice.emulate), module_filter_fn=fp8_keeps)
+    return sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")  # fp8_layers(shape), tested
+
+
 # ---- compile ----------------------------------------------------------------------------------------------------
 
 

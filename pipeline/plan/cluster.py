@@ -76,6 +76,8 @@ class Stack:
     """compile and kernel_set resolved for one configuration (`resolved`), with their measured effect."""
     fused_loss: bool | None = None
     """lm_head and the loss in one kernel, no logits kept; None: as `kernels` (the fused stacks have it)."""
+    fp8: bool = False
+    """This trainer's `train.fp8`: the decoder layers' matmuls at the card's FP8 rate where it has one."""
 
     @property
     def loss_fused(self) -> bool:
@@ -90,7 +92,7 @@ class Stack:
         """The stack one configuration of this trainer runs on a CUDA GPU: `compile` and `kernel_set` resolved as
         the trainer resolves them for its ZeRO stage and long-context parts (pipeline.model.kernels.gpu_switches),
         their measured effect in the fields the memory and time models read. Other stacks as they are."""
-        if self.switches is not None or (self.compile is False and self.kernel_set == "torch"):
+        if self.switches is not None or (self.compile is False and self.kernel_set == "torch" and not self.fp8):
             return self
         long_context = cand.sequence_parallel > 1 or cand.tiled_mlp > 1
         key = (self.compile, self.kernel_set, shape.family, cand.stage, long_context)
@@ -119,9 +121,9 @@ TRAINER = Stack(compile=None, kernel_set="auto")
 """This trainer as it runs unless told otherwise: `train.compile` and `train.kernels` auto."""
 
 
-def trainer_stack(compile_setting: bool | None, kernels_setting: str) -> Stack:
-    """This trainer with a config's `train.compile` and `train.kernels`."""
-    return Stack(compile=compile_setting, kernel_set=kernels_setting)
+def trainer_stack(compile_setting: bool | None, kernels_setting: str, fp8: bool = False) -> Stack:
+    """This trainer with a config's `train.compile`, `train.kernels` and `train.fp8`."""
+    return Stack(compile=compile_setting, kernel_set=kernels_setting, fp8=fp8)
 
 
 @dataclass(frozen=True, slots=True)

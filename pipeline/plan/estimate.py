@@ -9,13 +9,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pipeline.model import ModelShape
+from pipeline.model.kernels import FP8_PUBLISHED
 from pipeline.plan.cluster import (
     Candidate,
     Cluster,
     Stack,
 )
 from pipeline.plan.memory import GiB, checkpoint_bytes, gpu_memory, host_memory
-from pipeline.plan.timing import Rates, cpu_adam_rate, offload_rate, step_time_range
+from pipeline.plan.timing import Rates, cpu_adam_rate, fp8_pays, offload_rate, step_time_range
 
 HOST_RAM_LIMIT = 0.80  # refuse plans above 80% of a node's RAM (host OOM kills are silent)
 
@@ -164,6 +165,8 @@ def assumptions(
             f", {tokens:,} tokens per micro-step",
         )
     ]
+    if fp8_pays(stack, c, cand):
+        out.append(("fp8", "the decoder's matmuls at twice the bf16 rate", f"planned, not measured; {FP8_PUBLISHED}"))
     if stack.switches is not None and stack.switches.effect.knee_factor != 1.0:
         out.append(("speed switches", stack.label(), f"measured: {stack.switches.effect.measured}"))
     if cand.offload_param != "none":

@@ -186,6 +186,11 @@ def _links(c: Cluster, rates: Rates, net_eff: float) -> tuple[float, float]:
     return node_pcie, coll_bw
 
 
+def fp8_pays(stack: Stack, c: Cluster, cand: Candidate) -> bool:
+    """train.fp8 speeds this configuration: the card has FP8 tensor cores and the stage is one fp8 runs under."""
+    return stack.fp8 and c.gpu.fp8 and cand.stage != 3
+
+
 def _compute(
     shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates
 ) -> tuple[float, float]:
@@ -204,6 +209,9 @@ def _compute(
     if cand.tiled_mlp > 1:  # each tile's MLP forward again in the backward: 2 x 3 h f FLOPs a token and layer
         hw_fpt += 6 * shape.hidden_size * shape.ffn_hidden_size * shape.num_layers
     compute = tokens_micro * hw_fpt / (peak * eff)
+    if fp8_pays(stack, c, cand):  # the decoder layers' projections at twice the rate, the rest as it was
+        linear = 6.0 * shape.layer_params() * shape.num_layers * (4 / 3 if cand.activation_checkpointing else 1)
+        compute *= 1 - min(1.0, linear / hw_fpt) / 2
     if stack.attention == "eager":
         scores = cand.micro_batch_size * shape.num_heads * seq_len**2 * shape.num_layers
         compute += scores * EAGER_SCORE_BYTES / (c.gpu.mem_bw_gbs * 1e9)

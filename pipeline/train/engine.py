@@ -13,6 +13,7 @@ import torch
 from pipeline.data.manifest import TokenizerInfo, model_token_ids
 from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model, kernels, pretraining_class, transformers_helper
+from pipeline.model.kernels import Fp8Choice
 from pipeline.plan.cluster import offload_devices
 from pipeline.train.runtime import sequence
 from pipeline.train.runtime.dist import accelerator_name, on_rank0
@@ -63,9 +64,10 @@ class Speed:
     attention: kernels.AttentionChoice
     kernels: kernels.KernelChoice
     compile_note: str
+    fp8: Fp8Choice = Fp8Choice(False, False, "fp8: off")
 
     def notes(self) -> list[str]:
-        return [self.compile_note, self.attention.note, self.kernels.note]
+        return [self.compile_note, self.attention.note, self.kernels.note, self.fp8.note]
 
     def record(self) -> dict[str, Any]:
         """What environment.json and the bench keep."""
@@ -75,6 +77,8 @@ class Speed:
             "attention_timings_ms": self.attention.timings_ms,
             "kernels": self.kernels.kernels,
             "fused_loss": self.kernels.fused_loss,
+            "fp8": self.fp8.on,
+            "fp8_emulated": self.fp8.emulate,
         }
 
 
@@ -99,7 +103,8 @@ def choose_speed(
     kernel_set = kernels.choose_kernels(cfg.train.kernels, shape, device.type, zero3=stage == 3, compiled=compile_on)
     kernels.apply_attention(attention)
     kernels.apply_kernels(kernel_set, shape)
-    return Speed(compile_on, attention, kernel_set, compile_note)
+    fp8 = kernels.choose_fp8(cfg.train.fp8, device, shape)
+    return Speed(compile_on, attention, kernel_set, compile_note, fp8)
 
 
 def build_training_model(
@@ -124,6 +129,8 @@ def build_training_model(
         gpu = torch.device("cuda", torch.cuda.current_device()) if accelerator_name() == "cuda" else None
         init_weights(model, cfg.train.seed, rank, stage3, gpu)
     kernels.tile_mlp(model, cfg.train.tiled_mlp)  # before compiling: the compiled layer calls the tiled MLP
+    if speed is not None:
+        kernels.apply_fp8(model, speed.fp8)
     if speed is not None and speed.compile:
         for layer in model.model.layers:
             layer.compile()  # in place: parameter names and checkpoints stay those of the eager model

@@ -87,7 +87,7 @@ def forecast_config(
     # tries every size
     auto = cfg.train.deepspeed_config == "auto"
     fixed = bp.sequence_parallel if auto else None
-    stack = trainer_stack(cfg.train.compile, cfg.train.kernels)
+    stack = trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8)
     refused = trainer_refusals(cfg, bp, "cuda")
     found = search(
         shape,
@@ -232,7 +232,11 @@ def forecast_run(
     moments = OPTIMIZERS[cfg.optim.name].moment_bytes
     checkpointing = cfg.train.activation_checkpointing
     cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, checkpointing, moments, sp)
-    stack = trainer_stack(cfg.train.compile, cfg.train.kernels) if env.get("device", "cpu") != "cpu" else Stack()
+    stack = (
+        trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8)
+        if env.get("device", "cpu") != "cpu"
+        else Stack()
+    )
     yours = estimate(shape, seq, cluster, cand, mfu, chunk, stack=stack)
     found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk, stack=stack)
     got = measured(rd, bp.tokens_per_step)

@@ -45,6 +45,7 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
         "7b_2layers_32k_tiled_actoffload",
         "7b_2layers_64k_tiled_actoffload",
         "1b_muon",
+        "1b_fp8",
     ]
     ran = {c["name"]: c for c in doc["cases"] if "same_cpu_path_as" not in c}
     twins = {c["name"]: c["same_cpu_path_as"] for c in doc["cases"] if "same_cpu_path_as" in c}

@@ -151,3 +151,42 @@ def test_the_planner_resolves_the_switches_as_the_trainer_does_on_a_gpu() -> Non
     assert kernels.gpu_switches(False, "liger", phi3, 2, False).effect is kernels.NO_EFFECT
     for entry in kernels.KERNELS.values():  # every entry names where its effect was measured
         assert entry.effect is kernels.NO_EFFECT or "H200" in entry.effect.measured
+
+
+def test_fp8_takes_the_decoder_projections_whose_dimensions_allow_it_and_keeps_the_model_the_same() -> None:
+    """train.fp8's rule (pipeline.model.kernels.fp8_keeps): each decoder projection with both dimensions multiples
+    of 16 becomes torchao's Float8Linear, emulated here; lm_head, embeddings and norms do not. The parameters and
+    their names stay the bf16 model's (checkpoints and exports unchanged), and the loss moves by float8's
+    rounding only."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    shape = resolve_shape("tiny", {"hidden_size": 64, "ffn_hidden_size": 172}, 300)  # 172: MLP stays bf16
+    plain = build_model(shape)
+    model = build_model(shape)
+    model.load_state_dict(plain.state_dict())
+    choice = kernels.choose_fp8(True, torch.device("cpu"), shape)
+    assert choice.on and choice.emulate and "8 of the decoder's linear layers" in choice.note
+    assert kernels.apply_fp8(model, choice) == kernels.fp8_layers(shape) == 8  # q, k, v, o of 2 layers
+    swapped = {n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+    assert swapped == {f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"}
+    assert list(model.state_dict()) == list(plain.state_dict())
+    ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))
+    a, b = plain(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss
+    b.backward()
+    assert b.item() == pytest.approx(a.item(), rel=0.02) and b.item() != a.item()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    assert kernels.choose_fp8(False, torch.device("cpu"), shape).on is False
+
+
+def test_fp8_is_refused_where_it_cannot_run_naming_the_fix() -> None:
+    from pipeline.errors import ConfigError
+    from pipeline.train.setup.config import from_dict
+    from pipeline.train.setup.ds_config import batch_plan, load_ds_config, resolve
+
+    base = {"batch": {"micro_batch_size": 1, "global_batch_size": 2}, "train": {"max_steps": 1, "fp8": True}}
+    with pytest.raises(ConfigError, match="train.fp8 needs train.precision bf16"):
+        from_dict(base | {"train": base["train"] | {"precision": "fp32"}})
+    cfg = from_dict(base | {"train": base["train"] | {"precision": "bf16"}})
+    with pytest.raises(ConfigError, match="train.fp8 with ZeRO-3: not supported"):
+        resolve(cfg, load_ds_config("ds_configs/zero3.json"), batch_plan(cfg, 2, 64), accelerator="cuda")
+    resolve(cfg, load_ds_config("ds_configs/zero2.json"), batch_plan(cfg, 2, 64), accelerator="cuda")

@@ -105,6 +105,7 @@ SUPPORTED_MATRIX = f"""supported combinations:
 {_optimizer_lines()}
   (pipeline.train.setup.optimizers.OPTIMIZERS; fp16 needs a GPU)
   train.compile       : ZeRO 0-2 (null: on for a CUDA GPU with ZeRO 0-2)
+  train.fp8           : ZeRO 0-2, bf16, torchao
   bf16 master/states  : bf16 precision, ZeRO 1-3 (bf16_optimizer_states needs bf16_master_weights_and_grads)
   zenflow             : ZeRO 1-2 with offload_optimizer cpu, grad_accum 1, integer update/select intervals
   cpu_checkpointing   : with train.activation_checkpointing (activation_checkpointing.cpu_checkpointing)
@@ -206,6 +207,11 @@ def unsupported(ds: dict[str, Any], cfg: PretrainConfig, accelerator: str) -> li
             'optimizer.type to "auto" (the optimizer table then writes it) or remove the optimizer section'
         )
     p += optimizer.problems(cfg.optim.name, stage, offload)
+    if train.fp8 and stage == 3:
+        p.append(
+            "train.fp8 with ZeRO-3: not supported (torchao's float8 layers read their weight whole, which ZeRO-3 "
+            "partitions; untested here); use ZeRO-1/2 or train.fp8: false"
+        )
     if train.compile is True and stage == 3:
         p.append(
             "train.compile with ZeRO-3: not supported yet (ZeRO-3's parameter hooks break the compiled "

@@ -161,7 +161,7 @@ def auto_ds_config(
     card: GPU
     stack = Stack()  # on the CPU every speed switch falls back to transformers' modules
     if accelerator_name() == "cuda":
-        stack = trainer_stack(cfg.train.compile, cfg.train.kernels)
+        stack = trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8)
         card = planning_card(
             torch.cuda.get_device_name(0),
             torch.cuda.get_device_properties(0).total_memory,
