@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
-LEASES = ("gpu-h200-2026-12-04.json", "gpu-h200-2026-12-04b.json", "gpu-h200-2026-12-04c.json")
+LEASES = tuple(sorted(p.name for p in RESULTS.glob("gpu-*.json")))
+"""Every GPU run committed (a new lease's results.json, saved as bench/results/gpu-CARD-DATE.json, joins them)."""
 
 NOT_STEADY = {
     "7b_2layers_zenflow": "6 steps, one of them ZenFlow's first full CPU update (about 12 s): not its steady state",
@@ -41,7 +42,7 @@ def gpu_bench() -> Any:
 def replanned() -> list[dict[str, Any]]:
     bench = gpu_bench()
     # The first lease kept no host probe: the second's, of the same kind of lent machine the same day
-    probe = json.loads((RESULTS / LEASES[1]).read_text())["warm_up"]["host"]
+    probe = json.loads((RESULTS / "gpu-h200-2026-12-04b.json").read_text())["warm_up"]["host"]
     return [dict(r, lease=name) for name in LEASES for r in bench.replanned(RESULTS / name, probe)]
 
 
@@ -66,7 +67,7 @@ def cases() -> list[dict[str, Any]]:
 
 def test_every_measured_case_is_planned_within_its_bounds_but_the_named_ones(cases: list[dict[str, Any]]) -> None:
     measured = {r["name"] for r in cases}
-    assert len(cases) == 15 and {"70b_2layers", "1b_default", "7b_2layers_offload_liger"} <= measured
+    assert len(cases) >= 15 and {"70b_2layers", "1b_default", "7b_2layers_offload_liger"} <= measured
     assert set(NOT_STEADY) | set(UNEXPLAINED) <= measured
     missed = {f"{r['lease']}:{r['name']}": m for r in cases if r["name"] not in NOT_STEADY and (m := misses(r))}
     assert {k.split(":")[1] for k in missed} == set(UNEXPLAINED), missed
@@ -76,8 +77,8 @@ def test_the_speed_switches_are_priced_from_the_kernels_table(cases: list[dict[s
     """compile and Liger change the plan as the bench measured them: eager 1b_zero2 against the compiled and the
     Liger cases of the same lease, the step times' ratio within 10% of the measured, the peaks' within 15% (the
     eager peak itself is planned 1.10x over)."""
-    b = {r["name"]: r for r in cases if r["lease"] == LEASES[1]}
-    c = {r["name"]: r for r in cases if r["lease"] == LEASES[2]}
+    b = {r["name"]: r for r in cases if r["lease"] == "gpu-h200-2026-12-04b.json"}
+    c = {r["name"]: r for r in cases if r["lease"] == "gpu-h200-2026-12-04c.json"}
     eager = b["1b_zero2"]
     for fast in (b["1b_default"], b["1b_liger"], c["1b_liger_eager"]):
         for planned, measured, rel in (
