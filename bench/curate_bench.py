@@ -7,7 +7,6 @@ Usage: python bench/curate_bench.py [--docs N] [--out FILE] [--smoke]"""
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import shutil
@@ -82,11 +81,9 @@ def synthetic_corpus(path: Path, docs: int, edits: tuple[float, ...], seed: int 
 
 def kept_ids(out: Path) -> set[str]:
     """The ids (the corpus's own `id` field) of the documents a curate output kept."""
-    ids = set()
-    for f in sorted((out / "documents").glob("*.jsonl.gz")):
-        with gzip.open(f, "rt") as fh:
-            ids.update(json.loads(line)["id"] for line in fh)
-    return ids
+    from pipeline.data.curate import read_documents
+
+    return {d["id"] for d in read_documents(out / "documents")}
 
 
 def scores(truth: dict[str, Any], kept: set[str], all_ids: set[str]) -> dict[str, Any]:

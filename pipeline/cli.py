@@ -25,6 +25,7 @@ from pipeline.options import (
     PATH,
     SEED,
     SETS,
+    TEXT_KEY,
     WHERE,
     Decorator,
     config_option,
@@ -87,7 +88,7 @@ def main(verbose: bool) -> None:
 @opt("--permutations", type=int, default=120, help="MinHash hashes per document (LSH bands x rows).")
 @opt("--ngrams", type=int, default=3, help="Words per shingle for near duplicates.")
 @opt("--decontaminate-ngrams", type=int, default=13, help="Words per n-gram shared with evaluation text.")
-@click.option("--text-key", default="text", show_default=True, help="JSON field / parquet column holding the text.")
+@TEXT_KEY
 @opt("--workers", type=click.IntRange(1, 512), default=None, help="Tasks run at once (default: this machine's cores).")
 @SEED
 def curate(inputs: tuple[str, ...], output: str, **options: Any) -> None:
@@ -128,7 +129,7 @@ def curate(inputs: tuple[str, ...], output: str, **options: Any) -> None:
     type=click.IntRange(1),
 )
 @SEED
-@click.option("--text-key", default="text", show_default=True, help="JSON field / parquet column holding the text.")
+@TEXT_KEY
 @opt("--workers", default=1, help="Encoding processes; output is identical for any count.", type=click.IntRange(1, 512))
 @click.option("--append-eos/--no-append-eos", default=True, show_default=True, help="End each document with </s>.")
 @opt(
@@ -163,7 +164,7 @@ def tokenize(**options: Any) -> None:
 @opt("--sample-docs", default=100_000, help="Documents sampled (seeded) to find the pieces.", type=click.IntRange(1))
 @opt("--held-out-docs", default=200, help="Documents kept aside to measure bytes per token.", type=click.IntRange(1))
 @SEED
-@click.option("--text-key", default="text", show_default=True, help="JSON field / parquet column holding the text.")
+@TEXT_KEY
 def extend_vocab(**options: Any) -> None:
     """Extend MODEL_DIR's tokenizer with pieces of a new corpus (INPUT...) and its embeddings to match: a
     Hugging Face model folder to continue on a language its tokenizer splits into many tokens."""

@@ -184,6 +184,9 @@ AVERAGE = click.option(
 )
 SETS = click.option("--set", "sets", multiple=True, help="Override a config field: section.key=value (repeatable).")
 SEED = click.option("--seed", type=int, default=1234, show_default=True)
+TEXT_KEY = click.option(
+    "--text-key", default="text", show_default=True, help="JSON field / parquet column holding the text."
+)
 CHECKPOINT = click.option(
     "--checkpoint", required=True, type=PATH, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG."
 )

@@ -59,6 +59,20 @@ def tokenize_with(prefix: Path, inputs: list[str], tokenizer: Path, **kw: Any) -
     )
 
 
+def bench_module(name: str) -> Any:
+    """bench/NAME.py as a module (the benchmarks are scripts, not a package): its corpus generators and
+    re-planning functions are what some tests check against."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tokenizer_model(tokenized: Path) -> Path:
     """The sentencepiece model `pipeline tokenize --train-tokenizer` wrote beside `tokenized`."""
     return Path(str(tokenized) + ".tokenizer.model")

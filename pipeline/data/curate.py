@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.atomic import write_json
+from pipeline.atomic import replacing_dir, write_json
 from pipeline.data.readers import read_records, resolve_inputs
 from pipeline.errors import PipelineError
 
@@ -132,38 +132,28 @@ def curate(inputs: list[str], output: str, opts: CurateOptions, echo: Any = prin
     out = Path(output)
     if out.exists() and not (out / "report.json").exists() and any(out.iterdir()):
         raise PipelineError(f"--output {out}: a folder that is not a curate output; name an empty or new folder")
-    work = out.with_name(out.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
     report = Report([str(s.path) for s in sources], asdict(opts) | {"decontaminate": list(opts.decontaminate)})
     _quiet_datatrove()
-    try:
-        for name, run in _stages(sources, evals, work, opts, report):
-            t0 = time.perf_counter()
-            run()
-            report.seconds[name] = round(time.perf_counter() - t0, 2)
-            echo(f"curate: {name} done in {report.seconds[name]:.1f} s")
-    except _Emptied:
-        pass  # counted below: nothing read, or everything removed
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left looking like an output
-        raise
-    _count(work, report)
-    if report.documents_in == 0:
-        shutil.rmtree(work, ignore_errors=True)
-        raise PipelineError(f"{', '.join(inputs)}: no readable document (bad records: {report.bad_records})")
-    if report.documents_kept == 0:
-        shutil.rmtree(work, ignore_errors=True)
-        raise PipelineError(
-            f"every one of the {report.documents_in:,} documents was removed ({', '.join(report.removed)}); "
-            "turn off the step that took them (--no-quality, --no-near, ...) or lower its bar"
-        )
-    for scratch in SCRATCH:
-        shutil.rmtree(work / scratch, ignore_errors=True)
-    write_json(work / "report.json", asdict(report))
-    if out.exists():  # a previous curate output: replaced whole, never half
-        shutil.rmtree(out)
-    work.rename(out)
+    with replacing_dir(out) as work:  # written whole, replacing a previous output whole; nothing left on an error
+        try:
+            for name, run in _stages(sources, evals, work, opts, report):
+                t0 = time.perf_counter()
+                run()
+                report.seconds[name] = round(time.perf_counter() - t0, 2)
+                echo(f"curate: {name} done in {report.seconds[name]:.1f} s")
+        except _Emptied:
+            pass  # counted below: nothing read, or everything removed
+        _count(work, report)
+        if report.documents_in == 0:
+            raise PipelineError(f"{', '.join(inputs)}: no readable document (bad records: {report.bad_records})")
+        if report.documents_kept == 0:
+            raise PipelineError(
+                f"every one of the {report.documents_in:,} documents was removed ({', '.join(report.removed)}); "
+                "turn off the step that took them (--no-quality, --no-near, ...) or lower its bar"
+            )
+        for scratch in SCRATCH:
+            shutil.rmtree(work / scratch, ignore_errors=True)
+        write_json(work / "report.json", asdict(report))
     for line in report.summary(out):
         echo(line)
     return report
@@ -425,7 +415,9 @@ def _eval_index_step(sources: list[Any], folder: str, opts: CurateOptions) -> An
     return EvalIndex()
 
 
-def _read_jsonl_gz(folder: Path) -> Iterator[dict[str, Any]]:
+def read_documents(folder: Path) -> Iterator[dict[str, Any]]:
+    """The records of every .jsonl.gz under `folder`, file by file in name order (an output's documents/, a
+    removed/ reason, a stage's folder)."""
     for path in sorted(folder.rglob("*.jsonl.gz")):
         with gzip.open(path, "rt") as f:
             for line in f:
@@ -438,7 +430,7 @@ def _count(work: Path, report: Report) -> None:
     removed documents' where C4's rules drop lines from a document they keep."""
     removed: dict[str, dict[str, Any]] = {}
     for folder in sorted((work / "removed").glob("*")) if (work / "removed").exists() else []:
-        for doc in _read_jsonl_gz(folder):
+        for doc in read_documents(folder):
             meta = doc.get("metadata") or {}
             why = meta.get("filter_reason")
             reason = folder.name + (f": {why}" if why and why != folder.name else "")
@@ -448,15 +440,15 @@ def _count(work: Path, report: Report) -> None:
             r["examples"].append({"id": doc["id"], "text": doc["text"][:EXAMPLE_CHARS]})
     for r in removed.values():
         r["examples"] = sorted(r["examples"], key=lambda e: e["id"])[:EXAMPLES]
-    bad = list(_read_jsonl_gz(work / "bad")) if (work / "bad").exists() else []
+    bad = list(read_documents(work / "bad")) if (work / "bad").exists() else []
     report.bad_records = len(bad)
     if bad:
         removed["bad_record"] = {"documents": len(bad), "bytes": 0, "examples": bad[:EXAMPLES]}
     report.removed = removed
-    kept = [doc for doc in _read_jsonl_gz(work / "documents")] if (work / "documents").exists() else []
+    kept = [doc for doc in read_documents(work / "documents")] if (work / "documents").exists() else []
     report.documents_kept = len(kept)
     report.bytes_kept = sum(len(d["text"].encode()) for d in kept)
-    read = list(_read_jsonl_gz(work / "input")) if (work / "input").exists() else []
+    read = list(read_documents(work / "input")) if (work / "input").exists() else []
     report.documents_in = len(read)
     report.bytes_in = sum(len(d["text"].encode()) for d in read)
 

@@ -1,6 +1,6 @@
 """train.fp8 through the real launcher (2 CPU ranks, ZeRO-2, torchao's float8 layers emulated): the log says which
-layers; it trains; its checkpoint resumes with fp8 and without it (the weights are the bf16 model's either way);
-and the export is a plain Hugging Face model."""
+layers; it trains; its checkpoint continues without fp8 within float8's rounding of its own continuation (the
+weights are the bf16 model's either way); and the export is a plain Hugging Face model. Two launches."""
 
 from __future__ import annotations
 
@@ -37,17 +37,14 @@ def test_fp8_trains_and_its_checkpoint_resumes_with_and_without_it(shards: Path,
     losses = launch.losses(run)
     assert all(v == v for v in losses.values()) and losses[6] < losses[1], losses
     assert ckpt.latest_complete(run) == "step00000006"
-    # the same checkpoint, continued two more steps with fp8 and without: both start from its weights and data
-    for name, fp8 in (("with", "true"), ("without", "false")):
-        branch = tmp_path / name
-        b = launch.write_config(tmp_path / f"{name}.yaml", run_dir=branch, ckpt_interval=4, **(kw | {"steps": 8}))
-        res = launch.run(
-            b, sets=(f"train.fp8={fp8}", "train.precision=bf16", f"checkpoint.branch_from={run}/step00000006")
-        )
-        assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-        assert max(launch.losses(branch)) == 8 and "branch" in (res.stdout + res.stderr)
-    with_fp8, without = launch.losses(tmp_path / "with"), launch.losses(tmp_path / "without")
-    assert with_fp8[7] == pytest.approx(without[7], rel=0.02)  # float8's rounding only, on the same weights
+    # its checkpoint at step 3 continued without fp8: the same weights and data, so step 4 moves by float8's
+    # rounding only from the fp8 run's own continuation (which is the resume with fp8: no float8 state to save)
+    branch = tmp_path / "without"
+    b = launch.write_config(tmp_path / "without.yaml", run_dir=branch, ckpt_interval=3, **kw)
+    res = launch.run(b, sets=("train.fp8=false", "train.precision=bf16", f"checkpoint.branch_from={run}/step00000003"))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert max(launch.losses(branch)) == 6 and "branch" in (res.stdout + res.stderr)
+    assert launch.losses(branch)[4] == pytest.approx(losses[4], rel=0.02)
     hf = export(str(run), str(tmp_path / "hf"))
     from transformers import AutoModelForCausalLM
 

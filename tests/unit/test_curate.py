@@ -3,10 +3,7 @@ through the CLI; recall and precision on a synthetic corpus with known clusters;
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,18 +11,13 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
+from tests.conftest import bench_module
 
-ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("datatrove", reason="pip install -e '.[curate]'")
 
 
 def bench() -> Any:
-    spec = importlib.util.spec_from_file_location("curate_bench", ROOT / "bench" / "curate_bench.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("curate_bench", module)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("curate_bench")
 
 
 def curate(*args: str) -> Any:
@@ -33,11 +25,9 @@ def curate(*args: str) -> Any:
 
 
 def records(folder: Path) -> list[dict[str, Any]]:
-    out = []
-    for f in sorted(folder.glob("*.jsonl.gz")):
-        with gzip.open(f, "rt") as fh:
-            out += [json.loads(line) for line in fh]
-    return out
+    from pipeline.data.curate import read_documents
+
+    return list(read_documents(folder))
 
 
 @pytest.mark.slow  # two curations of 600 documents through datatrove's processes: about 10 s
@@ -66,7 +56,7 @@ def test_near_duplicates_are_found_at_the_default_threshold_and_the_same_seed_ke
     # the same input and seed: the same documents, the output replaced whole
     again = curate(str(corpus), "--output", str(tmp_path / "out"))
     assert again.exit_code == 0 and b.kept_ids(tmp_path / "out") == kept
-    assert not (tmp_path / "out.partial").exists()
+    assert not (tmp_path / ".out.tmp").exists()
 
 
 @pytest.mark.slow
@@ -128,7 +118,7 @@ def test_bad_input_is_one_line_and_leaves_nothing_half_written(
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and said in lines[0] and "Traceback" not in r.output, r.output
-    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.tmp").exists()
 
 
 def test_an_output_folder_that_is_not_a_curate_output_is_refused(tmp_path: Path) -> None:

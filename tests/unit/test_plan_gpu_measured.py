@@ -7,13 +7,13 @@ when that list is no longer exactly the cases that miss (a fix shows, and so doe
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -31,12 +31,7 @@ UNEXPLAINED = {
 
 
 def gpu_bench() -> Any:
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "bench" / "gpu_bench.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gpu_bench", module)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("gpu_bench")
 
 
 def replanned() -> list[dict[str, Any]]:

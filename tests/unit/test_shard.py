@@ -16,9 +16,7 @@ from pipeline.data.indexed import IndexedReader
 from pipeline.data.loader import ShardedDataset
 from pipeline.data.packing import blend_counts
 from pipeline.errors import PipelineError
-from tests.conftest import CORPUS, shard_into, tokenize_with, tokenizer_model
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import CORPUS, bench_module, shard_into, tokenize_with, tokenizer_model
 
 
 def test_shard_outputs_manifest_and_reader(shards: Path, tokenized: Path) -> None:
@@ -313,13 +311,9 @@ def test_shard_counts_held_out_documents_that_are_near_duplicates_of_training_on
     """A corpus with copies of some documents (a few words edited, or none) split by document: copies that fell
     in val or test beside their original in train are counted, said in one warning naming `pipeline curate`, and
     kept in the manifest; the same corpus without the copies counts none."""
-    import importlib.util
     import logging
 
-    spec = importlib.util.spec_from_file_location("curate_bench", ROOT / "bench" / "curate_bench.py")
-    assert spec and spec.loader
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("curate_bench")
     corpus = tmp_path / "copies.jsonl"
     truth = bench.synthetic_corpus(corpus, 300, (0.02,))  # 30 originals with an edited and an exact copy each
     rows = [json.loads(line) for line in corpus.read_text().splitlines()]
