@@ -168,21 +168,9 @@ def margin_bytes(card_gib: float) -> float:
     return max(MARGIN_MIN_BYTES, MARGIN_FRACTION * card_gib * GiB)
 
 
-def gpu_memory(
-    shape: ModelShape,
-    seq_len: int,
-    c: Cluster,
-    cand: Candidate,
-    loss_chunk_tokens: int | None,
-    stack: Stack | None = None,
-) -> dict[str, float]:
-    """Per-GPU bytes. The peak is the larger of two moments: the start of the backward (every activation and the
-    loss's logits and their gradient alive) and its end (buckets full, ZeRO-0/1's whole bf16 gradients alive).
-    Model states and ZeRO-3's gathered layer and buffers are alive at both. What the card must hold (`reserved`)
-    adds the allocator's slack on the transients only: activations and logits at FRAGMENTATION, ZeRO-3's
-    bucket-sized buffers at BUFFER_FRAGMENTATION; model states are allocated once."""
-    stack = stack or Stack()
-    psi, g = shape.num_params(), c.world
+def _model_states(cand: Candidate, psi: int, g: int) -> tuple[dict[str, float], float]:
+    """Per-GPU model states (state_split, with bf16 master weights under ZeRO-3 and ZenFlow's GPU-side moments) and
+    the gradients among them that exist only from the backward to the step (ZenFlow's selected columns)."""
     off_opt, off_par = cand.offload_optimizer != "none", cand.offload_param != "none"
     split = state_split(cand.stage, psi, g, off_opt, off_par, cand.fp32_grad_accum, cand.moment_bytes)
     if cand.bf16_master and cand.stage == 3 and not off_opt:  # bf16 master and gradient partitions on the GPU
@@ -192,8 +180,15 @@ def gpu_memory(
     if cand.zenflow_interval:
         split["optimizer"] += ZENFLOW_STATE_BYTES * ZENFLOW_TOPK * psi
         zenflow_grads = 2 * ZENFLOW_TOPK * psi
-    # Under sequence parallelism a rank holds seq_len / N tokens of each sample in every layer (attention too:
-    # after Ulysses' all-to-all, all tokens of N-th of the heads); the loss, its share of the tokens.
+    return split, zenflow_grads
+
+
+def _activations(
+    shape: ModelShape, seq_len: int, cand: Candidate, loss_chunk_tokens: int | None, stack: Stack
+) -> dict[str, float]:
+    """activation_bytes of a rank's share of the tokens, with the loss the stack computes. Under sequence
+    parallelism a rank holds seq_len / N tokens of each sample in every layer (attention too: after Ulysses'
+    all-to-all, all tokens of N-th of the heads); the loss, its share of the tokens."""
     local = seq_len // cand.sequence_parallel
     if stack.loss_fused:  # a fused linear cross-entropy (Liger's) computes ~tokens x h / V tokens at a time
         tokens = cand.micro_batch_size * local
@@ -208,29 +203,53 @@ def gpu_memory(
         cand.offload_activations,
         cand.tiled_mlp,
     )
-    largest = shape.largest_layer_params()
-    if cand.stage == 3:
-        # Gathered 16-bit parameters: the module in use and the prefetched ones (DeepSpeed releases a module after
-        # its use), at most max live; the reduce path's temporaries; the largest layer's gradient.
-        live = 2 * min(cand.max_live, shape.layer_params() + cand.prefetch_bucket, psi)
-        reduce = cand.reduce_bucket * (REDUCE_BYTES + (4 / g if cand.fp32_grad_accum else 0))
-        unexplained = 0.0
-        if loss_chunk_tokens is not None and not stack.loss_fused:  # this trainer's chunked loss under ZeRO-3
-            unexplained = ZERO3_CHUNKED_LOSS_UNEXPLAINED * shape.embedding_params()
-        if stack.engine == "fsdp":  # one flat 16-bit gradient per layer, reduce-scattered into its shard
-            reduce = 2.0 * cand.reduce_bucket
-        buffers = live + reduce + unexplained + 2.0 * largest
-        transient_grads = 0.0
-    else:
-        reduce = unexplained = 0.0
-        buffers = 4.5 * 2 * cand.reduce_bucket if cand.stage in (1, 2) else 2 * 2.5e7
-        # bf16 gradients exist from the backward until the step; stage 0/1 keep them whole, stage 2 in buckets.
-        transient_grads = (2.0 * psi if cand.stage in (0, 1) else 0.0) + zenflow_grads
-    static = sum(split.values()) - transient_grads
     if stack.loss_fused and stack.switches is not None:  # this trainer's fused loss (Liger's, fp32 accumulation)
         # computes its gradients in the forward and keeps them for the backward: lm_head's weight gradient in fp32
         # and the hidden states' gradient in bf16
         act["logits"] += 4.0 * shape.embedding_params() + 2.0 * cand.micro_batch_size * local * shape.hidden_size
+    return act
+
+
+def _engine_buffers(
+    shape: ModelShape, c: Cluster, cand: Candidate, stack: Stack, chunked_loss: bool, zenflow_grads: float
+) -> tuple[float, float, float, float]:
+    """(the engine's buffers, their reduce temporaries, the measured unexplained term, the gradients alive from
+    the backward to the step). ZeRO-3: the gathered 16-bit parameters (the module in use and the prefetched ones,
+    DeepSpeed releasing a module after its use, at most max live), the reduce path's temporaries, the largest
+    layer's gradient. ZeRO-0-2: their buckets, and the bf16 gradients (whole under ZeRO-0/1)."""
+    psi, g, largest = shape.num_params(), c.world, shape.largest_layer_params()
+    if cand.stage != 3:
+        buffers = 4.5 * 2 * cand.reduce_bucket if cand.stage in (1, 2) else 2 * 2.5e7
+        return buffers, 0.0, 0.0, (2.0 * psi if cand.stage in (0, 1) else 0.0) + zenflow_grads
+    live = 2 * min(cand.max_live, shape.layer_params() + cand.prefetch_bucket, psi)
+    reduce = cand.reduce_bucket * (REDUCE_BYTES + (4 / g if cand.fp32_grad_accum else 0))
+    unexplained = 0.0
+    if chunked_loss and not stack.loss_fused:  # this trainer's chunked loss under ZeRO-3
+        unexplained = ZERO3_CHUNKED_LOSS_UNEXPLAINED * shape.embedding_params()
+    if stack.engine == "fsdp":  # one flat 16-bit gradient per layer, reduce-scattered into its shard
+        reduce = 2.0 * cand.reduce_bucket
+    return live + reduce + unexplained + 2.0 * largest, reduce, unexplained, 0.0
+
+
+def gpu_memory(
+    shape: ModelShape,
+    seq_len: int,
+    c: Cluster,
+    cand: Candidate,
+    loss_chunk_tokens: int | None,
+    stack: Stack | None = None,
+) -> dict[str, float]:
+    """Per-GPU bytes. The peak is the larger of two moments: the start of the backward (every activation and the
+    loss's logits and their gradient alive) and its end (buckets full, ZeRO-0/1's whole bf16 gradients alive).
+    Model states and ZeRO-3's gathered layer and buffers are alive at both. What the card must hold (`reserved`)
+    adds the allocator's slack on the transients only: activations and logits at FRAGMENTATION, ZeRO-3's
+    bucket-sized buffers at BUFFER_FRAGMENTATION; model states are allocated once."""
+    stack = stack or Stack()
+    split, zenflow_grads = _model_states(cand, shape.num_params(), c.world)
+    act = _activations(shape, seq_len, cand, loss_chunk_tokens, stack)
+    chunked = loss_chunk_tokens is not None
+    buffers, reduce, unexplained, transient_grads = _engine_buffers(shape, c, cand, stack, chunked, zenflow_grads)
+    static = sum(split.values()) - transient_grads
     forward_act = act["layers"] + act["embeddings"] + act["logits"]  # the loss's backward starts with all of it
     zero3_buffers = buffers if cand.stage == 3 else 0.0  # ZeRO-3's live through the forward as well
     forward = forward_act + zero3_buffers
@@ -241,10 +260,11 @@ def gpu_memory(
     reduce_part = reduce if cand.stage == 3 and stack.engine == "deepspeed" else 0.0
     reserved_transients = (max(forward, backward) - reduce_part) * FRAGMENTATION + reduce_part * BUFFER_FRAGMENTATION
     reserved = static + reserved_transients + CUDA_CONTEXT
+    working = 2.0 * shape.largest_layer_params() if cand.stage == 3 else 0.0
     return {
         **split,
-        "working_layer": 2.0 * largest if cand.stage == 3 else 0.0,
-        "ds_buffers": buffers - (2.0 * largest if cand.stage == 3 else 0.0) - unexplained,
+        "working_layer": working,
+        "ds_buffers": buffers - working - unexplained,
         "measured_unexplained": unexplained,
         "activations": act["layers"] + act["embeddings"],
         "logits": act["logits"],
