@@ -243,6 +243,14 @@ def shard(sources: tuple[str, ...], inspect_dir: str | None, model_dir: str | No
     help="Relaunch after a failed launch (a rank killed, a node lost, a hung peer), each time from the "
     "latest complete checkpoint. Not after a mistake in the input or a stop on a non-finite loss (exit 2).",
 )
+@opt(
+    "--min-nodes",
+    type=click.IntRange(1),
+    default=None,
+    help="With --hostfile: when hosts stop answering ssh, go on with the hosts that do if there are at least this "
+    "many and the plan for them fits (same global batch, resumed through the universal checkpoint); a host that "
+    "answers again is taken back at the next launch. Without it a lost host stops the run, naming it.",
+)
 @click.option(
     "--skip-doctor",
     is_flag=True,

@@ -16,6 +16,7 @@ import click
 
 from pipeline.errors import PipelineError
 from pipeline.launch.command import PACKAGE, Where, core_binding_args
+from pipeline.launch.shrink import Survivors
 from pipeline.launch.supervise import run_with_restarts
 from pipeline.plan.hostfile import hostfile_hosts
 from pipeline.train.runtime.ops import use_project_cache
@@ -26,17 +27,31 @@ if TYPE_CHECKING:  # the heavy modules are imported where they are used: `pipeli
 
 
 def pretrain(
-    config_path: str, sets: list[str], where: Where, *, dry_run: bool, max_restarts: int, skip_doctor: bool
+    config_path: str,
+    sets: list[str],
+    where: Where,
+    *,
+    dry_run: bool,
+    max_restarts: int,
+    skip_doctor: bool,
+    min_nodes: int | None = None,
 ) -> int:
     """`pipeline pretrain`: the checks every rank will make, made here first; the quick local checks of `pipeline
-    doctor`; then `deepspeed ... pipeline/pretrain.py`, printed and run (again, with `max_restarts`). Returns its
-    exit code."""
+    doctor`; then `deepspeed ... pipeline/pretrain.py`, printed and run (again, with `max_restarts`; with
+    `min_nodes`, on the hosts of the hostfile that answer). Returns its exit code."""
     from pipeline.train.main import describe
     from pipeline.train.preflight import before_launch
     from pipeline.train.setup.config import load
     from pipeline.train.setup.prepare import prepare
 
     cfg = load(config_path, sets)
+    if min_nodes is not None and not where.hostfile:
+        raise PipelineError("--min-nodes N needs --hostfile: it says on how few of its hosts a run may go on")
+    if min_nodes is not None and where.hostfile and not 1 <= min_nodes <= len(hostfile_hosts(where.hostfile)):
+        raise PipelineError(
+            f"--min-nodes {min_nodes}: {where.hostfile} has {len(hostfile_hosts(where.hostfile))} host(s); give 1 "
+            "to that many"
+        )
     where.check_local_gpus()
     where = where.resolved()
     world, per_node = where.world_size()
@@ -57,7 +72,22 @@ def pretrain(
     use_project_cache()  # the ranks of this machine inherit it
     click.echo("+ " + " ".join(cmd), err=True)
     hosts = [h for h, _ in hostfile_hosts(where.hostfile)] if where.hostfile else None
-    return run_with_restarts(cmd, max_restarts, Path(cfg.run_dir), hosts)
+    survivors = None
+    if min_nodes is not None and where.hostfile:
+        survivors = Survivors(
+            cmd=cmd,
+            config=config_path,
+            sets=list(sets),
+            hostfile=where.hostfile,
+            min_nodes=min_nodes,
+            run_dir=Path(cfg.run_dir),
+            global_batch=prepared.plan.global_batch_size,
+            micro_batch=prepared.plan.micro_batch_size,
+            sequence_parallel=prepared.plan.sequence_parallel,
+            seq_len=prepared.plan.seq_len,
+            batch_in_tokens=cfg.batch.global_batch_tokens is not None,
+        )
+    return run_with_restarts(cmd, max_restarts, Path(cfg.run_dir), hosts, survivors)
 
 
 def _quick_doctor(cfg: PretrainConfig, master_port: int | None) -> list[str]:

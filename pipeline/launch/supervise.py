@@ -1,6 +1,7 @@
 """Supervising a launch: the launcher in a process tree of its own with signals forwarded to the training ranks
 (`Supervised`), its output kept in the run's log and shown without DeepSpeed's bookkeeping (`Console`), and
-relaunches after a failure a relaunch can fix (`run_with_restarts`), refused when a host of the hostfile is gone."""
+relaunches after a failure a relaunch can fix (`run_with_restarts`), refused when a host of the hostfile is gone
+unless --min-nodes lets the run go on without it (pipeline.launch.shrink)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import psutil
 
-from pipeline.errors import EXIT_STOPPED
+from pipeline.errors import EXIT_STOPPED, PipelineError
 from pipeline.launch.command import PACKAGE
+
+if TYPE_CHECKING:
+    from pipeline.launch.shrink import Survivors
 
 NOT_RELAUNCHED = (0, 2, 130, EXIT_STOPPED)
 """0 done; 2 a mistake in the input or a run stopped on purpose (non-finite loss, full disk): a relaunch would fail
@@ -35,16 +39,47 @@ def unreachable_hosts(hosts: list[str], timeout: float = 15.0) -> list[tuple[str
 
 
 def run_with_restarts(
-    cmd: list[str], max_restarts: int, run_dir: Path | None = None, hosts: list[str] | None = None
+    cmd: list[str],
+    max_restarts: int,
+    run_dir: Path | None = None,
+    hosts: list[str] | None = None,
+    survivors: Survivors | None = None,
 ) -> int:
     """Run the launcher; after a failure that a relaunch can fix, run it again (the run resumes from its latest
     complete checkpoint), up to `max_restarts` times. Before a relaunch every host of `hosts` (the hostfile's) is
     reached: DeepSpeed probes only the first, and a relaunch with a lost node waits in its first collective for
-    the whole timeout, every try; with one gone the run stops, naming it. A SIGTERM or SIGINT to this process stops
-    the run as one: every rank saves at the end of its step and exits (`Supervised`); the exit code is then 143 or
-    130."""
-    restarts = 0
+    the whole timeout, every try; with one gone the run stops, naming it, unless `survivors` (--min-nodes) says
+    how to go on without it: then the hosts are reached before every launch, and each runs on those that answer.
+    A SIGTERM or SIGINT to this process stops the run as one: every rank saves at the end of its step and exits
+    (`Supervised`); the exit code is then 143 or 130."""
+    restarts, code, started = 0, None, time.monotonic()
     while True:
+        lost = unreachable_hosts(hosts) if hosts and (code is not None or survivors is not None) else []
+        if code is not None and lost and survivors is None:
+            click.echo(
+                f"launch failed with exit code {code}, and {len(lost)} host(s) of the hostfile do not answer ssh: "
+                + "; ".join(f"{h} ({why})" for h, why in lost)
+                + ". Not relaunching: each try would wait its first collective's whole timeout for them. Bring "
+                "them back and run the same command, or give --min-nodes N to go on with the hosts that answer "
+                "(the run resumes on the smaller world through DeepSpeed's universal checkpoint)",
+                err=True,
+            )
+            return code
+        if code is not None:
+            restarts += 1
+            click.echo(
+                f"launch failed with exit code {code} after {time.monotonic() - started:.0f} s; restart "
+                f"{restarts} of {max_restarts}, from the latest complete checkpoint",
+                err=True,
+            )
+        if survivors is not None:
+            try:
+                cmd = survivors.command(lost)
+            except PipelineError as e:
+                if code is None:
+                    raise
+                click.echo(f"not relaunching: {e}", err=True)
+                return code
         started = time.monotonic()
         launch = Supervised(cmd, run_dir)
         code = launch.wait()
@@ -54,22 +89,6 @@ def run_with_restarts(
             if code not in NOT_RELAUNCHED and max_restarts:
                 click.echo(f"launch failed with exit code {code}; no restarts left ({max_restarts} used)", err=True)
             return code
-        if hosts and (lost := unreachable_hosts(hosts)):
-            click.echo(
-                f"launch failed with exit code {code}, and {len(lost)} host(s) of the hostfile do not answer ssh: "
-                + "; ".join(f"{h} ({why})" for h, why in lost)
-                + ". Not relaunching: each try would wait its first collective's whole timeout for them. Bring "
-                "them back and run the same command, or remove them from the hostfile (the run resumes on the "
-                "smaller world through DeepSpeed's universal checkpoint)",
-                err=True,
-            )
-            return code
-        restarts += 1
-        click.echo(
-            f"launch failed with exit code {code} after {time.monotonic() - started:.0f} s; restart "
-            f"{restarts} of {max_restarts}, from the latest complete checkpoint",
-            err=True,
-        )
 
 
 class Supervised:
