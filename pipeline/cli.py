@@ -495,23 +495,76 @@ def plan(**options: Any) -> None:
 @opt("--model", help="With a GPU, also its bf16 GEMM rate at this model's shapes (a preset or a HF folder).")
 @opt("--seq-len", default=4096, type=click.IntRange(1))
 @opt("--micro-batch-size", default=1, type=click.IntRange(1))
+@config_option(
+    required=False,
+    help="Also measure this pretrain config's own model at small depths on this node (--slice-layers), through "
+    "the trainer with its DeepSpeed JSON, micro-batch and sequence length, extrapolated to its full depth; "
+    "`pipeline plan --config` shows it beside the plan.",
+)
+@SETS
+@opt("--num-gpus", type=click.IntRange(1), help="Ranks for the slices [default: every GPU here, else 1 CPU rank].")
+@opt("--slice-layers", default="2,4", help="The depths of the slices, comma-separated (two or more).")
+@opt("--slice-steps", default=8, type=click.IntRange(4, 1000), help="Steps per slice (the later half is timed).")
+@opt(
+    "--slice-repeats",
+    default=1,
+    type=click.IntRange(1, 10),
+    help="Run each slice this many times, in turn, and keep its fastest (on a shared or noisy node).",
+)
 @click.option("--quick", is_flag=True, help="Small sizes, about a second: checks that it runs, not the node.")
 @AS_JSON
-def probe(as_json: bool, model: str | None, seq_len: int, micro_batch_size: int, **options: Any) -> None:
+def probe(
+    as_json: bool,
+    model: str | None,
+    seq_len: int,
+    micro_batch_size: int,
+    config: str | None,
+    sets: tuple[str, ...],
+    num_gpus: int | None,
+    slice_layers: str,
+    slice_steps: int,
+    slice_repeats: int,
+    **options: Any,
+) -> None:
     """Measure on this node what `pipeline plan` otherwise assumes: host memory bandwidth, DeepSpeed's CPU Adam
     rate on its cores and, with a GPU, pinned copy and bf16 GEMM rates. Run it on one node of the cluster (about a
-    minute); plans with the same --hostfile then use it and say which figures were measured."""
+    minute); plans with the same --hostfile then use it and say which figures were measured. With --config, also
+    the run's own model on this node's card(s) at 2 and 4 layers (a minute or two more), extrapolated to its depth."""
     from pipeline.plan import probe as probing
     from pipeline.train.runtime.ops import use_project_cache
 
     use_project_cache()  # CPU Adam loads from the project's op cache (`make ops` builds it)
+    slices = None
+    if config:
+        from pipeline.launch.command import Where
+        from pipeline.launch.slices import measure
+
+        try:
+            depths = tuple(int(x) for x in slice_layers.split(","))
+        except ValueError:
+            raise PipelineError(f"--slice-layers {slice_layers}: expected depths such as 2,4") from None
+        where = Where(num_gpus=num_gpus)
+        where.check_local_gpus()
+        ranks = where.resolved().world_size()[0]
+        say = (lambda _: None) if as_json else functools.partial(click.echo, err=True)
+        say(f"slices of {config} on this node ({ranks} rank(s)):")
+        slices = measure(
+            config, list(sets), num_gpus=ranks, layers=depths, steps=slice_steps, repeats=slice_repeats, say=say
+        )
+        if not model:
+            model = json.dumps(slices["key"]["shape"])
+            seq_len, micro_batch_size = slices["key"]["seq_len"], slices["key"]["micro_batch_size"]
     gemm_shape = None
     if model:
-        from pipeline.plan.search import planned_shape
+        if model.startswith("{"):
+            shape = json.loads(model)
+            gemm_shape = (shape["hidden_size"], shape["ffn_hidden_size"], seq_len * micro_batch_size)
+        else:
+            from pipeline.plan.search import planned_shape
 
-        shape, _ = planned_shape(model, None, 32000, seq_len)
-        gemm_shape = (shape.hidden_size, shape.ffn_hidden_size, seq_len * micro_batch_size)
-    doc, path = probing.run(gemm_shape=gemm_shape, **options)
+            planned, _ = planned_shape(model, None, 32000, seq_len)
+            gemm_shape = (planned.hidden_size, planned.ffn_hidden_size, seq_len * micro_batch_size)
+    doc, path = probing.run(gemm_shape=gemm_shape, slices=slices, **options)
     click.echo(json.dumps(doc, indent=2)) if as_json else probing.report(doc, path, click.echo)
 
 

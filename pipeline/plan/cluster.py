@@ -311,6 +311,12 @@ def cluster_from_flags(
     return cluster, source
 
 
+def probe_in_use(hostfile: str | None, flags: dict[str, str | None]) -> Path | None:
+    """The probe file a plan with these options reads (`cluster_from_flags`), if any."""
+    given = {k for k, v in flags.items() if v is not None}
+    return probe_path(hostfile, flags, node_facts(hostfile, flags, given)[0])
+
+
 def node_facts(
     hostfile: str | None, flags: dict[str, str | None], given: set[str]
 ) -> tuple[dict[str, str | None], str]:

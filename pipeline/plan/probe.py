@@ -134,14 +134,18 @@ def probe_node(quick: bool = False, gemm_shape: tuple[int, int, int] | None = No
 
 
 def run(
-    hostfile: str | None, out: str | None, gemm_shape: tuple[int, int, int] | None, quick: bool
+    hostfile: str | None,
+    out: str | None,
+    gemm_shape: tuple[int, int, int] | None,
+    quick: bool,
+    slices: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], Path]:
     """`pipeline probe`: this node measured and written where `pipeline plan` reads it; (the probe, its file).
-    `gemm_shape`: see probe_node."""
+    `gemm_shape`: see probe_node; `slices`: a config's model measured at small depths (pipeline.launch.slices)."""
     path = probe_file(hostfile, out)
     if not path.parent.is_dir():
         raise PipelineError(f"{path}: its folder does not exist; give --out in an existing folder")
-    doc = probe_node(quick, gemm_shape)
+    doc = probe_node(quick, gemm_shape) | ({"slices": slices} if slices else {})
     try:
         write_probe(doc, path)
     except OSError as e:
@@ -203,4 +207,24 @@ def report(doc: dict[str, Any], path: Path, say: Callable[[str], None]) -> None:
         say(f"  pinned copies          {h2d:8.1f} GB/s to the GPU, {d2h:.1f} back")
     for name, tflops in (doc.get("gemm") or {}).items():
         say(f"  bf16 GEMM {name.removesuffix('_tflops'):<13}{tflops:8.1f} TFLOP/s at the model's shapes")
+    if s := doc.get("slices"):
+        full = s["full"]
+        layers = " and ".join(str(m["layers"]) for m in s["slices"])
+        say(
+            f"  {Path(s['config']).name} at its {full['layers']} layers, from slices of {layers} on {s['ranks']} "
+            f"{s['device']} rank(s): micro-step {full['micro_step_s']:.3f} s, optimizer step "
+            f"{full['optimizer_s']:.3f} s, peak {full['peak_gib']:.2f} GiB per rank"
+        )
     say(f"wrote {path}: `pipeline plan` uses it for plans with this hostfile (or --probe {path})")
+
+
+def extrapolate(depths: list[int], values: list[float], to: int) -> float:
+    """A figure measured at model slices of `depths` layers, at `to` layers: the least-squares line through them
+    (per layer, plus the fixed part: embeddings, output layer, loss, engine buffers), as the bench read the 70B
+    slices (7.57 and 7.82 GiB at 2 and 4 layers: 17.3 at 80)."""
+    n = len(depths)
+    if n < 2 or len(set(depths)) < 2 or len(values) != n:
+        raise ValueError("extrapolate needs figures at two or more different depths")
+    mx, my = sum(depths) / n, sum(values) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(depths, values, strict=True)) / sum((x - mx) ** 2 for x in depths)
+    return my + slope * (to - mx)

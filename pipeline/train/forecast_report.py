@@ -10,12 +10,13 @@ from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.plan import command as plan_command
-from pipeline.plan.cluster import Cluster, cluster_from_flags
+from pipeline.plan.cluster import Cluster, cluster_from_flags, probe_in_use
 from pipeline.plan.command import Echo, PlanRequest, token_amounts
 from pipeline.plan.estimate import estimate, estimate_dict
 from pipeline.plan.report import describe_estimate, header
 from pipeline.plan.timing import Rates
 from pipeline.train.forecast import Forecast, RunMeasured, calibration, forecast_config, forecast_run, run_rates
+from pipeline.train.measured_slices import beside_plan
 
 
 def render_config(f: Forecast, token_budget: float | None = None) -> str:
@@ -109,9 +110,11 @@ def config_report(
     as_json: bool,
     rates: Rates | None = None,
     opt_in: frozenset[str] = frozenset(),
+    probe: Path | None = None,
 ) -> tuple[str, bool]:
     """`plan --config`: that run's plan beside what the search would choose, for people or as JSON; and whether
-    it fits. `rates`: measured by a run (`--from-run`)."""
+    it fits. `rates`: measured by a run (`--from-run`); `probe`: the node's probe file, whose slices of this
+    config's model (`pipeline probe --config`) are shown beside the plan."""
 
     fc = forecast_config(
         config_path,
@@ -124,14 +127,16 @@ def config_report(
         rates=rates,
         opt_in=opt_in,
     )
+    slice_lines, slices = beside_plan(config_path, sets, probe, cluster, mfu)
     if not as_json:
-        return render_config(fc, budget), fc.yours.fits
+        return "\n".join([render_config(fc, budget), *slice_lines]), fc.yours.fits
     doc = {
         "config": config_path,
         "seq_len": fc.seq_len,
         "fits": fc.yours.fits,
         "yours": estimate_dict(fc.yours),
         "search_best": estimate_dict(fc.search.best) if fc.search.best else None,
+        "measured_slices": slices,
     }
     return json.dumps(doc, indent=2), fc.yours.fits
 
@@ -208,6 +213,7 @@ def plan(req: PlanRequest, echo: Echo) -> int:
         as_json=req.as_json,
         rates=rates,
         opt_in=req.opt_in,
+        probe=probe_in_use(req.hostfile, req.flags),
     )
     echo(text)
     return 0 if fits else 3
