@@ -60,3 +60,45 @@ def test_zero3_with_offload_resumes_from_2_ranks_on_3(shards: Path, tmp_path: Pa
     assert (run_dir / "step00000005.universal" / ckpt.MARKER).exists()
     # The next launch on 3 ranks resumes from its own 3-rank checkpoints, with no conversion.
     assert ckpt.read_marker(run_dir, "step00000010")["world_size"] == 3
+
+
+def test_a_config_change_deepspeed_cannot_load_is_one_line_before_launch(
+    zero_runs: dict[int, Path], tmp_path: Path
+) -> None:
+    """Day thirty: the config changed between resumes. Another ZeRO stage (2 -> 3), precision or optimizer fails
+    deep in DeepSpeed's load (measured: an AssertionError, a missing optimizer file); `pipeline pretrain` says each
+    by name in one error before any rank starts. ZeRO 2 -> 1 and a new global batch resume, the batch with a note.
+    (The shared ZeRO-2 run is branched from, which only reads it.)"""
+    import subprocess
+    import sys
+
+    run_dir = zero_runs[2]
+
+    def dry_run(ds: str, *sets: str) -> subprocess.CompletedProcess:
+        cfg = launch.write_config(
+            tmp_path / "c.yaml", run_dir=tmp_path / "run", shards=Path(_shards(run_dir)), ds_config=ds
+        )
+        cmd = [sys.executable, "-m", "pipeline.cli", "pretrain", "--config", str(cfg), "--num-gpus", "2"]
+        cmd += ["--dry-run", "--skip-doctor", "--set", f"checkpoint.branch_from={run_dir}"]
+        cmd += [a for s in sets for a in ("--set", s)]
+        return subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=300, cwd=launch.ROOT)
+
+    out = dry_run("zero3.json", "train.precision=bf16", "optim.name=muon")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    error = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and f"cannot resume {run_dir}/step{STEPS:08d}" in error[0]
+    for said in (
+        "ZeRO stage 3 (train.deepspeed_config) vs the checkpoint's 1/2",
+        "train.precision bf16 vs the checkpoint's fp32",
+        "optim.name muon vs the checkpoint's adamw",
+    ):
+        assert said in error[0], error[0]
+    ok = dry_run("zero1.json", "batch.global_batch_size=16", f"train.max_steps={STEPS + 5}")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert f"note: the global batch changed from 8 to 16 sequences since step {STEPS}" in ok.stderr
+
+
+def _shards(run_dir: Path) -> str:
+    import yaml
+
+    return str(yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["path"])

@@ -72,3 +72,48 @@ def test_adamw8bit_is_refused_on_another_world_size_before_any_conversion() -> N
     problems = resume_problems(marker(), world_size=4, **same)  # type: ignore[arg-type]
     assert len(problems) == 1 and "adamw8bit" in problems[0] and "Resume on 2 ranks" in problems[0]
     assert "model.init_from" in problems[0]
+
+
+@pytest.mark.parametrize(
+    "saved, now, refused",
+    [(1, 2, False), (2, 1, False), (2, 3, True), (3, 2, True), (0, 2, True), (3, 3, False), (0, 0, False)],
+)
+def test_a_zero_stage_deepspeed_cannot_load_is_refused_by_name(saved: int, now: int, refused: bool) -> None:
+    """DeepSpeed saves ZeRO 1 and 2 alike (they load each other's), 0 and 3 each their own way: loading across
+    fails deep inside DeepSpeed (an AssertionError in its state-dict loader, measured: 2 -> 3)."""
+    same = dict(data_fingerprint="abc", model_shape=SHAPE, world_size=2)
+    problems = resume_problems(marker(zero_stage=saved), zero_stage=now, **same)  # type: ignore[arg-type]
+    assert bool(problems) == refused, problems
+    if refused:
+        assert problems[0].startswith(f"ZeRO stage {now} (train.deepspeed_config) vs the checkpoint's ")
+        assert "resume with the setting it was saved with" in problems[0]
+
+
+def test_a_checkpoint_from_before_the_marker_said_its_stage_is_read_from_its_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pipeline.train.checkpoint.files import saved_zero_layout
+
+    layouts = {
+        "zero-3": ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+        "zero-1/2": ["mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+        "zero-0": ["mp_rank_00_model_states.pt"],
+    }
+    for layout, names in layouts.items():
+        tag = tmp_path / layout.replace("/", "_")
+        tag.mkdir()
+        for n in names:
+            (tag / n).write_bytes(b"")
+        assert saved_zero_layout(tmp_path, tag.name, marker()) == layout
+        assert saved_zero_layout(tmp_path, tag.name, marker(zero_stage=2)) == "zero-1/2"  # the marker wins
+
+
+@pytest.mark.parametrize(
+    "field, saved, now",
+    [("precision", "bf16", "fp32"), ("precision", "fp32", "fp16"), ("optimizer", "adamw", "muon")],
+)
+def test_a_changed_precision_or_optimizer_is_refused_by_name(field: str, saved: str, now: str) -> None:
+    same = dict(data_fingerprint="abc", model_shape=SHAPE, world_size=2, zero_stage=2)
+    problems = resume_problems(marker(**{field: saved}), **same, **{field: now})  # type: ignore[arg-type]
+    name = {"precision": "train.precision", "optimizer": "optim.name"}[field]
+    assert len(problems) == 1 and problems[0].startswith(f"{name} {now} vs the checkpoint's {saved}: "), problems
+    # a checkpoint from before the field was recorded: not refused on it
+    assert resume_problems(marker(), **same, **{field: now}) == []  # type: ignore[arg-type]

@@ -182,6 +182,10 @@ class Checkpointer:
             "tokenizer_sha256": run.manifest["tokenizer"]["sha256"],
             "model_shape": run.shape.as_dict(),
             "world_size": run.dist.world_size,
+            "zero_stage": zero_stage(run.ds),
+            "precision": run.cfg.train.precision,
+            "optimizer": run.cfg.optim.name,
+            "global_batch_size": run.plan.global_batch_size,
             "max_steps": max_steps_for(run.cfg, run.plan),
             "schedule": Schedule.of(run.cfg).as_dict(),
         }

@@ -46,6 +46,14 @@ class Marker(TypedDict):
     """The run's length when it saved (the learning-rate schedule's); absent in checkpoints from before."""
     schedule: NotRequired[dict[str, Any]]
     """The learning-rate schedule's parameters (pipeline.train.setup.schedule.Schedule); absent before 2026-12-06."""
+    zero_stage: NotRequired[int]
+    """The DeepSpeed JSON's ZeRO stage (it decides the file layout); absent before 2026-12-06 (read from the files)."""
+    precision: NotRequired[str]
+    """train.precision (bf16 keeps its optimizer states in other files); absent before 2026-12-06."""
+    optimizer: NotRequired[str]
+    """optim.name; absent before 2026-12-06."""
+    global_batch_size: NotRequired[int]
+    """Sequences per optimizer step when it saved; absent before 2026-12-06."""
     files: NotRequired[dict[str, dict[str, Any]]]
     """Every file of the checkpoint, relative to its folder: {"size": bytes, "sha256": hex (checkpoint.verify),
     "host": the host of the rank that wrote it}."""
@@ -89,6 +97,22 @@ def read_marker(run_dir: str | Path, tag: str) -> Marker:
             "earlier checkpoint"
         )
     return marker  # type: ignore[no-any-return]
+
+
+def zero_layout(stage: int) -> str:
+    """The file layout DeepSpeed saves a ZeRO stage in: stages 1 and 2 share one (and load each other's)."""
+    return {0: "zero-0", 1: "zero-1/2", 2: "zero-1/2", 3: "zero-3"}[stage]
+
+
+def saved_zero_layout(run_dir: Path, tag: str, marker: Marker) -> str:
+    """The layout a checkpoint was saved in: its marker's `zero_stage`; for checkpoints from before it was recorded,
+    read from its file names (ZeRO-3 saves the model states per rank; 1 and 2 save optimizer shards; 0 neither)."""
+    if "zero_stage" in marker:
+        return zero_layout(int(marker["zero_stage"]))
+    names = [p.name for p in (Path(run_dir) / tag).glob("*.pt")]
+    if any(n.startswith("zero_pp_rank_") and n.endswith("_model_states.pt") for n in names):
+        return "zero-3"
+    return "zero-1/2" if any(n.endswith("_optim_states.pt") for n in names) else "zero-0"
 
 
 def marker_step(run_dir: Path, tag: str) -> int:

@@ -44,10 +44,34 @@ def resume_problems(
     nvme_optimizer: bool = False,
     optimizer: str = "adamw",
     seq_len: int | None = None,
+    precision: str | None = None,
+    saved_layout: str | None = None,
 ) -> list[str]:
     """Why this launch cannot continue the checkpoint described by `marker` (empty: it can), each naming the
-    field and both values."""
+    field and both values. `saved_layout`: the ZeRO file layout the checkpoint was saved in (ckpt.saved_zero_layout;
+    None: the marker's own `zero_stage`, when it records one)."""
     problems = []
+    # What DeepSpeed writes differently: its ZeRO layout (1 and 2 share one), the precision's optimizer files, the
+    # optimizer's states. A changed one fails deep in DeepSpeed's load (an AssertionError, a missing file); said here.
+    way_out = "resume with the setting it was saved with"
+    if saved_layout is None and "zero_stage" in marker:
+        saved_layout = ckpt.zero_layout(int(marker["zero_stage"]))
+    if saved_layout is not None and saved_layout != ckpt.zero_layout(zero_stage):
+        problems.append(
+            f"ZeRO stage {zero_stage} (train.deepspeed_config) vs the checkpoint's {saved_layout.replace('zero-', '')}"
+            f": DeepSpeed saves {saved_layout} and {ckpt.zero_layout(zero_stage)} in other files and loads neither "
+            f"into the other; {way_out}"
+        )
+    if precision is not None and marker.get("precision", precision) != precision:
+        problems.append(
+            f"train.precision {precision} vs the checkpoint's {marker['precision']}: DeepSpeed keeps each "
+            f"precision's optimizer states in other files; {way_out}"
+        )
+    if marker.get("optimizer", optimizer) != optimizer:
+        problems.append(
+            f"optim.name {optimizer} vs the checkpoint's {marker['optimizer']}: its optimizer states are another "
+            f"optimizer's; {way_out}"
+        )
     if nvme_optimizer:
         # Measured (tests/multiproc/test_pretrain.py): DeepSpeed 0.19.8 saves the NVMe swap files into the
         # checkpoint and copies them back on load, yet the resumed run trains on freshly initialised weights (its
@@ -130,7 +154,11 @@ def resumable(run_dir: Path, policy: str, verify: bool, branch_from: str | None 
 
 
 def continuation_problems(
-    prepared: Prepared, world: int, marker: ckpt.Marker, data_fingerprint: str | None = None
+    prepared: Prepared,
+    world: int,
+    marker: ckpt.Marker,
+    data_fingerprint: str | None = None,
+    saved_layout: str | None = None,
 ) -> list[str]:
     """Why this config cannot continue `marker`'s checkpoint (`resume_problems`); the data's fingerprint is that
     of the shards the checkpoint's last update trained on under this config's data stages, unless given."""
@@ -145,6 +173,8 @@ def continuation_problems(
         nvme_optimizer=offload_devices(prepared.ds).optimizer == "nvme",
         optimizer=prepared.cfg.optim.name,
         seq_len=prepared.plan.seq_len,
+        precision=prepared.cfg.train.precision,
+        saved_layout=saved_layout,
     )
 
 
@@ -159,14 +189,27 @@ def continue_from(
     """The decision to continue checkpoint `tag`, the same before launch and on rank 0 at start: the refusal (one
     PipelineError naming every reason) when this config cannot continue it, else a note when the run's length
     changed (None when nothing changed)."""
-    if cannot := continuation_problems(prepared, world, marker, data_fingerprint):
+    layout = ckpt.saved_zero_layout(folder or prepared.run_dir, tag, marker)
+    if cannot := continuation_problems(prepared, world, marker, data_fingerprint, layout):
         raise PipelineError(
             f"cannot resume {folder or prepared.run_dir}/{tag}: "
             + "; ".join(cannot)
             + ". Use a new run_dir to start fresh "
             "(to carry these weights onto new data or another shape: pipeline export, then model.init_from)"
         )
-    return schedule_note(prepared, marker)
+    notes = [n for n in (batch_note(prepared, marker), schedule_note(prepared, marker)) if n]
+    return "\n".join(notes) or None
+
+
+def batch_note(prepared: Prepared, marker: ckpt.Marker) -> str | None:
+    """What a resume changes in the batch (None: nothing, or a checkpoint from before it was recorded)."""
+    before, now = marker.get("global_batch_size"), prepared.plan.global_batch_size
+    if before is None or before == now:
+        return None
+    return (
+        f"note: the global batch changed from {before} to {now} sequences since step {marker['step']}: the steps "
+        "from here each train on the new number (the data continues where the checkpoint stopped)"
+    )
 
 
 def schedule_note(prepared: Prepared, marker: ckpt.Marker) -> str | None:
