@@ -17,6 +17,8 @@
                         planner's 70B choice, beside 70b_4layers at micro 2
      7b_2layers_bf16states, 7b_2layers_zenflow   the opt-in features on the 7B slice (bf16 master weights and
                         optimizer states; ZenFlow on ZeRO-2), each beside 7b_2layers_offload and the planner
+     1b_slices          `pipeline probe --config` on 1b_default's config: 2 and 4 layers extrapolated to 22,
+                        beside 1b_default measured whole (the ratio)
 
 Each result lands in OUT/results.json as its case ends, with the planner's prediction beside it, and each case's
 whole log in OUT/logs/. MFU is given by the PaLM count the trainer logs (6N + 12*L*h*s FLOPs per token, as TinyLlama
@@ -60,7 +62,7 @@ PROBE = "host.probe.json"  # the warm-up's `pipeline probe` of the lent machine,
 @dataclass
 class Case:
     name: str
-    kind: str  # pipeline | plain
+    kind: str  # pipeline | plain | stage4 | slices
     preset: str
     seq_len: int
     micro_batch_size: int
@@ -211,6 +213,9 @@ def cases(smoke: bool) -> list[Case]:
         # FP8 matmuls beside 1b_default (compiled bf16): tokens/s and the first steps' losses; an H100/H200 is an
         # upper reference for a 4090's FP8, not its measurement
         Case("1b_fp8", "pipeline", "1b", 2048, 8, 14, fp8=True, timeout_s=100, note="fp8 beside 1b_default", **default),
+        # `pipeline probe --config` on 1b_default's config: slices of 2 and 4 layers extrapolated to 22, beside
+        # what 1b_default measured whole (the same one micro-step per step): does the slope predict the model?
+        Case("1b_slices", "slices", "1b", 2048, 8, 10, timeout_s=120, note="slices beside 1b_default", **default),
     ]
     if not smoke:
         return full
@@ -457,10 +462,8 @@ def run_group(cmd: list[str], env: dict[str, str], timeout: float, log: Path) ->
     return code, time.perf_counter() - t0
 
 
-def run_pipeline(
-    case: Case, shards: Path, work: Path, logs: Path, smoke: bool, timeout: float, save: bool = False
-) -> dict[str, Any]:
-    """The case through pipeline/pretrain.py and the real launcher; `save`: a checkpoint at the end (stage 4)."""
+def pipeline_config(case: Case, shards: Path, work: Path, smoke: bool, save: bool = False) -> Path:
+    """The case's pretrain config (its run folder under `work`), written to WORK/CASE.yaml."""
     run_dir = work / case.name
     config = {
         "run_dir": str(run_dir),
@@ -486,6 +489,15 @@ def run_pipeline(
     }
     cfg_path = work / f"{case.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
+    return cfg_path
+
+
+def run_pipeline(
+    case: Case, shards: Path, work: Path, logs: Path, smoke: bool, timeout: float, save: bool = False
+) -> dict[str, Any]:
+    """The case through pipeline/pretrain.py and the real launcher; `save`: a checkpoint at the end (stage 4)."""
+    run_dir = work / case.name
+    cfg_path = pipeline_config(case, shards, work, smoke, save)
     from pipeline.launch.command import node_launcher_command  # one rank, without the front end's start: 3 s a case
 
     cmd = node_launcher_command(
@@ -510,6 +522,40 @@ def run_pipeline(
         "speed": json.loads(environment.read_text()).get("speed") if environment.exists() else None,
         "wall_s": wall,
     }
+
+
+def run_slices(case: Case, shards: Path, work: Path, logs: Path, smoke: bool, timeout: float) -> dict[str, Any]:
+    """`pipeline probe --config` on the case's config, one GPU: its model at 2 and 4 layers through the trainer,
+    extrapolated to the full depth (pipeline.launch.slices), as a user runs it before a launch."""
+    cfg_path = pipeline_config(case, shards, work, smoke)
+    probe = work / f"{case.name}.probe.json"
+    cmd = [sys.executable, "-m", "pipeline.cli", "probe", "--config", str(cfg_path), "--quick", "--num-gpus", "1"]
+    cmd += ["--slice-steps", str(case.steps), "--out", str(probe)]
+    log = logs / f"{case.name}.log"
+    code, wall = run_group(cmd, child_env(smoke), timeout, log)
+    if code != 0 or not probe.exists():
+        return {"error": failure(code, timeout, log)}
+    s = json.loads(probe.read_text())["slices"]
+    full = s["full"]
+    step = full["micro_step_s"] + full["optimizer_s"]
+    return {
+        "tokens_per_s": case.micro_batch_size * case.seq_len / step,
+        "step_time_s": step,
+        "peak_allocated_gib": full["peak_gib"] if not smoke else None,
+        "extrapolated_to_layers": full["layers"],
+        "slices": s["slices"],
+        "wall_s": wall,
+    }
+
+
+def beside_whole(result: dict[str, Any], whole: dict[str, Any] | None) -> dict[str, Any]:
+    """A slices case against the same model measured whole in this run (1b_default): the ratios."""
+    if not whole or "step_time_s" not in whole or "step_time_s" not in result:
+        return {}
+    ratio = {"case": whole["name"], "step_time": result["step_time_s"] / whole["step_time_s"]}
+    if result.get("peak_allocated_gib") and whole.get("peak_allocated_gib"):
+        ratio["peak_allocated"] = result["peak_allocated_gib"] / whole["peak_allocated_gib"]
+    return {"extrapolated_over_whole": ratio}
 
 
 def plain_child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -728,7 +774,7 @@ def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path, host: Ho
     from pipeline.plan.gpus import capped
     from pipeline.train.setup.optimizers import OPTIMIZERS
 
-    if case.kind != "pipeline":
+    if case.kind not in ("pipeline", "slices"):  # slices: planned as the whole model they extrapolate to
         return {}
     host = host or Host.here()
     ds = json.loads(ds_json(case, work).read_text())
@@ -918,9 +964,11 @@ def main() -> None:
         selected = [c for c in cases(args.smoke) if not args.only or c.name in args.only]
         by_name: dict[str, dict[str, Any]] = {}
         ran_on_cpu: dict[tuple[Any, ...], str] = {}
+        twin_of: dict[str, str] = {}
         for i, case in enumerate(selected):
             if args.smoke and case.kind == "pipeline":  # on the CPU the GPU switches fall back: one run per path
                 twin = ran_on_cpu.setdefault(cpu_path(case), case.name)
+                twin_of[case.name] = twin
                 if twin != case.name:
                     doc["cases"].append({"name": case.name, "same_cpu_path_as": twin})
                     save()  # a twin may be the last case: results.json must hold it too
@@ -936,6 +984,10 @@ def main() -> None:
                 result = run_plain(case, shards, work, logs, vocab, args.smoke, timeout)
             elif case.kind == "stage4":
                 result = run_stage4(case, work, logs, args.smoke, timeout)
+            elif case.kind == "slices":
+                result = run_slices(case, shards, work, logs, args.smoke, timeout)
+                whole = by_name.get("1b_default") or by_name.get(twin_of.get("1b_default", ""))
+                result |= beside_whole(result, whole)
             else:
                 result = run_pipeline(case, shards, work, logs, args.smoke, timeout)
             result = {

@@ -46,6 +46,7 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
         "7b_2layers_64k_tiled_actoffload",
         "1b_muon",
         "1b_fp8",
+        "1b_slices",
     ]
     ran = {c["name"]: c for c in doc["cases"] if "same_cpu_path_as" not in c}
     twins = {c["name"]: c["same_cpu_path_as"] for c in doc["cases"] if "same_cpu_path_as" in c}
@@ -75,6 +76,12 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
     assert stage4["eval_loss"] > 0 and stage4["reload"].startswith("LlamaForCausalLM ")
     for step in ("evaluate", "export", "reload"):
         assert (tmp_path / "logs" / f"1b_stage4_{step}.log").exists()
+    # `pipeline probe --config` on the default's config: its slices, extrapolated, beside the model measured whole
+    slices = ran["1b_slices"]
+    assert [m["layers"] for m in slices["slices"]] == [2, 4] and slices["extrapolated_to_layers"] == 2
+    assert (
+        slices["extrapolated_over_whole"]["case"] == "1b_zero2" and slices["extrapolated_over_whole"]["step_time"] > 0
+    )
     assert "| 1b_zero2 |" in (tmp_path / "results.md").read_text()
     assert not list(tmp_path.glob("**/step0*")), "the benchmark leaves no checkpoint behind"
 
