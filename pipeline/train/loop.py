@@ -25,6 +25,7 @@ from pipeline.train import faults
 from pipeline.train.checkpoint.checkpointer import Checkpointer
 from pipeline.train.engine import activation_offload, build_engine, choose_speed
 from pipeline.train.parts.guards import NonFinite, Watchdog
+from pipeline.train.parts.memory_peak import PeakRecorder
 from pipeline.train.parts.metrics import MetricsSink, StepLogger
 from pipeline.train.parts.tracking import Trackers
 from pipeline.train.parts.validate import Validator
@@ -150,6 +151,7 @@ class Trainer:
             self.lock.acquire()  # one live training per run folder, until rank 0's process ends
 
         on_rank0(own_the_run_folder)
+        self.memory = PeakRecorder(run.dist.rank, run.dist.device.type)  # the bench's PIPELINE_MEMORY_SNAPSHOT
         try:
             self._start()
         except BaseException:
@@ -255,6 +257,7 @@ class Trainer:
             self.watchdog.beat()
             nonfinite.check(loss, int(engine.skipped_steps), state, run.run_dir)
             logger.maybe_log(state, loss=loss, lr=lr, timings=timings)
+            self.memory.after(state.step)
             validator.maybe_run(engine, state)
             self.checkpointer.maybe_save(state, stopping=stopping)
             if run.dist.rank == 0 and faults.armed("KILL_AT_STEP", state.step):

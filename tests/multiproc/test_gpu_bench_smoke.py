@@ -38,6 +38,7 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
         "1b_default_zero1",
         "70b_2layers",
         "70b_4layers",
+        "70b_2layers_memory",
         "70b_4layers_actoffload",
         "7b_2layers_bf16states",
         "7b_2layers_zenflow",
@@ -60,6 +61,7 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
         # sizes change what the GPU measures, not the code: the 70B slices run the 7B slice's offload path
         "70b_2layers": "7b_2layers_offload",
         "70b_4layers": "7b_2layers_offload",
+        "70b_2layers_memory": "7b_2layers_offload",  # the allocator's history is recorded on a CUDA device only
         "7b_2layers_32k": "7b_2layers_offload",  # a smoke case's sequence is 128 tokens
         "7b_2layers_64k_tiled_actoffload": "7b_2layers_32k_tiled_actoffload",
     }
