@@ -162,13 +162,18 @@ def export(
     `average` (last:N or tags), the mean of those checkpoints' weights, streamed one tensor at a time."""
     check_export_target(Path(output))
     r = open_run(checkpoint, average)
-    data = Path(r.config["data"]["path"])
+    data = r.path(r.config["data"]["path"])
     tok_path: Path | None = None
     tok_ids = model_token_ids(None)
     if (data / "manifest.json").exists():
         dataset = ShardedDataset(data, "train")
         tok_path = dataset.tokenizer_path
         tok_ids = model_token_ids(dataset.manifest["tokenizer"])
+    else:
+        raise PipelineError(
+            f"{data}: the run's shards are not there (moved?), and the tokenizer and its special tokens are read "
+            "from their manifest: put them back, or run the export from the folder the run was launched from"
+        )
     return write_hf_model(
         ((name, materialize(value)) for name, value in r.weights().items()),
         r.shape,

@@ -62,6 +62,21 @@ class Run:
         """How results and messages name the model: TAG, or TAG-avgN for a mean of N checkpoints up to TAG."""
         return f"{self.tag}-avg{len(self.averaged)}" if self.averaged else self.tag
 
+    def path(self, value: str) -> Path:
+        """A file or folder the run's config names (data.path, ...): absolute in runs since 2026-12-06; a relative one
+        of an older run is read from where it was launched (its config's relative run_dir says where that was), not
+        from wherever this command runs."""
+        p = Path(value)
+        if p.is_absolute() or p.exists():
+            return p
+        given = Path(str(self.config.get("run_dir", "")))
+        actual = self.run_dir.resolve().parts
+        if given.parts and not given.is_absolute() and actual[-len(given.parts) :] == given.parts:
+            launched = Path(*actual[: -len(given.parts)])
+            if (launched / p).exists():
+                return launched / p
+        return p
+
     def weights(self) -> dict[str, Any]:
         """The full-precision weights by name, each read when `materialize`d: the checkpoint's, or the mean of the
         averaged ones."""
@@ -138,7 +153,7 @@ def _check_arguments(cfg: EvalConfig) -> list[str]:
 
 
 def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
-    path = Path(data or run.config["data"]["path"])
+    path = Path(data) if data else run.path(run.config["data"]["path"])
     if not (path / "manifest.json").exists():
         raise PipelineError(f"{path}: no shards there (the run's data folder moved?); pass --data DIR")
     theirs = read_shard_manifest(path)

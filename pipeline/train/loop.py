@@ -13,6 +13,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from pipeline.train.runtime.dist import (
     share_cpu_cores,
 )
 from pipeline.train.runtime.ds_workarounds import sequence_parallel_loss_factor
-from pipeline.train.setup.config import dump
+from pipeline.train.setup.config import dump_for_the_run
 from pipeline.train.setup.optimizers import OPTIMIZERS
 from pipeline.train.setup.prepare import Prepared, Run
 from pipeline.train.setup.runlock import LOCK_NAME, RunLock
@@ -201,7 +202,7 @@ class Trainer:
         ranks: list[Any] = [None] * run.dist.world_size
         tdist.all_gather_object(ranks, rank_facts(run.dist))
         if rank == 0:
-            write_text(run.run_dir / "config.yaml", dump(cfg))
+            write_text(run.run_dir / "config.yaml", dump_for_the_run(cfg, Path.cwd()))
             write_json(run.run_dir / "ds_config.json", run.ds)
             env = environment(run.dist.world_size, run.dist.device)
             env["optimizer"] = type(self.engine.optimizer).__name__  # which of DeepSpeed's it chose

@@ -218,3 +218,23 @@ def test_error_cases(zero_runs: dict[int, Path], tmp_path: Path, tokenized: Path
     assert "evaluate another split (train" in r.output
     after = sorted((zero_runs[2] / "eval").glob("*")) if (zero_runs[2] / "eval").exists() else []
     assert after == before
+
+
+def test_an_export_whose_shards_moved_is_refused_instead_of_losing_its_tokenizer(
+    zero_runs: dict[int, Path], tmp_path: Path
+) -> None:
+    """The tokenizer and its special tokens come from the shards' manifest: with the shards gone the export used to
+    write the weights alone and still say `AutoTokenizer.from_pretrained` would load them."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(zero_runs[1], run_dir, ignore=shutil.ignore_patterns("*.universal", "tb"))
+    cfg = run_dir / "config.yaml"
+    cfg.write_text(cfg.read_text().replace(str(_data_path(zero_runs[1])), str(tmp_path / "moved")))
+    r = CliRunner().invoke(main, ["export", "--checkpoint", str(run_dir), "--output", str(tmp_path / "hf")])
+    assert r.exit_code == 2 and f"{tmp_path / 'moved'}: the run's shards are not there (moved?)" in r.output
+    assert not (tmp_path / "hf").exists()
+
+
+def _data_path(run_dir: Path) -> str:
+    import yaml
+
+    return str(yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["path"])

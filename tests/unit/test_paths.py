@@ -55,3 +55,41 @@ def test_a_tilde_is_the_users_home_in_arguments_and_in_the_config(
     assert cfg.run_dir == str(home / "runs/x") and cfg.data.path == str(home / "shards")
     assert cfg.data.stages == {5: str(home / "later")} and cfg.model.init_from == str(home / "models/m")
     assert cfg.checkpoint.branch_from == str(home / "runs/y") and cfg.train.deepspeed_config == str(home / "ds.json")
+
+
+def test_the_run_keeps_its_paths_as_they_were_meant_where_it_was_launched(tmp_path: Path) -> None:
+    """RUN_DIR/config.yaml holds data.path, the stages, the DeepSpeed JSON and init_from absolute, resolved against
+    the launch folder: `evaluate` and `export` run from anywhere read the run's own shards and tokenizer."""
+    import yaml
+
+    from pipeline.train.setup.config import dump_for_the_run
+
+    raw = {
+        "run_dir": "runs/r",
+        "data": {"path": "data/shards", "stages": {10: "data/curated", 20: "/abs/stage"}},
+        "batch": {"micro_batch_size": 1, "global_batch_size": 1},
+        "train": {"max_steps": 30, "deepspeed_config": "auto"},
+    }
+    saved = yaml.safe_load(dump_for_the_run(from_dict(raw), tmp_path))
+    assert saved["data"]["path"] == str(tmp_path / "data" / "shards")
+    assert saved["data"]["stages"] == {10: str(tmp_path / "data" / "curated"), 20: "/abs/stage"}
+    assert saved["train"]["deepspeed_config"] == "auto" and saved["model"]["init_from"] is None
+    assert saved["run_dir"] == "runs/r"  # the folder the commands are given, as given
+
+
+def test_an_older_runs_relative_data_path_is_read_from_where_it_was_launched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.evaluate.inputs import Run
+    from pipeline.model import ModelShape
+
+    (tmp_path / "proj" / "data" / "shards").mkdir(parents=True)
+    (tmp_path / "proj" / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    shape = ModelShape(hidden_size=8, num_layers=1, ffn_hidden_size=8, num_heads=1, num_kv_heads=1)
+    config = {"run_dir": "runs/r", "data": {"path": "data/shards"}}
+    run = Run(tmp_path / "proj" / "runs" / "r", "step00000001", config, {}, shape)  # type: ignore[arg-type]
+    assert run.path("data/shards") == tmp_path / "proj" / "data" / "shards"
+    assert run.path("data/missing") == Path("data/missing")  # not there either: said by the caller
+    assert run.path(str(tmp_path)) == tmp_path

@@ -464,3 +464,23 @@ def load(path: str | Path, sets: list[str] | None = None) -> PretrainConfig:
 
 def dump(cfg: PretrainConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def dump_for_the_run(cfg: PretrainConfig, launched_from: Path) -> str:
+    """The config as RUN_DIR/config.yaml keeps it: its file and folder fields (PATH_FIELDS) absolute, resolved
+    against the folder the run was launched from. `evaluate`, `export`, `harness` and `plan --from-run` read it from
+    wherever they are run; a relative data.path there would name another folder, or none (and an export without
+    its tokenizer)."""
+    raw = cfg.to_dict()
+
+    def absolute(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: absolute(v) for k, v in value.items()}
+        if not isinstance(value, str) or value == "auto" or os.path.isabs(value):
+            return value
+        return str((launched_from / value).resolve())
+
+    for section, key in PATH_FIELDS:
+        if raw.get(section, {}).get(key) is not None:
+            raw[section][key] = absolute(raw[section][key])
+    return yaml.safe_dump(raw, sort_keys=False)
