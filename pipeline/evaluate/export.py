@@ -136,6 +136,7 @@ def _write_config(shape: ModelShape, ids: dict[str, Any], dtype: str, work: Path
     cfg.architectures = [causal_lm_class(cfg).__name__]
     cfg.use_cache = True
     cfg.save_pretrained(work)
+    with_legacy_keys(work / "config.json")
     source = Path(str((shape.hf_config or {}).get("_name_or_path", "")), "generation_config.json")
     if shape.hf_config and source.is_file():
         shutil.copyfile(source, work / "generation_config.json")
@@ -145,6 +146,23 @@ def _write_config(shape: ModelShape, ids: dict[str, Any], dtype: str, work: Path
         GenerationConfig(
             bos_token_id=ids["bos_id"], eos_token_id=ids["eos_id"], pad_token_id=ids.get("pad_id"), do_sample=False
         ).save_pretrained(work)
+
+
+def with_legacy_keys(path: Path) -> None:
+    """config.json also in the keys transformers 4 reads: `torch_dtype`, `rope_theta` and, for a scaled RoPE,
+    `rope_scaling`. transformers 5 writes only `dtype` and `rope_parameters`; a reader on transformers 4 (vLLM and
+    most serving stacks of 2025, llama.cpp's converter) takes a missing rope_theta as 10000 and no scaling,
+    silently: a Llama 3 (500000) or a YaRN-extended model then generates garbage. transformers 5 reads
+    rope_parameters first, so both agree (tests/unit/test_export_layout.py)."""
+    doc = json.loads(path.read_text())
+    rope = doc.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        doc.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            doc.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    if "dtype" in doc:
+        doc.setdefault("torch_dtype", doc["dtype"])
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
 def _flush(shard: dict[str, torch.Tensor], work: Path, k: int, save_file: Any, weight_map: dict[str, str]) -> str:
