@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,14 +52,16 @@ class Survivors:
     hosts: list[tuple[str, int]] = field(init=False)
     current: list[str] = field(init=False)
     _whole_fits: tuple[bool, str] | None = field(default=None, init=False)
+    _say: Callable[[str], None] = field(default=print, init=False)
 
     def __post_init__(self) -> None:
         self.hosts = hostfile_hosts(self.hostfile)
         self.current = [h for h, _ in self.hosts]
 
-    def command(self, lost: list[tuple[str, str]]) -> list[str]:
+    def command(self, lost: list[tuple[str, str]], say: Callable[[str], None] | None = None) -> list[str]:
         """The launch on every host that answers (`lost`: (host, why) of those that do not); raises PipelineError
-        with the reason when the run must stop instead."""
+        with the reason when the run must stop instead. What changed is said through `say` (default: stderr)."""
+        self._say = say or (lambda line: click.echo(line, err=True))
         gone = dict(lost)
         answering = [(h, n) for h, n in self.hosts if h not in gone]
         names = [h for h, _ in answering]
@@ -73,14 +76,13 @@ class Survivors:
         cmd = self._cmd_for(answering)
         world = sum(n for _, n in answering)
         if lost:
-            click.echo(
+            self._say(
                 f"{len(lost)} host(s) of {self.hostfile} do not answer ssh: {said}. Continuing on the "
                 f"{len(answering)} that do ({', '.join(names)}; {world} ranks{self._said_batch(world)}), from the "
-                "latest complete checkpoint",
-                err=True,
+                "latest complete checkpoint"
             )
         else:
-            click.echo(f"every host of {self.hostfile} answers again: launching on all {len(names)}", err=True)
+            self._say(f"every host of {self.hostfile} answers again: launching on all {len(names)}")
         self._record(names, lost, world)
         self.current = names
         return cmd
@@ -159,7 +161,7 @@ class Survivors:
             c = cfg.checkpoint
             if found := resumable(self.run_dir, c.resume, c.verify, c.branch_from):
                 if note := continue_from(prepared, world, found.tag, found.marker, folder=found.folder):
-                    click.echo(note, err=True)
+                    self._say(note)
         except PipelineError as e:
             raise PipelineError(f"not continuing on the hosts that answer: {e}") from None
         fits, why = _plan_fits(self.config, sets, hostfile)
@@ -173,10 +175,9 @@ class Survivors:
                 f"hostfile's does: not continuing on them. Bring the lost hosts back and run the same command "
                 f"(`pipeline plan --config {self.config} --hostfile {hostfile}` shows the plan)"
             )
-        click.echo(
+        self._say(
             f"note: the planner does not fit this run on the whole hostfile either ({self._whole_fits[1]}), so it "
-            "cannot judge the hosts that answer; launching on them as the whole run was launched",
-            err=True,
+            "cannot judge the hosts that answer; launching on them as the whole run was launched"
         )
 
     def _record(self, names: list[str], lost: list[tuple[str, str]], world: int) -> None:

@@ -65,6 +65,15 @@ def run_with_restarts(
                 err=True,
             )
             return code
+        said: list[str] = []  # what the hosts that answer change, said after the restart's own line
+        if survivors is not None:
+            try:
+                cmd = survivors.command(lost, said.append)
+            except PipelineError as e:
+                if code is None:
+                    raise
+                click.echo(f"launch failed with exit code {code}; not relaunching: {e}", err=True)
+                return code
         if code is not None:
             restarts += 1
             click.echo(
@@ -72,14 +81,8 @@ def run_with_restarts(
                 f"{restarts} of {max_restarts}, from the latest complete checkpoint",
                 err=True,
             )
-        if survivors is not None:
-            try:
-                cmd = survivors.command(lost)
-            except PipelineError as e:
-                if code is None:
-                    raise
-                click.echo(f"not relaunching: {e}", err=True)
-                return code
+        for line in said:
+            click.echo(line, err=True)
         started = time.monotonic()
         launch = Supervised(cmd, run_dir)
         code = launch.wait()
