@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, os_error_in
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -38,7 +38,12 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             click.echo(f"error: {line}", err=True)
             sys.exit(2)
-        except Exception:
+        except Exception as e:
+            # a library's own error around the system's (safetensors' Rust writer, torch's zip writer): said as the
+            # system's when it is one the user fixes (a full or read-only disk)
+            if (wrapped := os_error_in(e)) is not None and (line := os_error_line(wrapped)) is not None:
+                click.echo(f"error: {line}", err=True)
+                sys.exit(2)
             import traceback
 
             traceback.print_exc()

@@ -29,7 +29,7 @@ from typing import Any
 from pipeline.atomic import replacing_dir, write_json
 from pipeline.data.curate_stages import SCRATCH, Emptied, found_probability, lsh_shape, quiet_datatrove, stages
 from pipeline.data.readers import resolve_inputs
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, writing_into
 
 log = logging.getLogger(__name__)
 NEEDED = "pip install -e '.[curate]' (datatrove[processing] and spacy)"
@@ -123,7 +123,7 @@ def curate(inputs: list[str], output: str, opts: CurateOptions, echo: Any = prin
         raise PipelineError(f"--output {out}: a folder that is not a curate output; name an empty or new folder")
     report = Report([str(s.path) for s in sources], asdict(opts) | {"decontaminate": list(opts.decontaminate)})
     quiet_datatrove()
-    with replacing_dir(out) as work:  # written whole, replacing a previous output whole; nothing left on an error
+    with writing_into(out), replacing_dir(out) as work:  # written whole, replacing a previous output; none on error
         try:
             for name, run in stages(sources, evals, work, opts):
                 t0 = time.perf_counter()

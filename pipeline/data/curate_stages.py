@@ -4,6 +4,7 @@ wrote; the LSH shape the threshold asks for; datatrove's logging kept off the te
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 from collections.abc import Iterator
@@ -37,13 +38,15 @@ def quiet_datatrove() -> None:
     from datatrove.utils import logging as dt_logging
 
     def terminal() -> None:
+        # an error datatrove logs with its exception is raised on to us, and said once as our one line (a full
+        # disk, a bad file): its record and traceback stay in the task's log file, not on the terminal
         dt_logging.logger.remove()
-        dt_logging.logger.add(sys.stderr, level="WARNING")
+        dt_logging.logger.add(sys.stderr, level="WARNING", filter=lambda record: record["exception"] is None)
 
     def task_logger(logging_dir: Any, rank: int, local_rank: int = 0, node_rank: int = -1) -> Any:
         terminal()
         logfile = logging_dir.open(f"logs/task_{rank:05d}.log", "w")
-        dt_logging.logger.add(logfile, level="DEBUG")
+        dt_logging.logger.add(_unfailing(logfile), level="DEBUG", catch=False)
         return logfile
 
     def close_task_logger(logfile: Any) -> None:
@@ -62,8 +65,18 @@ def quiet_datatrove() -> None:
 
     for module in (exact_dedup, minhash, readers_base):  # their bars, each a few lines of every stage's stderr
         module.tqdm = functools.partial(tqdm.tqdm, disable=True)  # type: ignore[attr-defined]
-    dt_logging.logger.remove()
-    dt_logging.logger.add(sys.stderr, level="WARNING")
+    terminal()
+
+
+def _unfailing(logfile: Any) -> Any:
+    """A task log's sink that cannot fail: on a full disk the task's own write fails and is said as our one line;
+    its log failing too would print loguru's handler error and a traceback first."""
+
+    def write(message: str) -> None:
+        with contextlib.suppress(OSError):
+            logfile.write(message)
+
+    return write
 
 
 def stages(sources: list[Any], evals: list[Any], work: Path, opts: CurateOptions) -> Iterator[Any]:

@@ -17,7 +17,7 @@ import torch
 from pipeline.atomic import file_in_the_way, replacing_dir
 from pipeline.data.loader import ShardedDataset
 from pipeline.data.manifest import model_token_ids
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, writing_into
 from pipeline.evaluate.inputs import open_run
 from pipeline.model import ModelShape, causal_lm_class, model_config
 from pipeline.model.families import TOKENIZER_FILES
@@ -82,7 +82,7 @@ def write_hf_model(
         raise PipelineError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     output = Path(output)
     check_export_target(output)
-    with replacing_dir(output) as work:
+    with writing_into(output), replacing_dir(output) as work:
         _write_weights(tensors, work, DTYPES[dtype], max_shard_bytes)
         _write_config(shape, tok_ids or model_token_ids(None), dtype, work)
         if tokenizer is not None and tokenizer.is_dir():  # a Hugging Face tokenizer: its own files, as they are

@@ -238,3 +238,18 @@ def _data_path(run_dir: Path) -> str:
     import yaml
 
     return str(yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["path"])
+
+
+def test_an_export_into_a_full_disk_is_one_line_naming_it(zero_runs: dict[int, Path], mount) -> None:  # type: ignore[no-untyped-def]
+    """safetensors' writer raises its own error around the system's ENOSPC: one line naming the output, nothing
+    left under the final name."""
+    disk = mount("64k")
+    out = disk / "hf"
+    r = CliRunner().invoke(main, ["export", "--checkpoint", str(zero_runs[1]), "--output", str(out)])
+    assert r.exit_code == 2 and "Traceback" not in r.output and "a bug in pipeline" not in r.output, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {out}: No space left on device (ENOSPC): the disk is full: free space there, or write elsewhere. "
+        "Nothing half-written was left under a final name"
+    ]
+    assert not out.exists()

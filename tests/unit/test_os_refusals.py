@@ -47,3 +47,31 @@ def test_a_run_dir_on_a_read_only_mount_is_named_before_anything_starts(
     r = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--num-gpus", "2", "--dry-run"])
     one_line_refusal(r, ro, "is on a read-only file system; put run_dir on a writable disk")
     assert "GB free" not in r.output
+
+
+def test_a_libraries_own_error_around_the_systems_is_found() -> None:
+    """safetensors' Rust writer and torch's zip writer raise their own types around the system's error."""
+    import errno
+
+    from pipeline.errors import os_error_in
+
+    rust = RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert os_error_in(rust).errno == errno.ENOSPC  # type: ignore[union-attr]
+    try:
+        try:
+            raise OSError(errno.EROFS, "Read-only file system", "/x")
+        except OSError as inner:
+            raise RuntimeError("PytorchStreamWriter failed writing file data") from inner
+    except RuntimeError as outer:
+        assert os_error_in(outer).filename == "/x"  # type: ignore[union-attr]
+    assert os_error_in(ValueError("a bug")) is None
+
+
+def test_curate_into_a_full_disk_is_one_line_and_leaves_nothing(mount: Mount) -> None:
+    """datatrove's workers log the error with a traceback and its task logs fail on the same full disk: neither
+    reaches the terminal; the output is named."""
+    disk = mount("64k")
+    out = disk / "curated"
+    r = CliRunner().invoke(main, ["curate", str(CORPUS), "--output", str(out), "--no-quality", "--workers", "1"])
+    one_line_refusal(r, out, "No space left on device (ENOSPC): the disk is full")
+    assert "Logging error" not in r.output and not out.exists()
