@@ -10,6 +10,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -75,6 +76,22 @@ def seal_broken(obj: Any) -> bool:
     if not isinstance(obj, dict) or SEAL not in obj:
         return False
     return bool(obj[SEAL] != hashlib.sha256(_canonical(obj)).hexdigest())
+
+
+TEXT_SEAL = re.compile(r"^# sealed_sha256 ([0-9a-f]{64})\b")
+
+
+def sealed_text(text: str) -> str:
+    """A text file's seal as its first line (a YAML comment): the sha256 of the rest, as written."""
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    return f"# sealed_sha256 {digest}: as the run wrote it; launch with your own config, not an edited copy\n{text}"
+
+
+def text_seal_broken(text: str) -> bool:
+    """Whether a sealed text read back differs from what was written (texts without a seal are taken as they are)."""
+    first, _, rest = text.partition("\n")
+    m = TEXT_SEAL.match(first)
+    return bool(m and m.group(1) != hashlib.sha256(rest.encode()).hexdigest())
 
 
 def write_text(path: str | Path, text: str) -> None:

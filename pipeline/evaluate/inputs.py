@@ -98,9 +98,8 @@ def open_run(checkpoint: str | Path, average: str | None = None) -> Run:
     if not cfg_path.exists():
         raise PipelineError(f"{run_dir}: no config.yaml; not a run folder of `pipeline pretrain`")
     marker = ckpt.read_marker(run_dir, tag)
-    return Run(
-        run_dir, tag, yaml.safe_load(cfg_path.read_text()), marker, ModelShape(**marker["model_shape"]), averaged
-    )
+    config = yaml.safe_load(ckpt.run_config_text(run_dir))
+    return Run(run_dir, tag, config, marker, ModelShape(**marker["model_shape"]), averaged)
 
 
 def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.Module:

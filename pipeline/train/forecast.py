@@ -20,6 +20,7 @@ from pipeline.plan.estimate import Estimate, estimate
 from pipeline.plan.gpus import capped, lookup
 from pipeline.plan.search import Plan, search
 from pipeline.plan.timing import Measured, Rates, rates_from_run
+from pipeline.train.checkpoint.files import run_config_text
 from pipeline.train.setup.config import PretrainConfig, load
 from pipeline.train.setup.ds_config import BatchPlan, batch_plan, load_ds_config
 from pipeline.train.setup.optimizers import OPTIMIZERS
@@ -189,6 +190,7 @@ def forecast_run(
     env: dict[str, Any] = {}
     if (rd / "environment.json").exists():
         env = json.loads((rd / "environment.json").read_text())
+    run_config_text(rd)  # refused, naming it, when it is not what the run wrote
     cfg = load(rd / "config.yaml")
     ds = json.loads((rd / "ds_config.json").read_text())
     sp = cfg.train.sequence_parallel

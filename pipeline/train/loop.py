@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipeline.atomic import write_json, write_text
+from pipeline.atomic import sealed_text, write_json, write_text
 from pipeline.data.loader import ShardedDataset, build_loader
 from pipeline.errors import EXIT_STOPPED
 from pipeline.plan.cluster import offload_devices
@@ -202,7 +202,7 @@ class Trainer:
         ranks: list[Any] = [None] * run.dist.world_size
         tdist.all_gather_object(ranks, rank_facts(run.dist))
         if rank == 0:
-            write_text(run.run_dir / "config.yaml", dump_for_the_run(cfg, Path.cwd()))
+            write_text(run.run_dir / "config.yaml", sealed_text(dump_for_the_run(cfg, Path.cwd())))
             write_json(run.run_dir / "ds_config.json", run.ds)
             env = environment(run.dist.world_size, run.dist.device)
             env["optimizer"] = type(self.engine.optimizer).__name__  # which of DeepSpeed's it chose

@@ -72,3 +72,29 @@ def test_files_written_before_seals_are_read_as_they_are(shards: Path, tmp_path:
     (tmp_path / "run" / "step00000001").mkdir(parents=True)
     (tmp_path / "run" / "step00000001" / ckpt.MARKER).write_text(json.dumps({"step": 1}))
     assert ckpt.read_marker(tmp_path / "run", "step00000001") == {"step": 1}
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda t: t.replace("data:", "data:\n  num_workers: 4\n  _x:", 1),  # a field added
+        lambda t: t.replace("seed: 1234", "seed: 1235"),  # a number
+        lambda t: t + "\n",  # a trailing line
+    ],
+)
+def test_the_config_beside_a_run_is_what_the_run_wrote(tmp_path: Path, edit: Callable[[str], str]) -> None:
+    """RUN_DIR/config.yaml says what the run trained with (its data, model, paths): evaluate, export, harness and
+    plan --from-run read it; an edited copy is refused naming it, an older unsealed one taken as it is."""
+    from pipeline.atomic import sealed_text
+    from pipeline.train.setup.config import dump_for_the_run, from_dict
+
+    raw = {"run_dir": "runs/r", "batch": {"micro_batch_size": 1, "global_batch_size": 1}, "train": {"max_steps": 3}}
+    text = sealed_text(dump_for_the_run(from_dict(raw), tmp_path))
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(text)
+    assert ckpt.run_config_text(tmp_path) == text
+    cfg.write_text(edit(text))
+    with pytest.raises(PipelineError, match="config.yaml: changed after the run wrote it"):
+        ckpt.run_config_text(tmp_path)
+    cfg.write_text(edit(text).partition("\n")[2])  # written before seals: taken as it is
+    assert ckpt.run_config_text(tmp_path) == edit(text).partition("\n")[2]

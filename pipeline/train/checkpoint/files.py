@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
-from pipeline.atomic import replacing_dir, seal_broken, sealed, sha256_file, write_json, write_text
+from pipeline.atomic import replacing_dir, seal_broken, sealed, sha256_file, text_seal_broken, write_json, write_text
 from pipeline.errors import PipelineError
 from pipeline.plan.memory import checkpoint_bytes
 from pipeline.train import faults
@@ -113,6 +113,18 @@ def saved_zero_layout(run_dir: Path, tag: str, marker: Marker) -> str:
     if any(n.startswith("zero_pp_rank_") and n.endswith("_model_states.pt") for n in names):
         return "zero-3"
     return "zero-1/2" if any(n.endswith("_optim_states.pt") for n in names) else "zero-0"
+
+
+def run_config_text(run_dir: str | Path) -> str:
+    """RUN_DIR/config.yaml, the config the run trained with, refused when it is not what the run wrote (its seal)."""
+    path = Path(run_dir) / "config.yaml"
+    text = path.read_text()
+    if text_seal_broken(text):
+        raise PipelineError(
+            f"{path}: changed after the run wrote it; it no longer says what the run trained with (its data, model "
+            "and paths): restore it, or launch with your own config and leave this copy as written"
+        )
+    return text
 
 
 def marker_step(run_dir: Path, tag: str) -> int:
