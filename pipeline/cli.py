@@ -323,6 +323,12 @@ def evaluate(launched: bool, **options: Any) -> None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @opt("--max-shard-size", default="2GB", help="Largest safetensors file.", callback=size)
 @AVERAGE
+@click.option(
+    "--data",
+    default=None,
+    type=PATH,
+    help="The run's shard folder, where its tokenizer is read from (default: the run's own data.path).",
+)
 @opt(
     "--gguf",
     multiple=True,
@@ -330,7 +336,13 @@ def evaluate(launched: bool, **options: Any) -> None:
     help="Also write OUTPUT/NAME-TYPE.gguf for llama.cpp and Ollama (repeatable; sentencepiece tokenizers).",
 )
 def export(
-    checkpoint: str, output: str, dtype: str, max_shard_size: int, average: str | None, gguf: tuple[str, ...]
+    checkpoint: str,
+    output: str,
+    dtype: str,
+    max_shard_size: int,
+    average: str | None,
+    data: str | None,
+    gguf: tuple[str, ...],
 ) -> None:
     """Export a checkpoint (or the mean of several, --average) to a Hugging Face model folder (safetensors,
     config, tokenizer), and with --gguf to GGUF files llama.cpp runs."""
@@ -340,7 +352,7 @@ def export(
         from pipeline.evaluate.to_gguf import check_gguf
 
         check_gguf()  # before the export's minutes: the package is there
-    out = export_checkpoint(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_size, average=average)
+    out = export_checkpoint(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_size, average=average, data=data)
     if average:
         checkpoint = f"the mean of {average} of {checkpoint}"
     click.echo(

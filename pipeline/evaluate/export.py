@@ -174,23 +174,29 @@ def _flush(shard: dict[str, torch.Tensor], work: Path, k: int, save_file: Any, w
 
 
 def export(
-    checkpoint: str, output: str, dtype: str = "bf16", max_shard_bytes: int = 2 * 10**9, average: str | None = None
+    checkpoint: str,
+    output: str,
+    dtype: str = "bf16",
+    max_shard_bytes: int = 2 * 10**9,
+    average: str | None = None,
+    data: str | None = None,
 ) -> Path:
     """RUN_DIR[/TAG] -> a Hugging Face folder that AutoModelForCausalLM / AutoTokenizer load offline; with
-    `average` (last:N or tags), the mean of those checkpoints' weights, streamed one tensor at a time."""
+    `average` (last:N or tags), the mean of those checkpoints' weights, streamed one tensor at a time. `data`: the
+    run's shards where they are now (default: its data.path), for the tokenizer and its special tokens."""
     check_export_target(Path(output))
     r = open_run(checkpoint, average)
-    data = r.path(r.config["data"]["path"])
+    data_dir = Path(data) if data else r.path(r.config["data"]["path"])
     tok_path: Path | None = None
     tok_ids = model_token_ids(None)
-    if (data / "manifest.json").exists():
-        dataset = ShardedDataset(data, "train")
+    if (data_dir / "manifest.json").exists():
+        dataset = ShardedDataset(data_dir, "train")
         tok_path = dataset.tokenizer_path
         tok_ids = model_token_ids(dataset.manifest["tokenizer"])
     else:
         raise PipelineError(
-            f"{data}: the run's shards are not there (moved?), and the tokenizer and its special tokens are read "
-            "from their manifest: put them back, or run the export from the folder the run was launched from"
+            f"{data_dir}: the run's shards are not there (moved?), and the tokenizer and its special tokens are read "
+            "from their manifest: pass --data DIR with the shards where they are now"
         )
     return write_hf_model(
         ((name, materialize(value)) for name, value in r.weights().items()),

@@ -233,7 +233,20 @@ def test_an_export_whose_shards_moved_is_refused_instead_of_losing_its_tokenizer
     cfg.write_text(unsealed.replace(str(_data_path(zero_runs[1])), str(tmp_path / "moved")))
     r = CliRunner().invoke(main, ["export", "--checkpoint", str(run_dir), "--output", str(tmp_path / "hf")])
     assert r.exit_code == 2 and f"{tmp_path / 'moved'}: the run's shards are not there (moved?)" in r.output
-    assert not (tmp_path / "hf").exists()
+    assert "pass --data DIR" in r.output and not (tmp_path / "hf").exists()
+    # the shards where they are now: the export with its tokenizer
+    args = [
+        "export",
+        "--checkpoint",
+        str(run_dir),
+        "--output",
+        str(tmp_path / "hf"),
+        "--data",
+        _data_path(zero_runs[1]),
+    ]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and (tmp_path / "hf" / "tokenizer.model").is_file()
 
 
 def _data_path(run_dir: Path) -> str:
