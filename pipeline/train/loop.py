@@ -312,7 +312,7 @@ class Trainer:
         rank, device = run.dist.rank, run.dist.device
         poison = rank == 0 and faults.armed("NONFINITE_AT_STEP", state.step + 1)
         timings: dict[str, float] = {}
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step_loss = train_step(
             self.engine,
             batches,
@@ -332,6 +332,8 @@ class Trainer:
         state.consumed_samples += run.plan.global_batch_size
         loss, stopping = self._agree(step_loss, stop_requested)
         timings["step_s"] = time.perf_counter() - t0  # _agree waited for the step's last kernel
+        if device.type == "cpu":  # this rank's CPU seconds (its threads): a second job on the node does not add to it
+            timings["step_cpu_s"] = time.process_time() - c0
         return loss, stopping, timings
 
     def _stopped(self) -> None:
