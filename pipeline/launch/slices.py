@@ -1,11 +1,12 @@
 """`pipeline probe --config CONFIG`: the run's own model measured on this node's card(s) at two small depths (2 and
 4 layers by default), through the trainer and DeepSpeed's launcher, with the config's DeepSpeed JSON, precision,
 micro-batch, sequence length and speed switches; one micro-step per optimizer step, so that a slice takes seconds
-whatever the global batch. Per depth: the steady micro-step and optimizer-step times and the peak memory; by the
-slope (per layer, plus the fixed part: embeddings, the output layer, the loss, the engine) the same at the model's
-full depth. This is how the bench showed a 70B fits a 24 GB card (7.57 and 7.82 GiB at 2 and 4 layers: 17.3 at
-80). The result goes into the node's probe file, where `pipeline plan --config` finds it by the config's key and
-puts it beside its own figures for the same ranks."""
+whatever the global batch (a continued model, `model.init_from`, is not sliced yet: refused). Per depth: the
+steady micro-step and optimizer-step times and the peak memory; by the slope (per layer, plus the fixed part:
+embeddings, the output layer, the loss, the engine) the same at the model's full depth. This is how the bench
+showed a 70B fits a 24 GB card (7.57 and 7.82 GiB at 2 and 4 layers: 17.3 at 80). The result goes into the node's
+probe file, where `pipeline plan --config` finds it by the config's key and puts it beside its own figures for the
+same ranks."""
 
 from __future__ import annotations
 
@@ -44,16 +45,14 @@ QUIET = [
 
 
 def _shape_sets(prepared: Prepared, layers: int) -> list[str]:
-    """The model at `layers` layers: a preset's or an explicit shape's depth overridden; a continued run's
-    (model.init_from) architecture built from its shape, its weights not loaded (a slice measures, it does not
-    train)."""
-    cfg = prepared.cfg
-    if not cfg.model.init_from:
-        return [f"model.shape.num_layers={layers}"]
-    shape = prepared.shape.as_dict() | {"num_layers": layers}
-    if shape.get("hf_config"):
-        shape["hf_config"] = dict(shape["hf_config"]) | {"num_hidden_layers": layers}
-    return ["model.init_from=null", "model.preset=null", f"model.shape={json.dumps(shape)}"]
+    """The model at `layers` layers: a preset's or an explicit shape's depth overridden."""
+    if prepared.cfg.model.init_from:
+        raise PipelineError(
+            f"model.init_from {prepared.cfg.model.init_from}: pipeline probe --config does not slice a continued "
+            "model yet (its architecture takes no shape override); plan it with `pipeline plan --model "
+            f"{prepared.cfg.model.init_from}`, whose figures are the planner's, not measured"
+        )
+    return [f"model.shape.num_layers={layers}"]
 
 
 def run_slice(
@@ -123,6 +122,7 @@ def measure(
     from pipeline.train.setup.prepare import prepare
 
     prepared = prepare(load(config, sets), num_gpus, num_gpus)
+    _shape_sets(prepared, 2)  # a model that cannot be sliced is said before anything is built
     build_ops_ahead(prepared.ds, num_gpus, num_gpus)  # once here, not by every slice's ranks
     full = prepared.shape.num_layers
     if len(set(layers)) < 2 or min(layers) < 1:

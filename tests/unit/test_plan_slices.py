@@ -70,3 +70,25 @@ def test_a_gpus_slices_stand_beside_the_plan_for_the_same_ranks_with_the_ratio(
     # another config (a changed DeepSpeed JSON, micro-batch or model) is not compared
     other = CliRunner().invoke(main, [*args, "--set", f"train.deepspeed_config={ROOT}/ds_configs/zero3.json"])
     assert "were measured for another configuration (deepspeed_config differ)" in other.output
+
+
+def test_a_continued_model_is_not_sliced_yet_and_says_so(tmp_path: Path) -> None:
+    """`model.init_from` takes no shape override, so its model cannot be built at 2 layers: refused in one line
+    naming the way on, before any launch."""
+    from pipeline.errors import PipelineError
+    from pipeline.launch.slices import _shape_sets
+    from tests.conftest import CORPUS, shard_into, tokenize_with
+    from tests.hf_families import write_model, write_tokenizer
+
+    model = write_model("llama", tmp_path / "llama", write_tokenizer(tmp_path / "tok"))
+    tokenize_with(tmp_path / "corpus", [str(CORPUS)], model)
+    shard_into([(tmp_path / "corpus", 1.0)], tmp_path / "shards", seq_len=32)
+    cfg = launch.write_config(
+        tmp_path / "c.yaml",
+        run_dir=tmp_path / "run",
+        shards=tmp_path / "shards",
+        ds_config="zero2.json",
+        model=f"{{init_from: {model}}}",
+    )
+    with pytest.raises(PipelineError, match="does not slice a continued model yet"):
+        _shape_sets(prepare(load(cfg), 1, 1), 2)
