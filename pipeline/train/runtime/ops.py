@@ -138,13 +138,15 @@ def _stop_builds(signum: int, frame: Any) -> None:
     build waiting on the locks."""
     import signal
 
-    for name, proc in list(_RUNNING.items()):
+    building = list(_RUNNING.items())  # before the kills: each build's thread drops its entry once its proc ends
+    for name, proc in building:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         (extensions_dir() / name / LOCK).unlink(missing_ok=True)
     print(
-        f"stopped while building DeepSpeed's {', '.join(_RUNNING) or 'ops'}; the partial builds were cleared and the "
+        f"stopped while building DeepSpeed's {', '.join(n for n, _ in building) or 'ops'}; the partial builds were "
+        "cleared and the "
         "next launch builds them again",
         file=sys.stderr,
         flush=True,
