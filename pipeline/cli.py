@@ -96,7 +96,7 @@ def curate(inputs: tuple[str, ...], output: str, **options: Any) -> None:
     tokenize reads) before tokenizing: quality filters, decontamination against
     evaluation files, exact and near-duplicate removal, on Hugging Face datatrove's steps and local executor. The
     same input and options keep the same documents; a re-run replaces OUTPUT whole."""
-    from pipeline.data.curate import CurateOptions
+    from pipeline.data.config import CurateOptions
     from pipeline.data.curate import curate as curating
 
     options["decontaminate"] = tuple(options["decontaminate"])

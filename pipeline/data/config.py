@@ -146,3 +146,40 @@ def parse_sources(specs: tuple[str, ...]) -> tuple[tuple[tuple[str, float], ...]
             )
         firsts[key] = prefix
     return tuple(out), given
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurateOptions:
+    exact: bool = True
+    """Remove exact duplicates: the same text after datatrove's normalisation (case, whitespace, punctuation)."""
+    near: bool = True
+    """Remove near duplicates: MinHash LSH over word n-grams."""
+    quality: bool = True
+    """Gopher repetition and quality, C4 and FineWeb line rules (datatrove's defaults)."""
+    decontaminate: tuple[str, ...] = ()
+    """Evaluation files (what tokenize reads): a training document sharing an n-gram with any is removed."""
+    near_threshold: float = 0.3
+    """Jaccard similarity of two documents' word n-gram sets at which LSH finds them half the time; well above it
+    almost always, well below almost never. 0.3 with 3-grams and 120 permutations (40 bands of 3): a copy with 10%
+    of its words edited (similarity about 0.57, at least 0.46) is found 98-100% of the time, one with 20% edited
+    (about 0.35) 80%, documents sharing a fifth of their 3-grams 27%."""
+    permutations: int = 120
+    """MinHash hashes per document, split into LSH buckets (bands) x rows (`lsh_shape`)."""
+    ngrams: int = 3
+    """Words per shingle for near-duplicate detection."""
+    decontaminate_ngrams: int = 13
+    text_key: str = "text"
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    seed: int = 1
+
+    def problems(self) -> list[str]:
+        p = []
+        if not 0.0 < self.near_threshold < 1.0:
+            p.append(f"--near-threshold {self.near_threshold}: a Jaccard similarity between 0 and 1 (e.g. 0.3)")
+        if self.permutations < 2:
+            p.append(f"--permutations {self.permutations}: at least 2 (e.g. 120)")
+        if self.ngrams < 1 or self.decontaminate_ngrams < 1:
+            p.append("--ngrams and --decontaminate-ngrams: at least 1 word")
+        if self.workers < 1:
+            p.append(f"--workers {self.workers}: at least 1")
+        return p

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.data.readers import read_records
 
 if TYPE_CHECKING:
-    from pipeline.data.curate import CurateOptions
+    from pipeline.data.config import CurateOptions
 
 
 def lsh_shape(threshold: float, permutations: int) -> tuple[int, int]:

@@ -47,11 +47,9 @@ def pretrain(
     cfg = load(config_path, sets)
     if min_nodes is not None and not where.hostfile:
         raise PipelineError("--min-nodes N needs --hostfile: it says on how few of its hosts a run may go on")
-    if min_nodes is not None and where.hostfile and not 1 <= min_nodes <= len(hostfile_hosts(where.hostfile)):
-        raise PipelineError(
-            f"--min-nodes {min_nodes}: {where.hostfile} has {len(hostfile_hosts(where.hostfile))} host(s); give 1 "
-            "to that many"
-        )
+    hosts = [h for h, _ in hostfile_hosts(where.hostfile)] if where.hostfile else None
+    if min_nodes is not None and hosts and not 1 <= min_nodes <= len(hosts):
+        raise PipelineError(f"--min-nodes {min_nodes}: {where.hostfile} has {len(hosts)} host(s); give 1 to that many")
     where.check_local_gpus()
     where = where.resolved()
     world, per_node = where.world_size()
@@ -71,7 +69,6 @@ def pretrain(
         cmd += ["--set", s]
     use_project_cache()  # the ranks of this machine inherit it
     click.echo("+ " + " ".join(cmd), err=True)
-    hosts = [h for h, _ in hostfile_hosts(where.hostfile)] if where.hostfile else None
     survivors = None
     if min_nodes is not None and where.hostfile:
         survivors = Survivors(
