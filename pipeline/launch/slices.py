@@ -1,7 +1,7 @@
 """`pipeline probe --config CONFIG`: the run's own model measured on this node's card(s) at two small depths (2 and
 4 layers by default), through the trainer and DeepSpeed's launcher, with the config's DeepSpeed JSON, precision,
 micro-batch, sequence length and speed switches; one micro-step per optimizer step, so that a slice takes seconds
-whatever the global batch (a continued model, `model.init_from`, is not sliced yet: refused). Per depth: the
+whatever the global batch (a continued model, `model.init_from`, in its architecture with fresh weights). Per depth: the
 steady micro-step and optimizer-step times and the peak memory; by the slope (per layer, plus the fixed part:
 embeddings, the output layer, the loss, the engine) the same at the model's full depth. This is how the bench
 showed a 70B fits a 24 GB card (7.57 and 7.82 GiB at 2 and 4 layers: 17.3 at 80). The result goes into the node's
@@ -45,14 +45,16 @@ QUIET = [
 
 
 def _shape_sets(prepared: Prepared, layers: int) -> list[str]:
-    """The model at `layers` layers: a preset's or an explicit shape's depth overridden."""
-    if prepared.cfg.model.init_from:
-        raise PipelineError(
-            f"model.init_from {prepared.cfg.model.init_from}: pipeline probe --config does not slice a continued "
-            "model yet (its architecture takes no shape override); plan it with `pipeline plan --model "
-            f"{prepared.cfg.model.init_from}`, whose figures are the planner's, not measured"
-        )
-    return [f"model.shape.num_layers={layers}"]
+    """The model at `layers` layers: a preset's or an explicit shape's depth overridden; a continued model
+    (`model.init_from`) is built in its architecture (a Hugging Face folder's: `model.architecture`; a preset
+    loading a safetensors file: that preset) with fresh weights, which time and hold what its own do."""
+    model = prepared.cfg.model
+    sets = [f"model.shape.num_layers={layers}"]
+    if model.init_from:
+        sets.append("model.init_from=null")
+        if model.preset is None:
+            sets.append(f"model.architecture={model.init_from}")
+    return sets
 
 
 def run_slice(
@@ -122,7 +124,6 @@ def measure(
     from pipeline.train.setup.prepare import prepare
 
     prepared = prepare(load(config, sets), num_gpus, num_gpus)
-    _shape_sets(prepared, 2)  # a model that cannot be sliced is said before anything is built
     build_ops_ahead(prepared.ds, num_gpus, num_gpus)  # once here, not by every slice's ranks
     full = prepared.shape.num_layers
     if len(set(layers)) < 2 or min(layers) < 1:

@@ -118,13 +118,19 @@ def model_shape(
     seq_len: int | None = None,
     rope: dict[str, Any] | None = None,
     max_position_embeddings: int | None = None,
+    architecture: str | None = None,
 ) -> ModelShape:
     """The model a config asks for. `init_from` a Hugging Face folder without a preset: that model's architecture.
-    Otherwise a preset (default tiny; `overrides` change some of its fields) or, without a preset, every shape
-    field explicitly; with the tokenizer's vocabulary, and `max_seq_len` raised to `seq_len` (the shards') when
-    that is longer; then RoPE's parameters `rope` and the context `max_position_embeddings` (`extend_context`)."""
+    `architecture` (a Hugging Face folder or config.json, fresh weights): its architecture, `overrides` changing
+    some of its fields. Otherwise a preset (default tiny; `overrides` change some of its fields) or, without a
+    preset, every shape field explicitly; with the tokenizer's vocabulary, and `max_seq_len` raised to `seq_len`
+    (the shards') when that is longer; then RoPE's parameters `rope` and the context `max_position_embeddings`
+    (`extend_context`)."""
 
-    shape = _configured_shape(preset, overrides, init_from, tokenizer_vocab)
+    if architecture is not None:
+        shape = _architecture_shape(architecture, overrides, preset, init_from)
+    else:
+        shape = _configured_shape(preset, overrides, init_from, tokenizer_vocab)
     shape = with_seq_len(shape, seq_len) if seq_len else shape
     if max_position_embeddings is not None and seq_len and max_position_embeddings < seq_len:
         raise ConfigError(
@@ -169,6 +175,58 @@ def extend_context(shape: ModelShape, rope: dict[str, Any], max_position_embeddi
     cfg["rope_parameters"] = {**own, **rope}
     cfg["max_position_embeddings"] = context
     return replace(shape, rope_theta=float(theta), max_seq_len=context, hf_config=cfg)
+
+
+HF_KEYS = {
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "ffn_hidden_size": "intermediate_size",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "max_seq_len": "max_position_embeddings",
+    "head_size": "head_dim",
+    "tie_embeddings": "tie_word_embeddings",
+    "norm_eps": "rms_norm_eps",
+}
+"""`model.shape`'s fields -> the config.json keys they change in a `model.architecture`."""
+
+
+def _architecture_shape(
+    architecture: str, overrides: dict[str, Any], preset: str | None, init_from: str | None
+) -> ModelShape:
+    """`model.architecture`: a Hugging Face config's model with fresh weights, `overrides` (model.shape) written
+    into the config under transformers' names, e.g. {num_layers: 4} for a slice of the model's depth."""
+    source = config_path(architecture) or architecture
+    problems = []
+    if init_from:
+        problems.append(
+            f"model.architecture {architecture} and model.init_from {init_from}: give one (init_from brings its "
+            "architecture with its weights; architecture builds one with fresh weights)"
+        )
+    if preset is not None:
+        problems.append(f"model.architecture {architecture} and model.preset {preset}: give one")
+    if unknown := sorted(set(overrides) - set(HF_KEYS)):
+        problems += [
+            f"model.shape.{k}: not a field that model.architecture takes (it takes {', '.join(HF_KEYS)}); "
+            + ("give it as model.rope" if k in ("rope_theta", "rope") else "edit the config.json instead")
+            for k in unknown
+        ]
+    if config_path(architecture) is None:
+        problems.append(
+            f"model.architecture {architecture}: no config.json there; give a Hugging Face model "
+            "folder or its config.json"
+        )
+    if problems:
+        raise ConfigError(problems)
+    cfg = read_config(architecture)
+    for field, value in overrides.items():
+        cfg[HF_KEYS[field]] = value
+    layers = overrides.get("num_layers")
+    if isinstance(layers, int) and isinstance(cfg.get("layer_types"), list):
+        # per-layer attention kinds (Qwen's sliding windows): the first `layers`, or derived again when deeper
+        cfg["layer_types"] = cfg["layer_types"][:layers] if layers <= len(cfg["layer_types"]) else None
+    return shape_from_config(cfg, f"{source} with model.shape {overrides}" if overrides else source)
 
 
 def _configured_shape(

@@ -61,7 +61,9 @@ def shape_and_seq(
     else:
         raise PipelineError(f"data.path {cfg.data.path}: no shards there yet; give --seq-len N")
     m = cfg.model
-    shape = model_shape(m.preset, dict(m.shape), m.init_from, vocab, seq, m.rope, m.max_position_embeddings)
+    shape = model_shape(
+        m.preset, dict(m.shape), m.init_from, vocab, seq, m.rope, m.max_position_embeddings, architecture=m.architecture
+    )
     if layers:
         shape = replace(shape, num_layers=layers)
     return shape, seq, source, vocab

@@ -5,6 +5,7 @@ figures are the bench's 70B slices, 2026-12-04)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -72,15 +73,17 @@ def test_a_gpus_slices_stand_beside_the_plan_for_the_same_ranks_with_the_ratio(
     assert "were measured for another configuration (deepspeed_config differ)" in other.output
 
 
-def test_a_continued_model_is_not_sliced_yet_and_says_so(tmp_path: Path) -> None:
-    """`model.init_from` takes no shape override, so its model cannot be built at 2 layers: refused in one line
-    naming the way on, before any launch."""
-    from pipeline.errors import PipelineError
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_continued_model_is_sliced_in_its_own_architecture_with_fresh_weights(tmp_path: Path, family: str) -> None:
+    """`model.init_from` takes no shape override (its weights have a shape): its slices are the same Hugging Face
+    architecture at fewer layers (`model.architecture`), every other field as the model's, nothing loaded; the key
+    that `pipeline plan` matches is the whole config's."""
     from pipeline.launch.slices import _shape_sets
+    from pipeline.model import build_model
     from tests.conftest import CORPUS, shard_into, tokenize_with
     from tests.hf_families import write_model, write_tokenizer
 
-    model = write_model("llama", tmp_path / "llama", write_tokenizer(tmp_path / "tok"))
+    model = write_model(family, tmp_path / family, write_tokenizer(tmp_path / "tok"))
     tokenize_with(tmp_path / "corpus", [str(CORPUS)], model)
     shard_into([(tmp_path / "corpus", 1.0)], tmp_path / "shards", seq_len=32)
     cfg = launch.write_config(
@@ -90,5 +93,37 @@ def test_a_continued_model_is_not_sliced_yet_and_says_so(tmp_path: Path) -> None
         ds_config="zero2.json",
         model=f"{{init_from: {model}}}",
     )
-    with pytest.raises(PipelineError, match="does not slice a continued model yet"):
-        _shape_sets(prepare(load(cfg), 1, 1), 2)
+    whole = prepare(load(cfg), 1, 1)
+    sets = _shape_sets(whole, 1)
+    assert sets == ["model.shape.num_layers=1", "model.init_from=null", f"model.architecture={model}"]
+    sliced = prepare(load(cfg, sets), 1, 1)
+    assert sliced.cfg.model.init_from is None and sliced.shape.num_layers == 1 and whole.shape.num_layers == 2
+    assert sliced.shape.family == family and sliced.shape.hf_config is not None
+    assert sliced.shape.hf_config["num_hidden_layers"] == 1
+    assert {k: v for k, v in sliced.shape.as_dict().items() if k not in ("num_layers", "hf_config")} == {
+        k: v for k, v in whole.shape.as_dict().items() if k not in ("num_layers", "hf_config")
+    }
+    built = {n: tuple(p.shape) for n, p in build_model(sliced.shape).named_parameters()}
+    own = {n: tuple(p.shape) for n, p in build_model(whole.shape).named_parameters() if ".layers.1." not in n}
+    assert built == own
+    assert sliced.shape.num_params() == sum(p.numel() for p in build_model(sliced.shape).parameters())
+
+
+def test_an_architecture_is_one_source_of_the_model_and_takes_only_its_own_fields(tmp_path: Path) -> None:
+    from pipeline.errors import ConfigError
+    from pipeline.model.families import model_shape
+    from tests.hf_families import CONFIGS
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS["qwen3"]))
+    shape = model_shape(None, {"num_layers": 5, "hidden_size": 128}, None, 600, architecture=str(tmp_path))
+    assert (shape.num_layers, shape.hidden_size, shape.family, shape.qk_norm) == (5, 128, "qwen3", True)
+    for kwargs, said in [
+        ({"init_from": str(tmp_path)}, "give one (init_from brings its architecture with its weights"),
+        ({"preset": "tiny"}, "and model.preset tiny: give one"),
+        ({"overrides": {"rope_theta": 1e6}}, "model.shape.rope_theta: not a field that model.architecture takes"),
+    ]:
+        args = {"preset": None, "overrides": {}, "init_from": None, **kwargs}
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            model_shape(args["preset"], args["overrides"], args["init_from"], 600, architecture=str(tmp_path))
+    with pytest.raises(ConfigError, match="no config.json there"):
+        model_shape(None, {}, None, 600, architecture=str(tmp_path / "missing"))

@@ -36,6 +36,10 @@ class ModelSection:
     """Continued pretraining: a Hugging Face model folder (config.json + safetensors, one file or sharded) whose
     architecture and weights the run starts from (Llama 1-3.1, Mistral, Qwen2/2.5, Qwen3: pipeline.model.families), or a
     safetensors file to load into `preset`."""
+    architecture: str | None = None
+    """From scratch in a Hugging Face family's architecture: a model folder or its config.json, built with fresh
+    weights (the same families as init_from; the data's tokenizer must be that model's, as with init_from);
+    `shape` overrides its fields, e.g. {num_layers: 4}. `pipeline probe` slices a continued model this way."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -236,6 +240,7 @@ PATH_FIELDS = {
     ("data", "path"),
     ("data", "stages"),
     ("model", "init_from"),
+    ("model", "architecture"),
     ("checkpoint", "branch_from"),
     ("train", "deepspeed_config"),
 }

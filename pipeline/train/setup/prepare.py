@@ -77,6 +77,7 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
         seq_len,
         cfg.model.rope,
         cfg.model.max_position_embeddings,
+        architecture=cfg.model.architecture,
     )
     check_tokenizer(shape, manifest["tokenizer"], f"{cfg.data.path}/manifest.json")
     found = sequence_parallel_problems(shape, plan.sequence_parallel)
