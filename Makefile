@@ -26,7 +26,7 @@ HARNESS_ARGS ?=
 HARNESS_VENV ?= .venv-lm-eval
 HARNESS_SPEC ?= lm-eval[hf]==0.4.13
 
-.PHONY: install ops test test-fast test-dist lint format data demo eval harness-install bench bench-cpu clean
+.PHONY: install ops test test-fast test-dist test-gguf lint format data demo eval harness-install llama-cpp bench bench-cpu clean
 
 install: $(STAMP)
 
@@ -112,6 +112,34 @@ $(HARNESS_VENV)/.installed:
 	$(HARNESS_VENV)/bin/python -m pip install -q --no-compile $(TORCH_SPEC)
 	$(HARNESS_VENV)/bin/python -m pip install -q --no-compile '$(HARNESS_SPEC)'
 	touch $@
+
+# llama.cpp itself, for checking the GGUF export against it (`make test-gguf`). llama-cpp-python has no wheel in the
+# package index, so its first install builds llama.cpp from source (about 15 minutes on 2 cores) into a wheel kept
+# in LLAMA_CPP_WHEELS, outside the checkout: every later venv, a fresh clone's too, installs that wheel in seconds.
+# Generic x86-64 code (GGML_NATIVE=OFF: the wheel runs wherever it is copied), without llama.cpp's server, tools or
+# multimodal library.
+LLAMA_CPP_VENV ?= .venv-llama-cpp
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+LLAMA_CPP_WHEELS ?= $(HOME)/.cache/pipeline/wheels
+LLAMA_CPP_CMAKE ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+LLAMA_CPP_PIP = $(LLAMA_CPP_VENV)/bin/python -m pip
+
+llama-cpp: $(LLAMA_CPP_VENV)/.installed
+
+$(LLAMA_CPP_VENV)/.installed:
+	test -x $(LLAMA_CPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_CPP_VENV)
+	$(LLAMA_CPP_PIP) install -q --find-links $(LLAMA_CPP_WHEELS) --only-binary llama-cpp-python '$(LLAMA_CPP_SPEC)' || { \
+	  echo "building llama.cpp from source, once (about 15 minutes on 2 cores), into $(LLAMA_CPP_WHEELS)"; \
+	  mkdir -p $(LLAMA_CPP_WHEELS) && CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" $(LLAMA_CPP_PIP) wheel --no-deps \
+	    -w $(LLAMA_CPP_WHEELS) '$(LLAMA_CPP_SPEC)' && \
+	  $(LLAMA_CPP_PIP) install -q --find-links $(LLAMA_CPP_WHEELS) --only-binary llama-cpp-python '$(LLAMA_CPP_SPEC)'; }
+	touch $@
+
+# The GGUF export checked by llama.cpp itself: token ids and logits against transformers on the Hugging Face
+# export, for each family (tests/unit/test_gguf_llama_cpp.py; `make test` runs it too where llama.cpp is installed).
+test-gguf: install llama-cpp
+	$(BIN)/python -m pytest -q -ra tests/unit/test_gguf_llama_cpp.py
 
 bench: install
 	$(BIN)/python bench/tokenize_bench.py

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import CORPUS
 
@@ -81,14 +82,33 @@ CONFIGS: dict[str, dict] = {
 FAMILIES = tuple(CONFIGS)
 
 
-def write_tokenizer(out: Path) -> Path:
-    """A 600-token byte-level BPE with <unk> <s> </s> as ids 0, 1, 2, saved as a transformers tokenizer folder."""
-    from tokenizers import ByteLevelBPETokenizer
+def write_tokenizer(out: Path, split: str | None = None, bos: bool = False) -> Path:
+    """A 600-token byte-level BPE with <unk> <s> </s> as ids 0, 1, 2, saved as a transformers tokenizer folder.
+    `split`: the expression text is split with before the bytes are mapped, as Llama 3's and Qwen2's tokenizers
+    do (None: ByteLevel's own, GPT-2's); `bos`: <s> put before every text, as Llama 3's post-processor does."""
+    from tokenizers import ByteLevelBPETokenizer, Regex, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as RawTokenizer
     from transformers import PreTrainedTokenizerFast
 
     texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines() if line.strip()]
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"])
+    specials = ["<unk>", "<s>", "</s>"]
+    if split is None:
+        bpe: Any = ByteLevelBPETokenizer()
+        bpe.train_from_iterator(texts, vocab_size=600, special_tokens=specials)
+    else:
+        bpe = RawTokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), "isolated"), pre_tokenizers.ByteLevel(False, use_regex=False)]
+        )
+        bpe.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        bpe.train_from_iterator(
+            texts, trainers.BpeTrainer(vocab_size=600, special_tokens=specials, initial_alphabet=alphabet)
+        )
+    if bos:
+        bpe.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+        )
     PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
         str(out)
     )

@@ -4,12 +4,14 @@ Written with `gguf`, llama.cpp's own Python package: its writer, its tensor-name
 sentencepiece vocabulary reader; what is ours is the little llama.cpp's convert_hf_to_gguf.py does per family and
 the package leaves to it: the metadata keys, and the Llama-architecture q/k rows reordered for llama.cpp's RoPE
 (Llama and Mistral; Qwen2/Qwen3 use the rotation transformers uses). Tokenizers: sentencepiece ones (this
-project's, Llama 2's, Mistral's); a byte-level BPE tokenizer (Llama 3, Qwen) is refused with the way out, since
-llama.cpp identifies those by a table of pre-tokenizer hashes that lives in its converter only."""
+project's, Llama 2's, Mistral's) and byte-level BPE ones (Llama 3, Qwen2/2.5/3, GPT-2's), whose pre-tokenizer
+llama.cpp knows by name: the name is read off the tokenizer's own split expression (`PRE_TOKENIZERS`), and one it
+does not list is refused with the way out (llama.cpp's converter, which knows more by hashing their output)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,33 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+ROPE_CARRIED = ("default", "llama3")
+"""RoPE variants the conversion carries: plain (any theta) and Llama 3.1's frequency scaling (a per-frequency
+divisor, llama.cpp's rope_freqs tensor). Others (yarn, linear, ...) are refused with the way out."""
+
+
+def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """RoPE's base and parameters from a config.json as transformers 5 writes it (rope_parameters) or as
+    transformers 4 and the hub's files do (rope_theta, rope_scaling)."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    theta = rope.get("rope_theta") or config.get("rope_theta") or 10000.0
+    return float(theta), rope
+
+
+def rope_factors(hf_dir: Path, theta: float) -> np.ndarray:
+    """Llama 3.1's RoPE as llama.cpp takes it: what each of plain RoPE's frequencies is divided by, from the
+    frequencies transformers' own llama3 function gives for the export's config."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = AutoConfig.from_pretrained(str(hf_dir))
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, torch.device("cpu"))
+    dim = 2 * scaled.numel()
+    plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return (plain / scaled.double()).float().numpy()
+
+
 def check_gguf() -> None:
     try:
         import gguf  # noqa: F401
@@ -50,10 +79,16 @@ def write_gguf(hf_dir: Path, out: Path, kind: str = "f16") -> Path:
     family = config.get("model_type", "llama")
     if family not in ARCHES:
         raise PipelineError(f"--gguf: no GGUF conversion here for model_type {family} (have {', '.join(ARCHES)})")
-    if config.get("rope_scaling"):
+    theta, rope = rope_of(config)
+    kinds = {
+        str(r.get("rope_type") or r.get("type") or "default")
+        for r in (config.get("rope_parameters") or {}, config.get("rope_scaling") or {})
+    }
+    if not kinds <= set(ROPE_CARRIED) or len(kinds - {"default"}) > 1 or ("llama3" in kinds and family not in PERMUTED):
         raise PipelineError(
-            f"--gguf: {hf_dir}/config.json has rope_scaling {config['rope_scaling']}, which this conversion does "
-            "not carry yet; convert the Hugging Face export with llama.cpp's convert_hf_to_gguf.py"
+            f"--gguf: {hf_dir}/config.json scales RoPE as {config.get('rope_scaling') or rope}, which this "
+            f"conversion does not carry yet (it carries {', '.join(ROPE_CARRIED)}: Llama 3.1's); convert the "
+            "Hugging Face export with llama.cpp's convert_hf_to_gguf.py"
         )
     arch = getattr(gguf.MODEL_ARCH, ARCHES[family])
     tmp = tmp_path_for(out)  # written whole, then renamed: a half-written .gguf never has the final name
@@ -62,6 +97,8 @@ def write_gguf(hf_dir: Path, out: Path, kind: str = "f16") -> Path:
         _metadata(writer, gguf, config, kind, hf_dir)
         _vocabulary(writer, gguf, hf_dir, config)
         _tensors(writer, gguf, hf_dir, config, arch, family, kind)
+        if "llama3" in kinds:
+            writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_factors(hf_dir, theta))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -85,21 +122,33 @@ def _metadata(writer: Any, gguf: Any, config: dict[str, Any], kind: str, hf_dir:
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(rope_of(config)[0])
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
 
 
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2", None: "gpt-2"}
+"""A byte-level BPE tokenizer's split expression (tokenizer.json's Split pre-tokenizer before its ByteLevel; None:
+ByteLevel's own, GPT-2's) -> the name llama.cpp gives that pre-tokenizer (tokenizer.ggml.pre): Llama 3 and 3.1's,
+Qwen2's (also Qwen2.5's and Qwen3's), GPT-2's (a ByteLevelBPETokenizer's, as trained by `tokenizers`)."""
+
+
 def _vocabulary(writer: Any, gguf: Any, hf_dir: Path, config: dict[str, Any]) -> int:
-    """The sentencepiece vocabulary, padded to the embedding's rows as llama.cpp's converter pads it; its special
+    """The tokenizer's vocabulary, padded to the embedding's rows as llama.cpp's converter pads it; its special
     ids from the export's files. Returns the token count."""
     if not (hf_dir / "tokenizer.model").exists():
-        raise PipelineError(
-            f"--gguf: {hf_dir} has no sentencepiece tokenizer.model (a byte-level BPE tokenizer, as Llama 3 and "
-            "Qwen use, is identified by llama.cpp's converter only); convert this Hugging Face export with "
-            "llama.cpp's convert_hf_to_gguf.py"
-        )
-    from gguf.vocab import SentencePieceVocab, SpecialVocab
+        if not (hf_dir / "tokenizer.json").exists():
+            raise PipelineError(
+                f"--gguf: {hf_dir} has neither a sentencepiece tokenizer.model nor a tokenizer.json; export the run "
+                "with its tokenizer"
+            )
+        return _bpe_vocabulary(writer, gguf, hf_dir, config["vocab_size"])
+    from gguf.vocab import SentencePieceVocab
 
     vocab = SentencePieceVocab(hf_dir)
     tokens, scores, types = [], [], []
@@ -120,8 +169,93 @@ def _vocabulary(writer: Any, gguf: Any, hf_dir: Path, config: dict[str, Any]) ->
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
-    SpecialVocab(hf_dir, n_vocab=rows).add_to_gguf(writer)
+    _specials(writer, hf_dir, rows, merges=False)
     return rows
+
+
+def _bpe_vocabulary(writer: Any, gguf: Any, hf_dir: Path, rows: int) -> int:
+    """A byte-level BPE tokenizer (tokenizer.json) as llama.cpp's "gpt2" tokenizer model: every id's token as the
+    file spells it (bytes mapped to characters), added tokens marked control (special) or user-defined, rows past
+    the vocabulary as unused padding; the merges, special ids and whether a begin-of-sequence id is put before the
+    text, as transformers' tokenizer of the export does."""
+
+    file = hf_dir / "tokenizer.json"
+    doc = json.loads(file.read_text())
+    model = doc.get("model") or {}
+    if (
+        model.get("type") != "BPE"
+        or model.get("byte_fallback")
+        or (doc.get("decoder") or {}).get("type") != "ByteLevel"
+    ):
+        raise PipelineError(
+            f"--gguf: {file} is not a byte-level BPE tokenizer (model {model.get('type')}, decoder "
+            f"{(doc.get('decoder') or {}).get('type')}); convert this export with llama.cpp's convert_hf_to_gguf.py"
+        )
+    pre = PRE_TOKENIZERS.get(_split_expression(doc.get("pre_tokenizer")), "")
+    if not pre:
+        raise PipelineError(
+            f"--gguf: {file}: its pre-tokenizer is none that this conversion names for llama.cpp (Llama 3's, "
+            "Qwen2's, GPT-2's); convert this export with llama.cpp's convert_hf_to_gguf.py, which knows more"
+        )
+    ids: dict[int, tuple[str, Any]] = {i: (t, gguf.TokenType.NORMAL) for t, i in model["vocab"].items()}
+    for added in doc.get("added_tokens") or []:
+        kind = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+        ids[added["id"]] = (added["content"], kind)
+    if max(ids) >= rows:
+        raise PipelineError(f"--gguf: {file} has ids up to {max(ids)}, the model's embedding {rows} rows")
+    tokens = [ids[i][0] if i in ids else f"[PAD{i}]" for i in range(rows)]
+    types = [ids[i][1] if i in ids else gguf.TokenType.UNUSED for i in range(rows)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    _specials(writer, hf_dir, rows, merges=True)
+    return rows
+
+
+def _specials(writer: Any, hf_dir: Path, rows: int, merges: bool) -> None:
+    """The special ids (and a BPE's merges) from the export's tokenizer files, and whether llama.cpp puts a
+    begin-of-sequence id before the text and an end-of-sequence id after it: as transformers' tokenizer of the
+    export does (written always: llama.cpp's default for a file that does not say is to put one first, which this
+    project's models never saw)."""
+    from gguf.vocab import SpecialVocab
+
+    vocab_log = logging.getLogger("gguf.vocab")
+    level = vocab_log.level
+    vocab_log.setLevel(logging.ERROR)  # its guesses at pair templates: not ours to show
+    try:
+        special = SpecialVocab(hf_dir, load_merges=merges, n_vocab=rows)
+    finally:
+        vocab_log.setLevel(level)
+    special.add_special_token["bos"], special.add_special_token["eos"] = _adds_bos_eos(hf_dir)
+    special.add_to_gguf(writer, quiet=True)
+
+
+def _split_expression(pre: dict[str, Any] | None) -> str | None:
+    """The expression a byte-level BPE pre-tokenizer splits text with before mapping bytes: a Split's regex
+    followed by a ByteLevel that does not split again, or None for a ByteLevel that splits as GPT-2 does; "" for
+    anything else."""
+    pre = pre or {}
+    steps: list[dict[str, Any]] = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [s.get("type") for s in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True) and not steps[0].get("add_prefix_space"):
+        return None
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        return str((steps[0].get("pattern") or {}).get("Regex", ""))
+    return ""
+
+
+def _adds_bos_eos(hf_dir: Path) -> tuple[bool, bool]:
+    """Whether transformers' tokenizer of the export puts the begin-of-sequence id before a text and the
+    end-of-sequence id after it (llama.cpp reads both from the file)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    bare = tok("a", add_special_tokens=False)["input_ids"]
+    full = tok("a")["input_ids"]
+    bos = tok.bos_token_id is not None and full[:1] == [tok.bos_token_id] and bare[:1] != full[:1]
+    eos = tok.eos_token_id is not None and full[-1:] == [tok.eos_token_id] and bare[-1:] != full[-1:]
+    return bos, eos
 
 
 def _adds_dummy_prefix(model_file: Path) -> bool:

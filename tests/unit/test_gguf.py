@@ -3,8 +3,7 @@ transformers' own GGUF loader (which undoes llama.cpp's q/k order and dequantise
 Face export gives, and the file's vocabulary, read back with llama.cpp's own reader (gguf.GGUFReader), is our
 sentencepiece model's: every piece, score and type, the special ids, and whether a space is put before the text.
 (transformers' GGUF tokenizer would not do: it always puts the space, whatever the file says, which llama.cpp
-does not.) llama-cpp-python itself has no wheel in our package index (it builds llama.cpp from source, about 15
-minutes here): not in the suite."""
+does not.) llama.cpp itself checks the same files in tests/unit/test_gguf_llama_cpp.py, where it is installed."""
 
 from __future__ import annotations
 
@@ -165,8 +164,61 @@ def test_what_the_conversion_cannot_carry_is_refused_naming_the_way_out(tokenize
     shutil.copyfile(tokenizer_model(tokenized), out / "tokenizer.model")
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(config | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
-    with pytest.raises(PipelineError, match="rope_scaling"):
+    with pytest.raises(PipelineError, match="scales RoPE as .*yarn.*convert_hf_to_gguf.py"):
         write_gguf(out, out / "m.gguf")
     with pytest.raises(PipelineError, match="q4_k"):
         write_gguf(out, out / "m.gguf", "q4_k")
     assert not (out / "m.gguf").exists()
+
+
+@pytest.mark.parametrize(
+    "split, bos, pre", [(None, False, "gpt-2"), ("llama3", True, "llama-bpe"), ("qwen2", False, "qwen2")]
+)
+def test_a_byte_level_bpe_tokenizer_is_carried_as_llama_cpps_gpt2_model(
+    tmp_path: Path, split: str | None, bos: bool, pre: str
+) -> None:
+    """A Qwen2 model with a byte-level BPE tokenizer split as GPT-2's, Llama 3's (putting <s> first) or Qwen2's:
+    the file names llama.cpp's pre-tokenizer for that split, holds every token as tokenizer.json spells it in id
+    order (the embedding's extra rows as unused padding), the specials as control tokens, the merges, and whether
+    a begin-of-sequence id comes first; its weights are the model's."""
+    from gguf import GGUFReader, TokenType
+
+    from pipeline.evaluate.to_gguf import LLAMA3_SPLIT, QWEN2_SPLIT, write_gguf
+    from tests.hf_families import VOCAB, write_model, write_tokenizer
+
+    expression = {"llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, None: None}[split]
+    model = write_model("qwen2", tmp_path / "m", write_tokenizer(tmp_path / "tok", expression, bos))
+    path = write_gguf(model, tmp_path / "m.gguf", "f16")
+    r = GGUFReader(str(path))
+
+    def field(name: str) -> list[Any]:
+        f = r.fields[name]
+        return [f.parts[i].tolist() if f.types[-1].name != "STRING" else bytes(f.parts[i]).decode() for i in f.data]
+
+    doc = json.loads((model / "tokenizer.json").read_text())
+    by_id = {i: t for t, i in doc["model"]["vocab"].items()}
+    assert field("tokenizer.ggml.model") == ["gpt2"] and field("tokenizer.ggml.pre") == [pre]
+    tokens = field("tokenizer.ggml.tokens")
+    assert len(tokens) == VOCAB and tokens[: len(by_id)] == [by_id[i] for i in range(len(by_id))]
+    assert tokens[len(by_id) :] == [f"[PAD{i}]" for i in range(len(by_id), VOCAB)]
+    types = [t[0] for t in field("tokenizer.ggml.token_type")]
+    assert types[:3] == [TokenType.CONTROL] * 3 and set(types[3 : len(by_id)]) == {TokenType.NORMAL}
+    assert set(types[len(by_id) :]) == {TokenType.UNUSED}
+    assert len(field("tokenizer.ggml.merges")) == len(doc["model"]["merges"])
+    assert field("tokenizer.ggml.add_bos_token") == [[bos]] and field("tokenizer.ggml.bos_token_id") == [[1]]
+    assert field("tokenizer.ggml.eos_token_id") == [[2]]
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = [1, 50, 60, 70, 300, 599, 5]
+    assert torch.equal(logits(ref, ids), logits(loaded(path), ids))
+
+
+def test_a_pre_tokenizer_llama_cpp_is_not_told_of_here_is_refused_naming_the_way_out(tmp_path: Path) -> None:
+    from pipeline.evaluate.to_gguf import write_gguf
+    from tests.hf_families import write_model, write_tokenizer
+
+    model = write_model("qwen2", tmp_path / "m", write_tokenizer(tmp_path / "tok", r"\p{L}+|\p{N}|\s+"))
+    with pytest.raises(PipelineError, match="its pre-tokenizer is none that this conversion names for llama.cpp"):
+        write_gguf(model, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
