@@ -1,7 +1,7 @@
 """DeepSpeed's op builds stopped mid-way (pipeline.train.runtime.ops): a SIGTERM (docker stop, a Slurm time limit)
 is one line and exit 143 with no lock left behind; a SIGKILL, which nothing can clean up after, leaves torch's build
 lock, and the next build clears it with a line and finishes instead of waiting on it forever. A real build of
-cpu_adam into a fresh cache (about a minute and a half on 2 cores)."""
+DeepSpeed's CPU all-reduce op, the quickest of the four to build (about a minute on 2 cores), into a fresh cache."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ import pytest
 from tests.multiproc import launch
 
 pytestmark = pytest.mark.slow
+OP = "deepspeed_shm_comm"
 
 
 def start(env: dict[str, str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pipeline.train.runtime.ops", "cpu_adam", "--jobs", "1"]
+    cmd = [sys.executable, "-m", "pipeline.train.runtime.ops", OP, "--jobs", "1"]
     return subprocess.Popen(
         cmd,
         env=env,
@@ -44,14 +45,14 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
 
 def test_a_build_stopped_midway_never_leaves_a_later_build_waiting(tmp_path: Path) -> None:
     env = {**launch.env(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
-    lock = tmp_path / "ext" / "cpu_adam" / "lock"
+    lock = tmp_path / "ext" / OP / "lock"
 
     stopped = start(env)
     wait_for(lock, stopped)
     os.kill(stopped.pid, signal.SIGTERM)  # what docker stop sends the main process
     out = stopped.communicate(timeout=120)[0]
     assert stopped.returncode == 143, out
-    assert "stopped while building DeepSpeed's cpu_adam; the partial builds were cleared" in out
+    assert f"stopped while building DeepSpeed's {OP}; the partial builds were cleared" in out
     assert "Traceback" not in out and not lock.exists()
 
     killed = start(env)
@@ -64,7 +65,7 @@ def test_a_build_stopped_midway_never_leaves_a_later_build_waiting(tmp_path: Pat
     assert lock.exists(), "a SIGKILL leaves torch's lock behind"
 
     again = subprocess.run(
-        [sys.executable, "-m", "pipeline.train.runtime.ops", "cpu_adam", "--jobs", "1"],
+        [sys.executable, "-m", "pipeline.train.runtime.ops", OP, "--jobs", "1"],
         env=env,
         cwd=launch.ROOT,
         capture_output=True,
@@ -72,8 +73,8 @@ def test_a_build_stopped_midway_never_leaves_a_later_build_waiting(tmp_path: Pat
         timeout=900,
     )
     assert again.returncode == 0, again.stdout + again.stderr
-    assert f"cleared {lock}: a build of cpu_adam was stopped before it finished" in again.stdout
-    assert "cpu_adam: built in" in again.stdout and (tmp_path / "ext" / "cpu_adam" / "cpu_adam.so").is_file()
+    assert f"cleared {lock}: a build of {OP} was stopped before it finished" in again.stdout
+    assert f"{OP}: built in" in again.stdout and (tmp_path / "ext" / OP / f"{OP}.so").is_file()
 
 
 def _alive(pid: int) -> psutil.Process | None:
