@@ -201,3 +201,36 @@ def test_continued_pretraining_starts_from_the_model_trains_and_exports(
         EvalConfig(checkpoint=str(run_dir), max_batches=2, output=str(tmp_path / "e.json"), max_new_tokens=4)
     )
     assert 0 < res["loss"] < 10 and res["tokens"] > 0
+
+
+def test_an_architecture_trains_from_scratch_at_another_depth_and_exports_as_that_family(
+    tokenizer: Path, tmp_path: Path
+) -> None:
+    """`model.architecture: MODEL_DIR` with `model.shape.num_layers`: Qwen3's architecture at 1 layer, fresh
+    weights (its first loss is not the saved model's), trains through the launcher and exports as a Qwen3 of 1
+    layer that transformers reloads."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, shards = model_and_data("qwen3", tokenizer, tmp_path)
+    run_dir = tmp_path / "scratch"
+    cfg = launch.write_config(
+        tmp_path / "a.yaml",
+        run_dir=run_dir,
+        shards=shards,
+        ds_config="zero2.json",
+        steps=4,
+        model=f"{{architecture: {model_dir}, shape: {{num_layers: 1}}}}",
+        ckpt_interval=4,
+        micro=MICRO,
+        global_batch=GLOBAL,
+    )
+    out = launch.run(cfg, num_gpus=1)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = launch.losses(run_dir)
+    assert abs(got[1] - transformers_losses(model_dir, shards, steps=1)[0]) > 0.01  # nothing loaded
+    assert got[4] < got[1], got
+    exported = export(str(run_dir), str(tmp_path / "export"), dtype="fp32")
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["head_dim"]) == ("qwen3", 1, 32)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(exported), local_files_only=True)
+    assert type(reloaded).__name__ == "Qwen3ForCausalLM" and len(reloaded.model.layers) == 1
