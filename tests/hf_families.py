@@ -115,15 +115,16 @@ def write_tokenizer(out: Path, split: str | None = None, bos: bool = False) -> P
     return out
 
 
-def write_model(family: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
+def write_model(family: str, out: Path, tokenizer: Path, seed: int = 0, **changes: Any) -> Path:
     """A random model of `family` saved as its hub folder would be: config.json in the hub's form, safetensors
-    weights (sharded in two files, with an index), and the tokenizer's files."""
+    weights (sharded in two files, with an index), and the tokenizer's files; `changes` over the family's
+    config.json."""
     import shutil
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    raw = CONFIGS[family]
+    raw = {**CONFIGS[family], **changes}
     torch.manual_seed(seed)
     config = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
     model = AutoModelForCausalLM.from_config(config)

@@ -34,9 +34,38 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-ROPE_CARRIED = ("default", "llama3")
-"""RoPE variants the conversion carries: plain (any theta) and Llama 3.1's frequency scaling (a per-frequency
-divisor, llama.cpp's rope_freqs tensor). Others (yarn, linear, ...) are refused with the way out."""
+ROPE_CARRIED = ("default", "llama3", "yarn", "linear")
+"""RoPE variants the conversion carries: plain (any theta); Llama 3.1's frequency scaling (a per-frequency
+divisor, llama.cpp's rope_freqs tensor; Llama and Mistral); YaRN with transformers' defaults (beta 32 and 1, the
+attention scale 0.1 ln(factor) + 1, which llama.cpp computes the same way) and linear (positions / factor), as
+llama.cpp's own scaling types. Others (YaRN with its own betas or attention factor, dynamic, longrope) are refused
+with the way out."""
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "mscale": None, "mscale_all_dim": None}
+
+
+def rope_scaling(config: dict[str, Any], family: str, hf_dir: Path) -> str:
+    """The one RoPE variant of a config.json (rope_parameters as transformers 5 writes it, rope_scaling as
+    transformers 4 and the hub do; both must agree), refused where the conversion does not carry it."""
+    _, rope = rope_of(config)
+    kinds = [
+        str(r.get("rope_type") or r.get("type") or "default")
+        for r in (config.get("rope_parameters"), config.get("rope_scaling"))
+        if r
+    ] or ["default"]
+    kind = kinds[0]
+    odd = {k: rope[k] for k, v in YARN_DEFAULTS.items() if kind == "yarn" and rope.get(k) not in (None, v)}
+    if len(set(kinds)) > 1:
+        raise PipelineError(
+            f"--gguf: {hf_dir}/config.json: rope_parameters ({kinds[0]}) and rope_scaling ({kinds[1]}) disagree; "
+            "keep the one the model was trained with"
+        )
+    if kind not in ROPE_CARRIED or odd or (kind == "llama3" and family not in PERMUTED):
+        raise PipelineError(
+            f"--gguf: {hf_dir}/config.json scales RoPE as {config.get('rope_scaling') or rope}, which this "
+            f"conversion does not carry yet (it carries {', '.join(ROPE_CARRIED)}; YaRN with transformers' "
+            "defaults); convert the Hugging Face export with llama.cpp's convert_hf_to_gguf.py"
+        )
+    return kind
 
 
 def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -80,24 +109,23 @@ def write_gguf(hf_dir: Path, out: Path, kind: str = "f16") -> Path:
     if family not in ARCHES:
         raise PipelineError(f"--gguf: no GGUF conversion here for model_type {family} (have {', '.join(ARCHES)})")
     theta, rope = rope_of(config)
-    kinds = {
-        str(r.get("rope_type") or r.get("type") or "default")
-        for r in (config.get("rope_parameters") or {}, config.get("rope_scaling") or {})
-    }
-    if not kinds <= set(ROPE_CARRIED) or len(kinds - {"default"}) > 1 or ("llama3" in kinds and family not in PERMUTED):
-        raise PipelineError(
-            f"--gguf: {hf_dir}/config.json scales RoPE as {config.get('rope_scaling') or rope}, which this "
-            f"conversion does not carry yet (it carries {', '.join(ROPE_CARRIED)}: Llama 3.1's); convert the "
-            "Hugging Face export with llama.cpp's convert_hf_to_gguf.py"
-        )
+    scaling = rope_scaling(config, family, hf_dir)
     arch = getattr(gguf.MODEL_ARCH, ARCHES[family])
     tmp = tmp_path_for(out)  # written whole, then renamed: a half-written .gguf never has the final name
     try:
         writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
         _metadata(writer, gguf, config, kind, hf_dir)
+        if scaling in ("yarn", "linear"):  # llama.cpp's own: the same frequencies and, for YaRN, attention scale
+            writer.add_rope_scaling_type(
+                gguf.RopeScalingType.YARN if scaling == "yarn" else gguf.RopeScalingType.LINEAR
+            )
+            writer.add_rope_scaling_factor(float(rope["factor"]))
+            if scaling == "yarn":
+                original = rope.get("original_max_position_embeddings") or config["max_position_embeddings"]
+                writer.add_rope_scaling_orig_ctx_len(int(original))
         _vocabulary(writer, gguf, hf_dir, config)
         _tensors(writer, gguf, hf_dir, config, arch, family, kind)
-        if "llama3" in kinds:
+        if scaling == "llama3":
             writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_factors(hf_dir, theta))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -164,7 +164,15 @@ def test_what_the_conversion_cannot_carry_is_refused_naming_the_way_out(tokenize
     shutil.copyfile(tokenizer_model(tokenized), out / "tokenizer.model")
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(config | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
-    with pytest.raises(PipelineError, match="scales RoPE as .*yarn.*convert_hf_to_gguf.py"):
+    with pytest.raises(PipelineError, match="rope_parameters .default. and rope_scaling .yarn. disagree"):
+        write_gguf(out, out / "m.gguf")
+    dynamic = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    (out / "config.json").write_text(json.dumps(config | {"rope_parameters": dynamic}))
+    with pytest.raises(PipelineError, match="scales RoPE as .*dynamic.*convert_hf_to_gguf.py"):
+        write_gguf(out, out / "m.gguf")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0, "rope_theta": 10000.0}
+    (out / "config.json").write_text(json.dumps(config | {"rope_parameters": yarn}))
+    with pytest.raises(PipelineError, match="YaRN with transformers' defaults"):
         write_gguf(out, out / "m.gguf")
     with pytest.raises(PipelineError, match="q4_k"):
         write_gguf(out, out / "m.gguf", "q4_k")

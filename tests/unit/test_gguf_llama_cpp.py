@@ -108,3 +108,22 @@ def test_each_family_and_byte_level_bpe_tokenizer_runs_in_llama_cpp_as_in_transf
     expression = {"llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, None: None}[split]
     model = write_model(family, tmp_path / family, write_tokenizer(tmp_path / "tok", expression, bos))
     check(model, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "family, scaling",
+    [
+        ("qwen2", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        ("mistral", {"rope_type": "linear", "factor": 2.0}),
+    ],
+)
+def test_a_context_extended_model_runs_in_llama_cpp_with_its_rope_scaling(
+    tmp_path: Path, family: str, scaling: dict[str, Any]
+) -> None:
+    """YaRN as Qwen2.5's model cards tell users to set it (`rope_scaling` with `type: yarn`, what `model.rope`
+    writes for a context extension), and linear position interpolation: llama.cpp's own scaling types, its logits
+    transformers'."""
+    from tests.hf_families import write_model, write_tokenizer
+
+    model = write_model(family, tmp_path / family, write_tokenizer(tmp_path / "tok"), rope_scaling=scaling)
+    check(model, tmp_path)
