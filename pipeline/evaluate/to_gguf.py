@@ -278,7 +278,13 @@ def _adds_bos_eos(hf_dir: Path) -> tuple[bool, bool]:
     end-of-sequence id after it (llama.cpp reads both from the file)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    except Exception as e:  # whatever transformers raises for a folder it cannot read a tokenizer from
+        raise PipelineError(
+            f"--gguf: {hf_dir}: transformers cannot load its tokenizer ({type(e).__name__}: {e}); export the run "
+            "with its tokenizer"
+        ) from None
     bare = tok("a", add_special_tokens=False)["input_ids"]
     full = tok("a")["input_ids"]
     bos = tok.bos_token_id is not None and full[:1] == [tok.bos_token_id] and bare[:1] != full[:1]

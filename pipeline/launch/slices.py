@@ -1,12 +1,12 @@
 """`pipeline probe --config CONFIG`: the run's own model measured on this node's card(s) at two small depths (2 and
 4 layers by default), through the trainer and DeepSpeed's launcher, with the config's DeepSpeed JSON, precision,
 micro-batch, sequence length and speed switches; one micro-step per optimizer step, so that a slice takes seconds
-whatever the global batch (a continued model, `model.init_from`, in its architecture with fresh weights). Per depth: the
-steady micro-step and optimizer-step times and the peak memory; by the slope (per layer, plus the fixed part:
-embeddings, the output layer, the loss, the engine) the same at the model's full depth. This is how the bench
-showed a 70B fits a 24 GB card (7.57 and 7.82 GiB at 2 and 4 layers: 17.3 at 80). The result goes into the node's
-probe file, where `pipeline plan --config` finds it by the config's key and puts it beside its own figures for the
-same ranks."""
+whatever the global batch (a continued model, `model.init_from`, is sliced in its architecture with fresh
+weights). Per depth: the steady micro-step and optimizer-step times and the peak memory; by the slope (per layer,
+plus the fixed part: embeddings, the output layer, the loss, the engine) the same at the model's full depth. This
+is how the bench showed a 70B fits a 24 GB card (7.57 and 7.82 GiB at 2 and 4 layers: 17.3 at 80). The result
+goes into the node's probe file, where `pipeline plan --config` finds it by the config's key and puts it beside its
+own figures for the same ranks."""
 
 from __future__ import annotations
 
