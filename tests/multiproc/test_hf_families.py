@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -98,6 +99,26 @@ def engine_logits(config: Path, tag: str, out: Path) -> dict[str, torch.Tensor]:
 
 
 EXACT = {"rtol": 1e-5, "atol": 1e-5}
+GGUF_CHECKED = {"qwen2", "mistral"}
+"""Families whose export of a continued run is converted to GGUF here and read back by transformers' GGUF loader,
+which does not apply Llama 3.1's RoPE scaling and reads Qwen3's head size as 128 whatever the file says: llama.cpp
+checks every family in tests/unit/test_gguf_llama_cpp.py."""
+
+
+def gguf_of_export(exported: Path, tmp: Path) -> Any:
+    """`pipeline export --gguf f16` of the export, loaded back by transformers' GGUF loader (alone in its folder);
+    its tokenizer read back as llama.cpp's BPE model names it."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.evaluate.to_gguf import write_gguf
+
+    alone = tmp / "gguf"
+    alone.mkdir()
+    path = write_gguf(exported, alone / "m-f16.gguf", "f16")
+    field = GGUFReader(str(path)).fields["tokenizer.ggml.model"]
+    assert bytes(field.parts[field.data[0]]).decode() == "gpt2"
+    return AutoModelForCausalLM.from_pretrained(str(alone), gguf_file=path.name, dtype=torch.float32).eval()
 
 
 def zero1_frozen_steps_are_transformers_losses(model: str, shards: Path, reference: list[float], tmp: Path) -> None:
@@ -195,6 +216,11 @@ def test_continued_pretraining_starts_from_the_model_trains_and_exports(
             ids = torch.from_numpy(val_data[0][:-1].astype("int64"))[None]
             expected = {"input_ids": ids, "logits": ours(input_ids=ids).logits}
         torch.testing.assert_close(reloaded(input_ids=expected["input_ids"]).logits, expected["logits"], **EXACT)
+        if family in GGUF_CHECKED:  # the export, as llama.cpp takes it: its BPE tokenizer and weights carried
+            gguf_logits = gguf_of_export(exported, tmp_path)(input_ids=expected["input_ids"]).logits
+            largest = expected["logits"].abs().max()
+            # the export is fp32 here: f16 rounds each weight (measured 0.3% of the largest logit)
+            assert (gguf_logits - expected["logits"]).abs().max() <= 1e-2 * largest
 
     # The trainer's validation and `pipeline evaluate` work for the family.
     res = evaluate_run(
