@@ -115,14 +115,7 @@ def write_gguf(hf_dir: Path, out: Path, kind: str = "f16") -> Path:
     try:
         writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
         _metadata(writer, gguf, config, kind, hf_dir)
-        if scaling in ("yarn", "linear"):  # llama.cpp's own: the same frequencies and, for YaRN, attention scale
-            writer.add_rope_scaling_type(
-                gguf.RopeScalingType.YARN if scaling == "yarn" else gguf.RopeScalingType.LINEAR
-            )
-            writer.add_rope_scaling_factor(float(rope["factor"]))
-            if scaling == "yarn":
-                original = rope.get("original_max_position_embeddings") or config["max_position_embeddings"]
-                writer.add_rope_scaling_orig_ctx_len(int(original))
+        _rope_metadata(writer, gguf, config, theta, rope, scaling)
         _vocabulary(writer, gguf, hf_dir, config)
         _tensors(writer, gguf, hf_dir, config, arch, family, kind)
         if scaling == "llama3":
@@ -135,6 +128,20 @@ def write_gguf(hf_dir: Path, out: Path, kind: str = "f16") -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+def _rope_metadata(
+    writer: Any, gguf: Any, config: dict[str, Any], theta: float, rope: dict[str, Any], scaling: str
+) -> None:
+    """RoPE's base and, for YaRN and linear scaling, llama.cpp's own scaling type with its factor (and YaRN's
+    original context): llama.cpp then computes the frequencies and YaRN's attention scale as transformers does."""
+    writer.add_rope_freq_base(theta)
+    if scaling in ("yarn", "linear"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN if scaling == "yarn" else gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    if scaling == "yarn":
+        original = rope.get("original_max_position_embeddings") or config["max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(int(original))
 
 
 def _metadata(writer: Any, gguf: Any, config: dict[str, Any], kind: str, hf_dir: Path) -> None:
@@ -150,7 +157,6 @@ def _metadata(writer: Any, gguf: Any, config: dict[str, Any], kind: str, hf_dir:
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(rope_of(config)[0])
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
 
@@ -206,7 +212,6 @@ def _bpe_vocabulary(writer: Any, gguf: Any, hf_dir: Path, rows: int) -> int:
     file spells it (bytes mapped to characters), added tokens marked control (special) or user-defined, rows past
     the vocabulary as unused padding; the merges, special ids and whether a begin-of-sequence id is put before the
     text, as transformers' tokenizer of the export does."""
-
     file = hf_dir / "tokenizer.json"
     doc = json.loads(file.read_text())
     model = doc.get("model") or {}

@@ -197,7 +197,7 @@ def _architecture_shape(
 ) -> ModelShape:
     """`model.architecture`: a Hugging Face config's model with fresh weights, `overrides` (model.shape) written
     into the config under transformers' names, e.g. {num_layers: 4} for a slice of the model's depth."""
-    source = config_path(architecture) or architecture
+    file = config_path(architecture)
     problems = []
     if init_from:
         problems.append(
@@ -212,7 +212,7 @@ def _architecture_shape(
             + ("give it as model.rope" if k in ("rope_theta", "rope") else "edit the config.json instead")
             for k in unknown
         ]
-    if config_path(architecture) is None:
+    if file is None:
         problems.append(
             f"model.architecture {architecture}: no config.json there; give a Hugging Face model "
             "folder or its config.json"
@@ -226,6 +226,7 @@ def _architecture_shape(
     if isinstance(layers, int) and isinstance(cfg.get("layer_types"), list):
         # per-layer attention kinds (Qwen's sliding windows): the first `layers`, or derived again when deeper
         cfg["layer_types"] = cfg["layer_types"][:layers] if layers <= len(cfg["layer_types"]) else None
+    source = file or architecture
     return shape_from_config(cfg, f"{source} with model.shape {overrides}" if overrides else source)
 
 
