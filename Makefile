@@ -145,6 +145,7 @@ bench: install
 	$(BIN)/python bench/tokenize_bench.py
 	$(BIN)/python bench/data_bench.py
 	$(BIN)/python bench/cpu_bench.py
+	$(BIN)/python bench/slices_bench.py
 
 bench-cpu: install
 	$(BIN)/python bench/cpu_bench.py
