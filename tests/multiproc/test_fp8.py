@@ -4,6 +4,7 @@ weights are the bf16 model's either way); and the export is a plain Hugging Face
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,13 @@ import pytest
 from pipeline.train.checkpoint import files as ckpt
 from tests.multiproc import launch
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fp8")]
-pytest.importorskip("torchao")
+# Whether torchao is installed, without importing it: its import (torch._dynamo's with it) costs every pytest
+# process 1.5-2.5 s at collection, deselected or not.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xdist_group("fp8"),
+    pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed"),
+]
 
 
 def test_fp8_trains_and_its_checkpoint_resumes_with_and_without_it(shards: Path, tmp_path: Path) -> None:
