@@ -790,9 +790,10 @@ def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path, host: Ho
     lent machine's RAM and cores (`host`, default this machine's), and what `pipeline probe` measured on it in the
     warm-up (`probe`), as a user's plan with a probed hostfile would be."""
     from pipeline.model import loss_chunk_tokens
-    from pipeline.plan.cluster import Cluster, trainer_stack, with_probe
+    from pipeline.plan.cluster import Cluster, trainer_stack
     from pipeline.plan.ds_json import candidate_from_ds
     from pipeline.plan.estimate import estimate
+    from pipeline.plan.facts import with_probe
     from pipeline.plan.gpus import capped
     from pipeline.train.setup.optimizers import OPTIMIZERS
 

@@ -37,7 +37,8 @@ from pipeline.options import (
     size,
     user_errors,
 )
-from pipeline.plan.cluster import CLUSTER_DEFAULTS, NODE_FACTS, OPT_IN
+from pipeline.plan.cluster import OPT_IN
+from pipeline.plan.facts import CLUSTER_DEFAULTS, NODE_FACTS
 
 
 def command(**settings: Any) -> Decorator:

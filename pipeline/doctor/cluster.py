@@ -21,7 +21,7 @@ from pipeline.atomic import write_text
 from pipeline.doctor.checks import FAIL, PASS, WARN, Check, Needs, Report, nearest_existing, run_checks
 from pipeline.doctor.remote import ask_every, last_line, parse_tagged, remote_python, ssh
 from pipeline.errors import PipelineError
-from pipeline.plan.cluster import cluster_from_flags
+from pipeline.plan.facts import cluster_from_flags
 from pipeline.plan.hostfile import hostfile_facts
 from pipeline.units import parse_gbps
 

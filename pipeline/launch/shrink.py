@@ -204,7 +204,7 @@ class Survivors:
 def _plan_fits(config: str, sets: list[str], hostfile: str) -> tuple[bool, str]:
     """Whether the planner fits the config on the hosts of `hostfile` (their `# cluster:` facts, else the
     defaults), and why not."""
-    from pipeline.plan.cluster import CLUSTER_DEFAULTS, cluster_from_flags
+    from pipeline.plan.facts import CLUSTER_DEFAULTS, cluster_from_flags
     from pipeline.train.forecast import forecast_config
 
     cluster, _ = cluster_from_flags(hostfile, 1, 1, dict.fromkeys(CLUSTER_DEFAULTS))

@@ -13,8 +13,9 @@ from typing import Any
 from pipeline.errors import PipelineError
 from pipeline.plan import report as plan_report
 from pipeline.plan import search as planner
-from pipeline.plan.cluster import CLUSTER_DEFAULTS, TRAINER, Cluster, cluster_from_flags
+from pipeline.plan.cluster import TRAINER, Cluster
 from pipeline.plan.ds_json import write_ds_config
+from pipeline.plan.facts import CLUSTER_DEFAULTS, cluster_from_flags
 from pipeline.plan.timing import Rates
 from pipeline.units import parse_count
 
@@ -35,7 +36,7 @@ class PlanRequest:
     nodes: int = 1
     gpus_per_node: int = 1
     flags: dict[str, str | None] = field(default_factory=dict)
-    """Each node's facts as given (keys of pipeline.plan.cluster.CLUSTER_DEFAULTS; None: not given)."""
+    """Each node's facts as given (keys of pipeline.plan.facts.CLUSTER_DEFAULTS; None: not given)."""
     global_batch_tokens: str = "4M"
     micro_batch_size: int | None = None
     mfu: float | None = None

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pipeline
 from pipeline.model import resolve_shape
-from pipeline.plan.cluster import TRAINER, Candidate, Cluster, cluster_from_flags
+from pipeline.plan.cluster import TRAINER, Candidate, Cluster
 from pipeline.plan.estimate import FITTED, Estimate
+from pipeline.plan.facts import cluster_from_flags
 from pipeline.plan.memory import GiB
 from pipeline.plan.search import Plan, search
 from pipeline.plan.timing import ASSUMED_SPREAD, MEASURED_SPREAD, RANGE

@@ -10,9 +10,10 @@ from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.plan import command as plan_command
-from pipeline.plan.cluster import Cluster, cluster_from_flags, probe_in_use
+from pipeline.plan.cluster import Cluster
 from pipeline.plan.command import Echo, PlanRequest, token_amounts
 from pipeline.plan.estimate import estimate, estimate_dict
+from pipeline.plan.facts import cluster_from_flags, probe_in_use
 from pipeline.plan.report import describe_estimate, header
 from pipeline.plan.timing import Rates
 from pipeline.train.forecast import Forecast, RunMeasured, calibration, forecast_config, forecast_run, run_rates

@@ -15,8 +15,9 @@ from click.testing import CliRunner
 from pipeline.cli import main
 from pipeline.errors import PipelineError
 from pipeline.model import PRESETS
-from pipeline.plan.cluster import CLUSTER_DEFAULTS, Candidate, cluster_from_flags
+from pipeline.plan.cluster import Candidate
 from pipeline.plan.estimate import estimate
+from pipeline.plan.facts import CLUSTER_DEFAULTS, cluster_from_flags
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.timing import ADAM_BYTES, ASSUMED_SPREAD, MEASURED_SPREAD, RANGE
 

@@ -1,4 +1,4 @@
-"""pipeline.plan.cluster: what the planner assumed of the cluster is said, a hostfile without facts plans with
+"""pipeline.plan.facts: what the planner assumed of the cluster is said, a hostfile without facts plans with
 named defaults."""
 
 from __future__ import annotations
