@@ -20,6 +20,7 @@ def test_more_local_ranks_than_gpus_is_refused_in_one_line() -> None:
     assert local_ranks_problem(2, "cuda", 2) is None and local_ranks_problem(8, "cpu", 0) is None
 
 
+@pytest.mark.slow  # two `pipeline pretrain --dry-run` processes, each importing torch and DeepSpeed
 def test_a_gpu_machine_whose_torch_cannot_use_the_gpu_is_refused_unless_the_cpu_is_asked_for(
     shards: Path, tmp_path: Path
 ) -> None:

@@ -144,6 +144,7 @@ def test_interrupted_run_leaves_no_outputs(tmp_path: Path, tokenized: Path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
 
 
+@pytest.mark.slow  # a tokenize process killed midway, then a second run: seconds of interpreter starts
 def test_killed_run_leaves_no_final_outputs(tmp_path: Path, tokenized: Path) -> None:
     big = tmp_path / "big.jsonl"
     big.write_text(CORPUS.read_text() * 200)
@@ -175,6 +176,7 @@ def test_killed_run_leaves_no_final_outputs(tmp_path: Path, tokenized: Path) -> 
     assert IndexedReader(tmp_path / "out").tokens.size > 0
 
 
+@pytest.mark.slow  # tokenize in subprocesses, their peak memory measured at two corpus sizes
 def test_memory_does_not_grow_with_corpus_size(tmp_path: Path, tokenized: Path) -> None:
     small, large = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
     small.write_text(CORPUS.read_text() * 5)
