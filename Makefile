@@ -53,7 +53,8 @@ test: install ops
 ops: install
 	$(BIN)/python -m pipeline.train.runtime.ops
 
-# The inner loop: everything but the multi-process runs, in well under a minute.
+# The inner loop: everything but the tests marked slow (multi-process runs, stages run as processes of their own)
+# and dist, in under a minute.
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not slow and not dist" -n $(TEST_WORKERS) tests
 
