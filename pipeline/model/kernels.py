@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -443,12 +444,25 @@ def apply_fp8(model: Any, choice: Fp8Choice) -> int:
 # ---- compile ----------------------------------------------------------------------------------------------------
 
 
+COMPILE_OFF_SWITCHES = ("TORCHDYNAMO_DISABLE", "TORCH_COMPILE_DISABLE")
+"""Environment variables with which torch.compile returns the function unchanged (torch._dynamo reads them)."""
+
+
 def choose_compile(
-    setting: bool | None, device_type: str, zero_stage: int, long_context: bool = False
+    setting: bool | None,
+    device_type: str,
+    zero_stage: int,
+    long_context: bool = False,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[bool, str]:
     """`train.compile` resolved: null (auto) compiles where it was measured to pay, a CUDA GPU with ZeRO 0-2
     (1.21x on the H200's 1b case, 2026-12-04); true/false as asked (true with ZeRO-3 is refused earlier).
-    `long_context`: sequence parallelism or the tiled MLP, which have not run compiled on a GPU here."""
+    `long_context`: sequence parallelism or the tiled MLP, which have not run compiled on a GPU here. `environ`
+    (the process's, at the start of a run): a switch that turns torch.compile off turns it off here too, saying so,
+    instead of reporting compiled layers that run eager."""
+    switch = next((k for k in COMPILE_OFF_SWITCHES if (environ or {}).get(k) == "1"), None)
+    if switch and setting is not False:
+        return False, f"compile: off ({switch}=1 in the environment turns torch.compile off; unset it to compile)"
     if setting is not None:
         return setting, f"compile: {'on' if setting else 'off'} (asked for)"
     if device_type != "cuda":

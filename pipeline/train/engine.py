@@ -94,7 +94,7 @@ def choose_speed(
     priority, transformers' patched modules): call once on every rank, before the model is built."""
     stage = zero_stage(ds)
     long_context = cfg.train.sequence_parallel > 1 or cfg.train.tiled_mlp > 1
-    compile_on, compile_note = kernels.choose_compile(cfg.train.compile, device.type, stage, long_context)
+    compile_on, compile_note = kernels.choose_compile(cfg.train.compile, device.type, stage, long_context, os.environ)
     # Rank 0 times the backends and every rank takes its choice: timings within noise of each other would otherwise
     # give ranks different kernels.
     attention = on_rank0(

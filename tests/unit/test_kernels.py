@@ -76,6 +76,25 @@ def test_compile_auto_compiles_on_a_gpu_below_zero3(setting: bool | None, device
         assert kernels.choose_compile(setting, device, stage, long_context=True)[0] is bool(setting)
 
 
+@pytest.mark.parametrize("switch", ["TORCHDYNAMO_DISABLE", "TORCH_COMPILE_DISABLE"])
+def test_an_environment_that_turns_torch_compile_off_is_said_not_hidden(
+    switch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With either switch torch.compile hands back the layer unchanged: the run reports compile off and why, asked
+    for or auto, instead of "compile: on" over eager layers; "0" or unset leaves the choice as it was."""
+    for setting in (True, None):
+        got, note = kernels.choose_compile(setting, "cuda", 2, environ={switch: "1"})
+        assert got is False and f"{switch}=1 in the environment" in note
+    assert kernels.choose_compile(False, "cuda", 2, environ={switch: "1"}) == (False, "compile: off (asked for)")
+    assert kernels.choose_compile(True, "cpu", 2, environ={switch: "0"}) == (True, "compile: on (asked for)")
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # what the first switch does to torch.compile itself
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    assert torch.compile(double) is double
+
+
 def test_a_fused_loss_returns_the_sum_and_trains_as_the_chunked_loss() -> None:
     """The model's fused-loss hook (Liger's kernel on a GPU; here the same sum computed by torch) gives the chunked
     loss's mean, total and gradients; without gradients (evaluation) the per-token chunked loss stays."""
