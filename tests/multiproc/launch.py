@@ -33,10 +33,16 @@ launcher and every rank of every launch. The test extra installs mlflow for the 
 which launches with env(mlflow=True)."""
 
 
-def env(mlflow: bool = False) -> dict[str, str]:
+def env(mlflow: bool = False, compile: bool = False) -> dict[str, str]:
+    """The environment of a launch. Without `compile`, TORCHDYNAMO_DISABLE=1: every ZeRO and bf16 engine imports
+    DeepSpeed's Muon, whose torch.compile decorators load Inductor (0.8 s of a rank's start here, 1.2 of a 2-rank
+    launch's 13 s of CPU), and a Muon run compiles its Newton-Schulz steps for the CPU (6.5 s more). The pipeline
+    says compile is off under it (pipeline.model.kernels.choose_compile), so a test of train.compile that forgets
+    compile=True fails on its "compile: on" line instead of comparing eager with eager."""
     e = os.environ.copy()
     # always set, so that env(mlflow=True) passed as launcher_env's extra replaces the hiding one
     e["PYTHONPATH"] = os.pathsep.join(p for p in ([] if mlflow else [str(HIDDEN)]) + [e.get("PYTHONPATH", "")] if p)
+    e["TORCHDYNAMO_DISABLE"] = "0" if compile else "1"
     e["DS_ACCELERATOR"] = "cpu"
     # The venv's ninja first: two ninja versions rebuild each other's JIT ops otherwise.
     e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")

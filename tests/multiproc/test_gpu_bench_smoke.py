@@ -18,7 +18,7 @@ BENCH = launch.ROOT / "bench" / "gpu_bench.py"
 
 def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> None:
     cmd = [sys.executable, str(BENCH), "--smoke", "--out", str(tmp_path)]
-    out = subprocess.run(cmd, env=launch.env(), capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(cmd, env=launch.env(compile=True), capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     doc = json.loads((tmp_path / "results.json").read_text())
     assert not doc["preflight"]["missing"] and doc["warm_up"]["matmul"]["tflops"] > 0

@@ -110,7 +110,8 @@ def test_compiled_layers_give_the_eager_losses(zero_runs: dict[int, Path], shard
     cfg = launch.write_config(
         tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=STEPS, ckpt_interval=STEPS
     )
-    out = launch.run(cfg, sets=("train.compile=true", "train.kernels=liger", "train.attention=cudnn"))
+    sets = ("train.compile=true", "train.kernels=liger", "train.attention=cudnn")
+    out = launch.run(cfg, sets=sets, extra_env=launch.env(compile=True))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     said = out.stdout + out.stderr
     assert "compile: on (asked for)" in said
