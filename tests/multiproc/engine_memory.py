@@ -1,8 +1,11 @@
-"""Run under the deepspeed launcher: build a real engine, take one step, and report the bytes it holds per rank
-for parameters, gradients and optimizer states (rank 0 writes JSON)."""
+"""Run under the deepspeed launcher: for each case (a config and its --set overrides) build a real engine, take one
+step, and report the bytes it holds per rank for parameters, gradients and optimizer states; rank 0 writes the
+list as JSON. One launch measures several engines, one after the other (each launch is 13 s of CPU here, most of
+it imports): `engine_memory.py CASES.json OUT.json`, CASES a list of {"config": path, "sets": [...]}."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -15,12 +18,28 @@ def _bytes(tensors) -> int:
 
 
 def main() -> int:
-    config, out, *sets = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    cases, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    import deepspeed.comm as dist
+
+    from pipeline.train.runtime.dist import init_distributed
+
+    rank = init_distributed().rank
+    results = []
+    for case in json.loads(open(cases).read()):
+        results.append(measure(case["config"], case.get("sets", []), rank))
+        gc.collect()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    return 0
+
+
+def measure(config: str, sets: list[str], rank: int) -> dict:
     import deepspeed.comm as dist
 
     from pipeline.data.loader import ShardedDataset, collate_samples
     from pipeline.train.engine import build_engine
-    from pipeline.train.runtime.dist import init_distributed
     from pipeline.train.setup.config import load
     from pipeline.train.setup.prepare import prepare
     from pipeline.train.step import lm_loss
@@ -28,7 +47,6 @@ def main() -> int:
     cfg = load(config, sets)
     p = prepare(cfg, int(os.environ["WORLD_SIZE"]))
     cfg, ds, shape, manifest = p.cfg, p.ds, p.shape, p.manifest
-    rank = init_distributed().rank
     engine = build_engine(cfg, ds, shape, manifest["tokenizer"], rank)
     stage = ds["zero_optimization"]["stage"]
     zero = engine.optimizer
@@ -68,11 +86,8 @@ def main() -> int:
         result["zenflow_selective"] = _bytes(
             v for s in selective for v in s.values() if torch.is_tensor(v) and v.numel() > 1
         )
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    return 0
+    engine.destroy()
+    return result
 
 
 if __name__ == "__main__":

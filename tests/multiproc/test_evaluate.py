@@ -26,20 +26,33 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def engine_logits(run_dir: Path, tmp_path: Path) -> dict:
-    out = tmp_path / f"{run_dir.name}-logits.pt"
-    config = run_dir.parent / f"{run_dir.name}.yaml"
-    res = launch.run_script(ROOT / "tests/multiproc/engine_logits.py", config, "step00000020", out)
+@pytest.fixture(scope="module")
+def engine_logits(zero_runs: dict[int, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """The ZeRO-1 and ZeRO-3 runs' last checkpoints loaded into real 2-rank engines (one launch): their logits on
+    val sample 0, by stage."""
+    tmp = tmp_path_factory.mktemp("logits")
+    cases = [
+        {
+            "config": str(zero_runs[s].parent / f"{zero_runs[s].name}.yaml"),
+            "tag": "step00000020",
+            "out": str(tmp / f"{s}.pt"),
+        }
+        for s in (1, 3)
+    ]
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    res = launch.run_script(ROOT / "tests/multiproc/engine_logits.py", tmp / "cases.json")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return torch.load(out)
+    return {s: torch.load(tmp / f"{s}.pt") for s in (1, 3)}
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_exported_model_reproduces_engine_logits(zero_runs: dict[int, Path], tmp_path: Path, stage: int) -> None:
+def test_exported_model_reproduces_engine_logits(
+    zero_runs: dict[int, Path], engine_logits: dict[int, dict], tmp_path: Path, stage: int
+) -> None:
     from transformers import AutoModelForCausalLM
 
     run_dir = zero_runs[stage]
-    ref = engine_logits(run_dir, tmp_path)
+    ref = engine_logits[stage]
     hf_dir = export_checkpoint(str(run_dir), str(tmp_path / "hf"), dtype="fp32", max_shard_bytes=200_000)
     assert len(list(hf_dir.glob("model-*.safetensors"))) > 1 and (hf_dir / "model.safetensors.index.json").exists()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
@@ -70,7 +83,7 @@ def test_exported_tokenizer_matches_pipeline_tokenizer(zero_runs: dict[int, Path
 
 
 def test_export_writes_gguf_files_that_load_with_the_engines_logits_and_our_ids(
-    zero_runs: dict[int, Path], tmp_path: Path
+    zero_runs: dict[int, Path], engine_logits: dict[int, dict], tmp_path: Path
 ) -> None:
     """`pipeline export --gguf f16 --gguf q8_0` on a trained ZeRO-3 run: two .gguf files beside the Hugging Face
     folder; transformers' GGUF loader gives the engine's logits (f16: within the bf16 export's rounding; q8_0:
@@ -87,7 +100,7 @@ def test_export_writes_gguf_files_that_load_with_the_engines_logits_and_our_ids(
     from tests.unit.test_gguf import assert_vocabulary_is
 
     run_dir = zero_runs[3]
-    ref = engine_logits(run_dir, tmp_path)
+    ref = engine_logits[3]
     out = tmp_path / "hf"
     r = CliRunner().invoke(
         main, ["export", "--checkpoint", str(run_dir), "--output", str(out), "--gguf", "f16", "--gguf", "q8_0"]

@@ -14,22 +14,36 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("preset,stage", [("tiny", 2), ("125m", 2), ("tiny", 3), ("125m", 3)])
-def test_model_state_bytes_match_a_real_engine(shards: Path, tmp_path: Path, preset: str, stage: int) -> None:
-    cfg = launch.write_config(
-        tmp_path / "m.yaml",
-        run_dir=tmp_path / "run",
-        shards=shards,
-        ds_config=f"zero{stage}.json",
-        micro=1,
-        global_batch=2,
-    )
-    out = tmp_path / "mem.json"
-    res = launch.run_script(
-        ROOT / "tests/multiproc/engine_memory.py", cfg, out, f"model.preset={preset}", "train.precision=bf16"
-    )
+CASES = [("tiny", 2), ("125m", 2), ("tiny", 3), ("125m", 3)]
+
+
+@pytest.fixture(scope="module")
+def engines(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict]:
+    """The bytes of a real 2-rank bf16 engine for each case, all measured in one launch."""
+    tmp = tmp_path_factory.mktemp("engines")
+    cases = []
+    for preset, stage in CASES:
+        name = f"{preset}-zero{stage}"
+        cfg = launch.write_config(
+            tmp / f"{name}.yaml",
+            run_dir=tmp / name,
+            shards=shards,
+            ds_config=f"zero{stage}.json",
+            micro=1,
+            global_batch=2,
+        )
+        cases.append({"config": str(cfg), "sets": [f"model.preset={preset}", "train.precision=bf16"]})
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    res = launch.run_script(ROOT / "tests/multiproc/engine_memory.py", tmp / "cases.json", tmp / "out.json")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    measured = json.loads(out.read_text())
+    return dict(zip(CASES, json.loads((tmp / "out.json").read_text()), strict=True))
+
+
+@pytest.mark.xdist_group("engines")  # under `pytest -n 2`, on one worker: the fixture's launch runs once
+@pytest.mark.parametrize("preset,stage", CASES)
+def test_model_state_bytes_match_a_real_engine(engines: dict[tuple[str, int], dict], preset: str, stage: int) -> None:
+    measured = engines[preset, stage]
+    assert measured["stage"] == stage
     planned = state_split(stage, measured["psi"], 2, False, False)
     for key in ("params", "grads", "optimizer"):
         assert measured[key] == pytest.approx(planned[key], rel=0.10), (key, measured, planned)
