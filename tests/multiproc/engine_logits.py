@@ -1,6 +1,6 @@
 """Run under the deepspeed launcher: for each case, load a checkpoint into a real engine and save its logits on val
 sample 0. One launch loads several runs' checkpoints, one engine after the other (each launch is 13 s of CPU here,
-most of it imports): `engine_logits.py CASES.json`, CASES a list of {"config": path, "tag": name, "out": path}."""
+most of it imports): `engine_logits.py CASES`, CASES a JSON list of {"config": path, "tag": name, "out": path}."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def main() -> int:
     from pipeline.train.runtime.dist import init_distributed
 
     rank = init_distributed().rank
-    for case in json.loads(open(cases).read()):
+    for case in json.loads(cases):
         logits(case["config"], case["tag"], case["out"], rank)
         gc.collect()
     dist.barrier()

@@ -1,7 +1,7 @@
 """Run under the deepspeed launcher: for each case (a config and its --set overrides) build a real engine, take one
 step, and report the bytes it holds per rank for parameters, gradients and optimizer states; rank 0 writes the
 list as JSON. One launch measures several engines, one after the other (each launch is 13 s of CPU here, most of
-it imports): `engine_memory.py CASES.json OUT.json`, CASES a list of {"config": path, "sets": [...]}."""
+it imports): `engine_memory.py CASES OUT.json`, CASES a JSON list of {"config": path, "sets": [...]}."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def main() -> int:
 
     rank = init_distributed().rank
     results = []
-    for case in json.loads(open(cases).read()):
+    for case in json.loads(cases):
         results.append(measure(case["config"], case.get("sets", []), rank))
         gc.collect()
     if rank == 0:

@@ -39,8 +39,7 @@ def engine_logits(zero_runs: dict[int, Path], tmp_path_factory: pytest.TempPathF
         }
         for s in (1, 3)
     ]
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    res = launch.run_script(ROOT / "tests/multiproc/engine_logits.py", tmp / "cases.json")
+    res = launch.run_script(ROOT / "tests/multiproc/engine_logits.py", json.dumps(cases))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return {s: torch.load(tmp / f"{s}.pt") for s in (1, 3)}
 

@@ -93,7 +93,7 @@ def transformers_losses(model_dir: Path, shards: Path, steps: int, seed: int = 1
 
 
 def engine_logits(config: Path, tag: str, out: Path) -> dict[str, torch.Tensor]:
-    (cases := out.with_suffix(".json")).write_text(json.dumps([{"config": str(config), "tag": tag, "out": str(out)}]))
+    cases = json.dumps([{"config": str(config), "tag": tag, "out": str(out)}])
     res = launch.run_script(Path(__file__).parent / "engine_logits.py", cases, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out)

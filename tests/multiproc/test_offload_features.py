@@ -131,7 +131,7 @@ def test_zenflow_trains_resumes_and_holds_what_the_planner_counts(shards: Path, 
     assert all(abs(alone[s] - got[s]) < 0.02 * got[s] for s in range(9, 13)), [(alone[s], got[s]) for s in range(9, 13)]
 
     bf16 = config(tmp_path, "zenflow-bf16", shards, ds, precision="bf16", steps=2, global_batch=4, ckpt_interval=2)
-    (cases := tmp_path / "cases.json").write_text(json.dumps([{"config": str(bf16)}]))
+    cases = json.dumps([{"config": str(bf16)}])
     probe = launch.run_script(launch.ROOT / "tests" / "multiproc" / "engine_memory.py", cases, tmp_path / "out.json")
     assert probe.returncode == 0, probe.stdout[-3000:] + probe.stderr[-3000:]
     [measured] = json.loads((tmp_path / "out.json").read_text())

@@ -33,8 +33,7 @@ def engines(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tupl
             global_batch=2,
         )
         cases.append({"config": str(cfg), "sets": [f"model.preset={preset}", "train.precision=bf16"]})
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    res = launch.run_script(ROOT / "tests/multiproc/engine_memory.py", tmp / "cases.json", tmp / "out.json")
+    res = launch.run_script(ROOT / "tests/multiproc/engine_memory.py", json.dumps(cases), tmp / "out.json")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return dict(zip(CASES, json.loads((tmp / "out.json").read_text()), strict=True))
 
