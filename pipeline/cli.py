@@ -267,6 +267,9 @@ def pretrain(config: str, sets: tuple[str, ...], **options: Any) -> None:
       train.compile    null: compiled decoder layers with ZeRO 0-2 (1.32x on an H200), eager with ZeRO-3
       train.attention  auto: the fastest SDPA backend timed at the model's shape at start (flash, cudnn, ...)
       train.kernels    auto: Liger Kernel's fused kernels where layers are not compiled (pip install -e '.[gpu]')
+      train.document_attention  auto: whole documents and sliding windows kept by FlashAttention-2's varlen kernel
+                       without a (seq x seq) mask where flash_attn is installed (pip install -e '.[flash]'), else
+                       SDPA with the dense mask (not under sequence parallelism)
     e.g. --set train.compile=false --set train.attention=flash --set train.kernels=torch"""
     from pipeline import launch
 

@@ -63,55 +63,104 @@ class AttentionChoice:
     """`auto` on a GPU: each backend's forward + backward time, or why it could not run."""
 
 
+def attention_heads(shape: ModelShape, sequence_parallel: int = 1) -> tuple[int, int]:
+    """(query heads, key/value heads) of one rank's attention call: under sequence parallelism Ulysses' all-to-all
+    gives each rank the whole sequence for N-th of the query heads, and N-th of the key/value heads (or one of them
+    replicated where there are fewer than N)."""
+    n = max(1, sequence_parallel)
+    return shape.num_heads // n, max(1, shape.num_kv_heads // n)
+
+
+TIMING_BUDGET_S = 20.0
+"""The most `auto` spends timing the backends (the other ranks wait for rank 0's choice): each backend gets its
+share, and stops repeating when it is spent. At 128K a single call takes seconds."""
+
+
+def timed(call: Any, repeats: int, budget_s: float, sync: Any) -> tuple[float, int]:
+    """Pure timing: `call` (warmed up already) repeated up to `repeats` times, stopping once `budget_s` is spent
+    (at least once); (seconds per call, calls)."""
+    sync()
+    t0 = time.perf_counter()
+    calls = 0
+    while calls < repeats and (calls == 0 or time.perf_counter() - t0 < budget_s):
+        call()
+        calls += 1
+        sync()
+    return (time.perf_counter() - t0) / calls, calls
+
+
 def time_backends(
-    shape: ModelShape, micro_batch_size: int, seq_len: int, device: Any, repeats: int = 5
+    shape: ModelShape,
+    micro_batch_size: int,
+    seq_len: int,
+    device: Any,
+    repeats: int = 5,
+    sequence_parallel: int = 1,
+    budget_s: float = TIMING_BUDGET_S,
+    backends: tuple[str, ...] = GPU_BACKENDS,
 ) -> dict[str, float | str]:
-    """Each GPU backend's causal forward + backward at the model's attention shape (as transformers calls SDPA:
-    grouped-query through enable_gqa), in ms, or why it cannot run it or disagrees with FlashAttention."""
+    """Each backend's causal forward + backward at the shape one rank's attention runs at (seq x heads / N under
+    sequence parallelism; grouped-query through enable_gqa, as transformers calls SDPA), in ms, or why it cannot run
+    it or disagrees with FlashAttention: the forward's output and the backward's gradients of q, k and v are both
+    compared. Within `budget_s` in all."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    heads, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    heads, kv = attention_heads(shape, sequence_parallel)
+    d = shape.head_dim
     g = torch.Generator(device=device).manual_seed(0)
 
     def draw(h: int) -> Any:
-        return torch.randn(
-            micro_batch_size, h, seq_len, d, device=device, dtype=torch.bfloat16, generator=g
-        ).requires_grad_()
+        return torch.randn(micro_batch_size, h, seq_len, d, device=device, dtype=torch.bfloat16, generator=g)
 
-    q, k, v = draw(heads), draw(kv), draw(kv)
-    grad = torch.randn(micro_batch_size, heads, seq_len, d, device=device, dtype=torch.bfloat16, generator=g)
+    inputs = (draw(heads), draw(kv), draw(kv))
+    grad = draw(heads)
     gqa = kv != heads
+
+    def sync() -> None:
+        if getattr(device, "type", str(device)) == "cuda":
+            torch.cuda.synchronize(device)
+
+    def step() -> list[Any]:
+        q, k, v = (t.detach().requires_grad_() for t in inputs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        y.backward(grad)
+        return [t.detach().float() for t in (y, q.grad, k.grad, v.grad)]
+
     out: dict[str, float | str] = {}
     reference = None
-    for name in ("flash", *(n for n in GPU_BACKENDS if n != "flash")):
+    names = ("flash", *(n for n in backends if n != "flash")) if "flash" in backends else backends
+    for name in names:
         backend = getattr(SDPBackend, str(ATTENTION[name].sdp))
         try:
             with sdpa_kernel(backend):
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-                y.backward(grad)
-                torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                for _ in range(repeats):
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).backward(grad)
-                torch.cuda.synchronize(device)
+                got = step()  # the warm-up, and what is compared
+                seconds, _ = timed(step, repeats, budget_s / len(names), sync)
         except RuntimeError as e:
             out[name] = f"unavailable: {str(e).splitlines()[0][:100]}"
             continue
         if reference is None:
-            reference = y.detach().float()
-        elif (diff := (y.detach().float() - reference).abs().max().item()) > AGREE_ATOL:
-            out[name] = f"disagrees with flash by {diff:.3g}"
-            continue
-        out[name] = (time.perf_counter() - t0) / repeats * 1e3
+            reference = got
+        else:
+            diffs = [(a - b).abs().max().item() for a, b in zip(got, reference, strict=True)]
+            if (worst := max(diffs)) > AGREE_ATOL:
+                what = ("output", "dq", "dk", "dv")[diffs.index(worst)]
+                out[name] = f"disagrees with flash by {worst:.3g} ({what})"
+                continue
+        out[name] = seconds * 1e3
     return out
 
 
 def choose_attention(
-    setting: str, shape: ModelShape, micro_batch_size: int, seq_len: int, device: Any
+    setting: str,
+    shape: ModelShape,
+    micro_batch_size: int,
+    seq_len: int,
+    device: Any,
+    sequence_parallel: int = 1,
 ) -> AttentionChoice:
-    """`train.attention` resolved on this device (see ATTENTION)."""
+    """`train.attention` resolved on this device (see ATTENTION), `auto` timed at one rank's attention shape."""
     cuda = getattr(device, "type", str(device)) == "cuda"
     if setting == "torch":
         return AttentionChoice("torch", "attention: torch's own SDPA choice")
@@ -125,13 +174,17 @@ def choose_attention(
         return AttentionChoice("math", "attention: math")
     if setting != "auto":
         return AttentionChoice(setting, f"attention: {setting} (asked for; others only where it cannot serve a call)")
-    timings = time_backends(shape, micro_batch_size, seq_len, device)
+    timings = time_backends(shape, micro_batch_size, seq_len, device, sequence_parallel=sequence_parallel)
+    heads, kv = attention_heads(shape, sequence_parallel)
+    at = f"{micro_batch_size} x {seq_len} tokens x {heads}/{kv} heads"
     usable = {n: t for n, t in timings.items() if isinstance(t, float)}
     if not usable:
-        return AttentionChoice("torch", f"attention: no backend ran at this shape ({timings}); torch's choice", timings)
+        return AttentionChoice("torch", f"attention: no backend ran at {at} ({timings}); torch's choice", timings)
     best = min(usable, key=lambda n: usable[n])
     said = ", ".join(f"{n} {t:.2f} ms" if isinstance(t, float) else f"{n} {t}" for n, t in timings.items())
-    return AttentionChoice(best, f"attention: {best}, the fastest at this shape (forward + backward: {said})", timings)
+    return AttentionChoice(
+        best, f"attention: {best}, the fastest at {at} (forward + backward, both checked: {said})", timings
+    )
 
 
 def apply_attention(choice: AttentionChoice) -> None:

@@ -12,8 +12,9 @@ import torch
 
 from pipeline.data.manifest import TokenizerInfo, model_token_ids
 from pipeline.errors import PipelineError
-from pipeline.model import ModelShape, build_model, kernels, pretraining_class, transformers_helper
+from pipeline.model import ModelShape, build_model, kernels, pretraining_class, transformers_helper, varlen
 from pipeline.model.kernels import Fp8Choice
+from pipeline.model.varlen import NO_MASKS, DocumentAttention
 from pipeline.plan.cluster import offload_devices
 from pipeline.train.runtime import sequence
 from pipeline.train.runtime.dist import accelerator_name, on_rank0
@@ -65,9 +66,12 @@ class Speed:
     kernels: kernels.KernelChoice
     compile_note: str
     fp8: Fp8Choice = Fp8Choice(False, False, "fp8: off")
+    documents: DocumentAttention = NO_MASKS
+    """How attention keeps documents apart and windows honoured (decided before launch: Prepared.documents)."""
 
     def notes(self) -> list[str]:
-        return [self.compile_note, self.attention.note, self.kernels.note, self.fp8.note]
+        masks = [self.documents.note] if self.documents.kind != "sdpa" else []
+        return [self.compile_note, self.attention.note, self.kernels.note, self.fp8.note, *masks]
 
     def record(self) -> dict[str, Any]:
         """What environment.json and the bench keep."""
@@ -79,6 +83,7 @@ class Speed:
             "fused_loss": self.kernels.fused_loss,
             "fp8": self.fp8.on,
             "fp8_emulated": self.fp8.emulate,
+            "attention_masks": self.documents.kind,
         }
 
 
@@ -89,22 +94,26 @@ def choose_speed(
     micro_batch_size: int,
     seq_len: int,
     device: torch.device,
+    documents: DocumentAttention | None = None,
 ) -> Speed:
     """train.compile, train.attention and train.kernels resolved here, and applied to the process (the SDPA
-    priority, transformers' patched modules): call once on every rank, before the model is built."""
+    priority, transformers' patched modules): call once on every rank, before the model is built. `documents`:
+    the attention path chosen before launch (the model is built with it)."""
     stage = zero_stage(ds)
     long_context = cfg.train.sequence_parallel > 1 or cfg.train.tiled_mlp > 1
     compile_on, compile_note = kernels.choose_compile(cfg.train.compile, device.type, stage, long_context, os.environ)
-    # Rank 0 times the backends and every rank takes its choice: timings within noise of each other would otherwise
-    # give ranks different kernels.
+    # Rank 0 times the backends, at the shape each rank's attention runs at, and every rank takes its choice:
+    # timings within noise of each other would otherwise give ranks different kernels.
     attention = on_rank0(
-        lambda: kernels.choose_attention(cfg.train.attention, shape, micro_batch_size, seq_len, device)
+        lambda: kernels.choose_attention(
+            cfg.train.attention, shape, micro_batch_size, seq_len, device, cfg.train.sequence_parallel
+        )
     )
     kernel_set = kernels.choose_kernels(cfg.train.kernels, shape, device.type, zero3=stage == 3, compiled=compile_on)
     kernels.apply_attention(attention)
     kernels.apply_kernels(kernel_set, shape)
     fp8 = kernels.choose_fp8(cfg.train.fp8, device, shape)
-    return Speed(compile_on, attention, kernel_set, compile_note, fp8)
+    return Speed(compile_on, attention, kernel_set, compile_note, fp8, documents or NO_MASKS)
 
 
 def build_training_model(
@@ -128,6 +137,8 @@ def build_training_model(
     else:
         gpu = torch.device("cuda", torch.cuda.current_device()) if accelerator_name() == "cuda" else None
         init_weights(model, cfg.train.seed, rank, stage3, gpu)
+    if speed is not None:
+        varlen.use(model, speed.documents)  # before Ulysses wraps the model's attention (build_engine)
     kernels.tile_mlp(model, cfg.train.tiled_mlp)  # before compiling: the compiled layer calls the tiled MLP
     if speed is not None:
         kernels.apply_fp8(model, speed.fp8)

@@ -176,16 +176,17 @@ class Trainer:
             share_cpu_cores(ranks_per_node(run.dist.world_size))
         self.watchdog = Watchdog(cfg.train.comm_timeout_minutes * 60, rank, run.run_dir / "logs" / "launch.log")
         self.checkpointer = Checkpointer(run, data_fingerprint=self.train_data.fingerprint, watchdog=self.watchdog)
-        speed = choose_speed(cfg, run.ds, run.shape, run.plan.micro_batch_size, run.plan.seq_len, run.dist.device)
+        speed = choose_speed(
+            cfg, run.ds, run.shape, run.plan.micro_batch_size, run.plan.seq_len, run.dist.device, run.documents
+        )
         if rank == 0:
             tiles = cfg.train.tiled_mlp
             long_context = [run.plan.sequence_note] if run.plan.sequence_parallel > 1 else []
             long_context += [f"tiled MLP: each layer's MLP in {tiles} tiles along the sequence"] if tiles > 1 else []
             if self.train_data.document_masks:
-                mask_gib = run.plan.micro_batch_size * run.plan.seq_len**2 / 2**30
                 long_context += [
                     "documents: whole, several to a sample; attention and the loss stay inside each (positions "
-                    f"restart at each document's start); SDPA takes a {mask_gib:.2g} GiB mask per micro-batch for it"
+                    "restart at each document's start)"
                 ]
             for note in [Schedule.of(cfg).describe(max_steps_for(cfg, run.plan))] + speed.notes() + long_context:
                 log.info("%s", note)

@@ -1,12 +1,18 @@
 """Sequence parallelism through the real launcher (CPU ranks, fp32): 2 ranks sharing each sample train step by step
 the losses of 1 rank holding the whole sequence, under ZeRO-2 and under ZeRO-3 with parameters and optimizer
 offloaded to the CPU (there with each MLP computed in tiles too); a checkpoint of such a run resumes on 4 ranks
-with sequence parallel 2 and on 1 rank without it, the first resumed step's loss that of the uninterrupted run."""
+with sequence parallel 2 and on 1 rank without it, the first resumed step's loss that of the uninterrupted run.
+
+Masks that Ulysses drops: whole-document samples and a Mistral with a sliding window shorter than the sample, shared
+by 2 ranks on the varlen path (pipeline.model.varlen), train the losses of 1 rank on SDPA with transformers' dense
+mask (the model's own definition); on SDPA under sequence parallelism, or with a RoPE whose frequencies depend on
+the local length, `pipeline pretrain` refuses in one line before launch."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,13 +41,28 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: ran
 
 
 def run_sp(
-    tmp_path: Path, name: str, shards: Path, ds_config: str, ranks: int, sp: int, tiles: int = 0
+    tmp_path: Path,
+    name: str,
+    shards: Path,
+    ds_config: str,
+    ranks: int,
+    sp: int,
+    tiles: int = 0,
+    sets: tuple[str, ...] = (),
+    model: str = "{preset: tiny}",
 ) -> tuple[Path, str]:
     run_dir = tmp_path / name
     cfg = launch.write_config(
-        tmp_path / f"{name}.yaml", run_dir=run_dir, shards=shards, ds_config=ds_config, steps=STEPS, global_batch=4
+        tmp_path / f"{name}.yaml",
+        run_dir=run_dir,
+        shards=shards,
+        ds_config=ds_config,
+        steps=STEPS,
+        global_batch=4,
+        model=model,
     )
-    out = launch.run(cfg, num_gpus=ranks, sets=(f"train.sequence_parallel={sp}", f"train.tiled_mlp={tiles}"))
+    sets = (f"train.sequence_parallel={sp}", f"train.tiled_mlp={tiles}", *sets)
+    out = launch.run(cfg, num_gpus=ranks, sets=sets)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     return run_dir, log
@@ -103,3 +124,114 @@ def test_a_sequence_parallel_checkpoint_resumes_on_4_ranks_and_on_1(
         assert f"saved by 2 ranks, now {after}" in log
         assert_same_losses(launch.losses(run_dir), want, range(1, STEPS + 1))
         assert ckpt.read_marker(run_dir, f"step{STEPS:08d}")["consumed_samples"] == STEPS * 4
+
+
+@pytest.fixture(scope="module")
+def whole_documents(tokenized: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Samples of 64 tokens packed with whole documents (positions restart at each), as `shard --whole-documents`."""
+    from tests.conftest import shard_into
+
+    out = tmp_path_factory.mktemp("whole") / "seq64"
+    shard_into(
+        [(tokenized, 1.0)], out, seq_len=64, split=(80.0, 10.0, 10.0), cross_document=False, whole_documents=True
+    )
+    return out
+
+
+MISTRAL_WINDOW_16 = {
+    "model_type": "mistral",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 640,
+    "max_position_embeddings": 256,
+    "sliding_window": 16,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+"""A tiny Mistral-7B-v0.1 (its sliding_window, at a quarter of the 64-token sample), fresh weights
+(model.architecture) over the fixture tokenizer's ids."""
+
+
+def environment(run_dir: Path) -> dict:
+    return json.loads((run_dir / "environment.json").read_text())
+
+
+@pytest.mark.parametrize("case", ["whole_documents", "sliding_window"])
+def test_masks_ulysses_drops_are_kept_on_the_varlen_path_two_ranks_train_the_dense_mask_losses_of_one(
+    case: str, shards: Path, whole_documents: Path, tmp_path: Path
+) -> None:
+    """Whole-document samples (tiny Llama), and a Mistral with sliding_window 16 at seq 64: 1 rank on SDPA with
+    transformers' dense mask (document_attention dense: the model's own definition) against 2 ranks sharing each
+    sample on the varlen path (auto); every step's loss and the validation losses equal within 1e-5."""
+    if case == "whole_documents":
+        data, model = whole_documents, "{preset: tiny}"
+        said = "documents apart (whole-document shards)"
+    else:
+        arch = tmp_path / "mistral.json"
+        arch.write_text(json.dumps(MISTRAL_WINDOW_16))
+        data, model = shards, f"{{architecture: {arch}}}"
+        said = "a sliding window of 16"
+    one, one_log = run_sp(
+        tmp_path, "one", data, "zero2.json", ranks=1, sp=1, sets=("train.document_attention=dense",), model=model
+    )
+    shared, log = run_sp(tmp_path, "shared", data, "zero2.json", ranks=2, sp=2, model=model)
+    assert f"attention masks: {said} through SDPA with a dense mask" in one_log, one_log[-3000:]
+    assert f"attention masks: {said}, kept from the tokens' positions by a per-document reference" in log
+    assert environment(one)["speed"]["attention_masks"] == "dense"
+    assert environment(shared)["speed"]["attention_masks"] == "varlen"
+    assert_same_losses(launch.losses(shared), launch.losses(one), range(1, STEPS + 1))
+    val = [
+        json.loads(line)["val_loss"]
+        for line in (shared / "metrics.jsonl").read_text().splitlines()
+        if "val_loss" in line
+    ]
+    ref = [
+        json.loads(line)["val_loss"] for line in (one / "metrics.jsonl").read_text().splitlines() if "val_loss" in line
+    ]
+    assert val and val == pytest.approx(ref, rel=1e-5)
+
+
+def test_what_sequence_parallelism_would_silently_change_is_refused_in_one_line_before_launch(
+    shards: Path, whole_documents: Path, tmp_path: Path
+) -> None:
+    """`pipeline pretrain --num-gpus 2` with sequence parallel 2: a longrope RoPE, and whole documents or a sliding
+    window kept on SDPA (document_attention dense) exit 2 with one line naming the field and the way out, before
+    the launcher starts (no run folder)."""
+    import subprocess
+
+    arch = tmp_path / "mistral.json"
+    arch.write_text(json.dumps(MISTRAL_WINDOW_16))
+    half = 8  # tiny's head_dim 16 / 2
+    longrope = (
+        "{preset: tiny, rope: {rope_type: longrope, original_max_position_embeddings: 32, "
+        f"short_factor: {[1.0] * half}, long_factor: {[2.0] * half}}}}}"
+    )
+    cases = {
+        "longrope": (shards, longrope, (), "the model's RoPE (longrope) picks its frequencies"),
+        "documents": (whole_documents, "{preset: tiny}", ("train.document_attention=dense",), "--whole-documents"),
+        "window": (shards, f"{{architecture: {arch}}}", ("train.document_attention=dense",), "sliding window of 16"),
+    }
+    for name, (data, model, sets, said) in cases.items():
+        run_dir = tmp_path / name
+        cfg = launch.write_config(
+            tmp_path / f"{name}.yaml", run_dir=run_dir, shards=data, ds_config="zero2.json", model=model
+        )
+        args = ["--config", str(cfg), "--num-gpus", "2", "--set", "train.sequence_parallel=2"]
+        args += [a for s in sets for a in ("--set", s)]
+        out = subprocess.run(
+            [str(Path(sys.executable).parent / "pipeline"), "pretrain", *args],
+            env=launch.env(),
+            capture_output=True,
+            text=True,
+            cwd=launch.ROOT,
+        )
+        lines = [line for line in out.stderr.splitlines() if "train.sequence_parallel 2:" in line]
+        assert out.returncode == 2, (name, out.stdout[-2000:], out.stderr[-2000:])
+        assert len(lines) == 1 and said in lines[0], (name, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr and not run_dir.exists()

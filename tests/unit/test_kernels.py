@@ -209,3 +209,50 @@ def test_fp8_is_refused_where_it_cannot_run_naming_the_fix() -> None:
     with pytest.raises(ConfigError, match="train.fp8 with ZeRO-3: not supported"):
         resolve(cfg, load_ds_config("ds_configs/zero3.json"), batch_plan(cfg, 2, 64), accelerator="cuda")
     resolve(cfg, load_ds_config("ds_configs/zero2.json"), batch_plan(cfg, 2, 64), accelerator="cuda")
+
+
+def test_auto_times_the_backends_at_one_ranks_shape_compares_the_backward_and_stops_at_its_budget(monkeypatch) -> None:
+    """The timing `auto` runs on a GPU, run here on the CPU's SDPA kernels (flash and math): under sequence parallel 2
+    each call is seq x heads / 2 (tiny: 4 heads, 2 kv -> 2 and 1); a backend whose gradients differ is named as
+    disagreeing even where its output agrees; the repeats stop when the budget is spent."""
+    import torch.nn.functional as F
+
+    shapes: list[tuple[int, ...]] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):  # noqa: ANN001, ANN003, ANN202
+        shapes.append((*q.shape, k.shape[1]))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    cpu = torch.device("cpu")
+    timings = kernels.time_backends(TINY, 1, 64, cpu, repeats=2, sequence_parallel=2, backends=("flash", "math"))
+    assert set(timings) == {"flash", "math"} and all(isinstance(t, float) for t in timings.values()), timings
+    assert set(shapes) == {(1, 2, 64, TINY.head_dim, 1)}
+    assert kernels.attention_heads(TINY, 4) == (1, 1) and kernels.attention_heads(TINY, 1) == (4, 2)
+
+    class WrongBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):  # noqa: ANN001, ANN205
+            return y.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            return -g
+
+    def wrong_when_math(q, k, v, **kw):  # noqa: ANN001, ANN003, ANN202
+        y = real(q, k, v, **kw)
+        return WrongBackward.apply(y) if torch.backends.cuda.math_sdp_enabled() and not flash() else y
+
+    def flash() -> bool:
+        return torch.backends.cuda.flash_sdp_enabled()
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", wrong_when_math)
+    timings = kernels.time_backends(TINY, 1, 64, cpu, repeats=1, backends=("flash", "math"))
+    said = str(timings["math"])  # its output is flash's; its gradients are not
+    assert isinstance(timings["flash"], float) and said.startswith("disagrees with flash by"), timings
+    assert said.endswith(("(dq)", "(dk)", "(dv)")), said
+
+    calls = []
+    assert kernels.timed(lambda: calls.append(1), 1000, 0.0, lambda: None)[1] == 1  # a spent budget: one call
+    assert kernels.timed(lambda: calls.append(1), 3, 1e9, lambda: None)[1] == 3  # else the repeats asked for

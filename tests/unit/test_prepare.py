@@ -42,10 +42,12 @@ def test_a_resumed_run_of_another_length_says_its_schedule_is_re_stretched(shard
     assert schedule_note(prepared, {"step": 60}) is None  # type: ignore[arg-type]  # checkpoints from before
 
 
-def test_sequence_parallel_over_shards_of_whole_documents_is_refused_naming_both(tokenized, tmp_path) -> None:
+def test_sequence_parallel_over_whole_documents_is_refused_on_sdpa_and_prepared_on_the_varlen_path(
+    tokenized, tmp_path
+) -> None:
     """Ulysses attention over SDPA drops the attention mask (it attends causally over the whole sample), so the
-    documents of a --whole-documents sample would see each other: refused before launch; sequence parallel 1 is
-    prepared."""
+    documents of a --whole-documents sample would see each other: refused before launch with document_attention
+    dense; prepared on the varlen path (auto, which the CPU always has), and at sequence parallel 1 either way."""
     from pipeline.errors import ConfigError
     from pipeline.train.setup.config import from_dict
     from pipeline.train.setup.prepare import prepare
@@ -55,14 +57,28 @@ def test_sequence_parallel_over_shards_of_whole_documents_is_refused_naming_both
     shard_into(
         [(tokenized, 1.0)], out, seq_len=64, split=(80.0, 10.0, 10.0), cross_document=False, whole_documents=True
     )
+    train = {"max_steps": 2, "deepspeed_config": "ds_configs/zero2.json", "sequence_parallel": 2}
     raw = {
         "data": {"path": str(out)},
         "batch": {"micro_batch_size": 1, "global_batch_size": 2},
-        "train": {"max_steps": 2, "deepspeed_config": "ds_configs/zero2.json", "sequence_parallel": 2},
+        "train": {**train, "document_attention": "dense"},
     }
     with pytest.raises(ConfigError, match=r"train.sequence_parallel 2: .*--whole-documents.*use sequence_parallel 1"):
         prepare(from_dict(raw), 2)
-    assert prepare(from_dict({**raw, "train": {**raw["train"], "sequence_parallel": 1}}), 2).plan.sequence_parallel == 1
+    prepared = prepare(from_dict({**raw, "train": train}), 2)
+    assert prepared.plan.sequence_parallel == 2 and prepared.documents.kind == "varlen"
+    one = prepare(from_dict({**raw, "train": {**raw["train"], "sequence_parallel": 1}}), 2)
+    assert one.documents.kind == "dense" and "a 4 KiB boolean mask" in one.documents.note
+
+
+def test_a_deepspeed_older_than_the_code_needs_is_one_line_naming_the_version() -> None:
+    from pipeline.train.runtime.ds_workarounds import deepspeed_version_problems
+
+    (line,) = deepspeed_version_problems("0.19.5")
+    assert line.startswith("deepspeed 0.19.5 is installed; this pipeline needs 0.19.8 or later")
+    assert "pip install 'deepspeed>=0.19.8,<0.20'" in line
+    assert deepspeed_version_problems("0.19.8") == [] and deepspeed_version_problems("0.19.10") == []
+    assert deepspeed_version_problems() == []  # the installed one
 
 
 def test_a_wsd_run_extended_while_stable_resumes_with_a_clean_note_and_inside_its_decay_it_is_warned(shards) -> None:

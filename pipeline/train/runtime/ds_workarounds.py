@@ -9,6 +9,26 @@ from typing import Any
 
 import torch
 
+DEEPSPEED_NEEDED = (0, 19, 8)
+"""The oldest DeepSpeed this code runs on: 0.19.8's activation offload (pipeline.train.engine) and the internals
+patched here; pyproject.toml pins the same. An older 0.19 imports fine and fails at the first step."""
+
+
+def deepspeed_version_problems(installed: str | None = None) -> list[str]:
+    """One line naming the version and the fix where the installed DeepSpeed is older than DEEPSPEED_NEEDED."""
+    import importlib.metadata as md
+
+    from packaging.version import Version
+
+    version = installed or md.version("deepspeed")
+    need = ".".join(map(str, DEEPSPEED_NEEDED))
+    if Version(version).release[:3] < DEEPSPEED_NEEDED:
+        return [
+            f"deepspeed {version} is installed; this pipeline needs {need} or later (activation offload and the "
+            f"ZeRO internals it relies on): pip install 'deepspeed>={need},<0.20' on every node"
+        ]
+    return []
+
 
 def replay_adam_beta_powers(optimizer: Any, device: torch.device) -> int:
     """Make a resumed run continue bit for bit. DeepSpeed's C++ CPU Adam (FusedAdam on the CPU accelerator,

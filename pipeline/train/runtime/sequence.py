@@ -2,9 +2,13 @@
 Face models, from Arctic Long Sequence Training). Every rank of a group reads the same micro-batch; each keeps
 seq_len / N of its tokens (`shard`), so each layer's activations on a rank are those of seq_len / N tokens; an
 all-to-all before and after attention gives each rank every token of N-th of the heads (DeepSpeed's
-UlyssesSPAttentionHF, which replaces transformers' SDPA function: `register`). The loss of a rank is its tokens'
-summed loss over the whole sample's token count, so the group's losses add up to the sample's mean, and ZeRO
-(which averages gradients over world / N and sums them within a group) applies the update one rank would.
+UlyssesSPAttentionHF, which wraps the model's attention function: `register`). Ulysses drops every attention mask;
+documents and sliding windows survive only on the varlen path, which reads the gathered positions
+(pipeline.model.varlen decides before launch, and refuses what would silently train another model).
+
+The loss of a rank is its tokens' summed loss over the whole sample's token count, so the group's losses add up to
+the sample's mean, and ZeRO (which averages gradients over world / N and sums them within a group) applies the update
+one rank would.
 
 For the data, the batch arithmetic and resuming, a group is one data-parallel replica: ranks r and r + 1 of a
 group of 2 are replica r // 2. So the token order is that of a world of world / N ranks, and a checkpoint resumes
@@ -58,7 +62,8 @@ def register(model: Any, size: int, micro_batch_size: int) -> Any:
     if groups._SEQUENCE_PARALLEL_GROUP is None:  # else a second engine of this process (a rebuilt one) shares them
         UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model,
-            core_attn_implementation="sdpa",
+            # the model's own (SDPA, or the varlen path of pipeline.model.varlen): Ulysses wraps that function
+            core_attn_implementation=model.config._attn_implementation,
             sequence_parallel_size=size,
             micro_batch_size=micro_batch_size,
             seq_length_is_variable=True,  # the shapes are read at each forward: training and validation alike

@@ -119,6 +119,12 @@ class TrainSection:
     attention: Literal["auto", "torch", "flash", "cudnn", "efficient", "math"] = "auto"
     """The SDPA backend (pipeline.model.kernels.ATTENTION). auto: on a CUDA GPU each backend is timed at the
     model's shape once at start and the fastest that agrees with FlashAttention is used; torch's choice elsewhere."""
+    document_attention: Literal["auto", "varlen", "dense"] = "auto"
+    """How attention keeps the documents of a whole-document sample apart and honours a sliding window shorter than
+    the sample (pipeline.model.varlen). varlen: from the tokens' positions alone, no mask (FlashAttention-2's varlen
+    kernel, pip install -e '.[flash]' on a CUDA GPU; a per-document reference on the CPU), with sequence
+    parallelism too; dense: SDPA with transformers' (seq x seq) mask (1 GiB a sample at 32K, not under sequence
+    parallelism); auto: varlen where it is available, dense elsewhere. Where no mask matters: plain causal SDPA."""
     kernels: Literal["auto", "torch", "liger"] = "auto"
     """What replaces transformers' modules and the chunked loss (pipeline.model.kernels.KERNELS). torch: nothing;
     liger: Liger Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (CUDA GPUs, Llama/Mistral/Qwen2/

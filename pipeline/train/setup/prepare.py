@@ -16,8 +16,15 @@ from pipeline.data.tokenizer import check_tokenizer
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.model import ModelShape, sequence_parallel_problems
 from pipeline.model.families import model_shape
+from pipeline.model.varlen import (
+    DocumentAttention,
+    attention_facts,
+    choose_documents,
+    sequence_parallel_attention_problems,
+)
 from pipeline.plan.gpus import GPU, capped, lookup
 from pipeline.train.runtime.dist import Dist, accelerator_name, host_ram_bytes, ranks_per_node
+from pipeline.train.runtime.ds_workarounds import deepspeed_version_problems
 from pipeline.train.runtime.sequence import SequenceShard
 from pipeline.train.setup.config import PretrainConfig
 from pipeline.train.setup.ds_config import BatchPlan, batch_plan, load_ds_config, resolve
@@ -29,13 +36,15 @@ from pipeline.train.setup.stages import stage_problems
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Prepared:
     """A checked run: its config (with the planner's choices filled in), the resolved DeepSpeed JSON, the batch
-    arithmetic for this world size, the model's shape and the shards' manifest."""
+    arithmetic for this world size, the model's shape, the shards' manifest and how attention keeps documents
+    apart and windows honoured."""
 
     cfg: PretrainConfig
     ds: dict[str, Any]
     plan: BatchPlan
     shape: ModelShape
     manifest: ShardManifest
+    documents: DocumentAttention
 
     @property
     def run_dir(self) -> Path:
@@ -80,14 +89,18 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
         architecture=cfg.model.architecture,
     )
     check_tokenizer(shape, manifest["tokenizer"], f"{cfg.data.path}/manifest.json")
-    found = sequence_parallel_problems(shape, plan.sequence_parallel)
-    if plan.sequence_parallel > 1 and manifest.get("document_masks"):
-        found.append(
-            f"train.sequence_parallel {plan.sequence_parallel}: {cfg.data.path} holds whole documents packed "
-            "several to a sample (`pipeline shard --whole-documents`), and DeepSpeed's sequence-parallel attention "
-            "over SDPA attends across the whole sample, so its documents would see each other; use "
-            "sequence_parallel 1 with these shards, or shard without --whole-documents"
-        )
+    whole_documents = bool(manifest.get("document_masks"))
+    facts = attention_facts(shape)
+    documents = choose_documents(
+        cfg.train.document_attention,
+        whole_documents=whole_documents,
+        facts=facts,
+        seq_len=seq_len,
+        micro_batch_size=plan.micro_batch_size,
+        device_type=accelerator_name(),
+    )
+    found = deepspeed_version_problems() + sequence_parallel_problems(shape, plan.sequence_parallel)
+    found += sequence_parallel_attention_problems(plan.sequence_parallel, facts, seq_len, whole_documents, documents)
     found += stage_problems(cfg.data, manifest, max_steps_for(cfg, plan))
     if found:
         raise ConfigError(found)
@@ -98,7 +111,7 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
     else:
         raw, source = load_ds_config(cfg.train.deepspeed_config), cfg.train.deepspeed_config
     ds = resolve(cfg, raw, plan, accelerator=accelerator_name(), source=source, num_params=shape.num_params())
-    return Prepared(cfg=cfg, ds=ds, plan=plan, shape=shape, manifest=manifest)
+    return Prepared(cfg=cfg, ds=ds, plan=plan, shape=shape, manifest=manifest, documents=documents)
 
 
 def trainer_refusals(cfg: PretrainConfig, plan: BatchPlan, accelerator: str) -> Callable[[Any], list[str]]:
