@@ -67,7 +67,13 @@ def batch_that_fits(cfg: EvalConfig, inputs: Inputs, env: Dist) -> int:
     shape, seq = inputs.run.shape, inputs.dataset.seq_len
     total = torch.cuda.get_device_properties(env.device).total_memory
     batch, need = evaluation_batch(
-        shape, seq, cfg.batch_size, env.world_size, total, loss_chunk_tokens(shape.vocab_size)
+        shape,
+        seq,
+        cfg.batch_size,
+        env.world_size,
+        total,
+        loss_chunk_tokens(shape.vocab_size),
+        dense_mask=inputs.dataset.document_masks,
     )
     agreed = torch.tensor([batch], device=env.device)
     tdist.all_reduce(agreed, op=tdist.ReduceOp.MIN)

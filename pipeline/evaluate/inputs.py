@@ -5,6 +5,7 @@ from the checkpoint (`load_model`)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -21,6 +22,8 @@ from pipeline.train.checkpoint import files as ckpt
 from pipeline.train.checkpoint.consolidate import averaged_state, consolidated_state, materialize
 from pipeline.train.runtime.dist import unusable_gpu
 from pipeline.train.runtime.weights import parameter_shapes, weight_mismatch
+
+log = logging.getLogger(__name__)
 
 PROMPTS_FROM_DATA = 4
 """Prompts taken from the evaluated split when --prompts is not given."""
@@ -233,13 +236,42 @@ def prompts_from(
     return out or ["The"]
 
 
-def check_fits_device(shape: ModelShape, device: torch.device, free_bytes: int, total_bytes: int) -> None:
-    """One process holds the whole model in bf16 on a GPU (2 bytes per parameter) plus room for activations; a
-    checkpoint larger than that is evaluated across ranks with ZeRO-3 instead."""
-    need = shape.num_params() * 2 + 2 * 2**30
-    if device.type == "cuda" and need > free_bytes:
+def batch_for_card(
+    shape: ModelShape,
+    seq_len: int,
+    requested: int,
+    device: torch.device,
+    free_bytes: int,
+    total_bytes: int,
+    dense_mask: bool = False,
+) -> int:
+    """The batch one process evaluates with on `device`: on a GPU the largest of --batch-size halved whose forward
+    fits the free memory beside the whole model in bf16 (pipeline.plan.memory.inference_bytes, the dense mask of
+    whole-document samples counted); refused in one line where even one sequence does not fit, naming the ZeRO-3
+    path across GPUs. On the CPU (host RAM) the batch asked for."""
+    if device.type != "cuda":
+        return requested
+    from pipeline.model import loss_chunk_tokens
+    from pipeline.plan.memory import evaluation_batch
+
+    batch, need = evaluation_batch(
+        shape, seq_len, requested, 1, free_bytes, loss_chunk_tokens(shape.vocab_size), dense_mask
+    )
+    if batch == 0:
+        mask = ", with the dense mask of whole-document samples" if dense_mask else ""
         raise PipelineError(
-            f"the checkpoint's model needs {need / 2**30:.1f} GiB in bf16 (with 2 GiB for activations), {device} has "
-            f"{free_bytes / 2**30:.1f} of {total_bytes / 2**30:.1f} GiB free; evaluate across GPUs with ZeRO-3: "
-            "pipeline evaluate ... --num-gpus N (this node) or --hostfile HOSTFILE (the training cluster)"
+            f"the checkpoint's model needs {need / 2**30:.1f} GiB in bf16 to evaluate one {seq_len}-token sequence"
+            f"{mask}, {device} has {free_bytes / 2**30:.1f} of {total_bytes / 2**30:.1f} GiB free; evaluate across "
+            "GPUs with ZeRO-3: pipeline evaluate ... --num-gpus N (this node) or --hostfile HOSTFILE (the training "
+            "cluster)"
         )
+    if batch != requested:
+        log.warning(
+            "--batch-size %d does not fit %.1f GiB free on %s at seq %d; evaluating with batch %d",
+            requested,
+            free_bytes / 2**30,
+            device,
+            seq_len,
+            batch,
+        )
+    return batch

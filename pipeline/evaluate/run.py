@@ -16,7 +16,7 @@ import torch
 from pipeline.atomic import tmp_path_for, write_json
 from pipeline.data.loader import ShardedDataset, collate_samples
 from pipeline.data.tokenizer import Tokenizer
-from pipeline.evaluate.inputs import EvalConfig, Inputs, Run, check_fits_device, device_for, load_model, open_inputs
+from pipeline.evaluate.inputs import EvalConfig, Inputs, Run, batch_for_card, device_for, load_model, open_inputs
 
 
 @torch.no_grad()
@@ -170,12 +170,13 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     device = device_for(cfg.device)
     inputs = open_inputs(cfg)
-    if device.type == "cuda":
-        check_fits_device(inputs.run.shape, device, *torch.cuda.mem_get_info(device))
-    model = load_model(inputs.run, device, inputs.dataset.manifest["tokenizer"])
-    metrics = perplexity(
-        model, inputs.dataset, inputs.tokenizer, batch_size=cfg.batch_size, max_batches=cfg.max_batches, device=device
+    free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
+    dataset = inputs.dataset
+    batch = batch_for_card(
+        inputs.run.shape, dataset.seq_len, cfg.batch_size, device, free, total, dataset.document_masks
     )
+    model = load_model(inputs.run, device, dataset.manifest["tokenizer"])
+    metrics = perplexity(model, dataset, inputs.tokenizer, batch_size=batch, max_batches=cfg.max_batches, device=device)
     samples = generate(
         model, inputs.tokenizer, inputs.prompts, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, device=device
     )

@@ -353,36 +353,47 @@ def checkpoint_bytes(
 
 
 def inference_bytes(
-    shape: ModelShape, seq_len: int, batch: int, world: int, loss_chunk_tokens: int
+    shape: ModelShape, seq_len: int, batch: int, world: int, loss_chunk_tokens: int, dense_mask: bool = False
 ) -> dict[str, float]:
-    """Per-rank bytes of evaluating `batch` sequences under ZeRO-3 in bf16 with the model split `world` ways
-    (pipeline evaluate --num-gpus/--hostfile): the rank's partition, the gathered modules (the one computing and
-    the one prefetched), the forward's transients (the MLP's gate, up and product alive at once; the residual
-    stream, norm and attention outputs; q, k, v), one loss chunk's fp32 logits, the CUDA context. Transients carry
-    the allocator's slack."""
+    """Per-rank bytes of evaluating `batch` sequences in bf16: with the model split `world` ways under ZeRO-3
+    (pipeline evaluate --num-gpus/--hostfile), the rank's partition and the gathered modules (the one computing and
+    the one prefetched); on one card (`world` 1) the whole model, nothing gathered. Then the forward's transients
+    (the MLP's gate, up and product alive at once; the residual stream, norm and attention outputs; q, k, v), one
+    loss chunk's fp32 logits, the CUDA context. `dense_mask`: samples of whole documents through SDPA, whose
+    (B, 1, T, T) boolean mask lives through the forward and becomes a bf16 additive bias inside each attention call
+    (`mask` in the result). Transients carry the allocator's slack."""
     tokens = batch * seq_len
     kv = shape.num_kv_heads * shape.head_dim
-    static = 2.0 * shape.num_params() / world + 2 * 2.0 * shape.largest_layer_params()
+    gathered = 2 * 2.0 * shape.largest_layer_params() if world > 1 else 0.0
+    static = 2.0 * shape.num_params() / world + gathered
+    mask = 3.0 * batch * seq_len**2 if dense_mask else 0.0
     transient = (
         3 * tokens * shape.ffn_hidden_size * 2
         + 4 * tokens * shape.hidden_size * 2
         + tokens * (shape.num_heads * shape.head_dim + 2 * kv) * 2
         + 2 * min(tokens, loss_chunk_tokens) * shape.vocab_size * 4
+        + mask
     )
     total = static + transient * FRAGMENTATION + CUDA_CONTEXT
-    return {"static": static, "transient": float(transient), "total": total}
+    return {"static": static, "transient": float(transient), "mask": mask, "total": total}
 
 
 def evaluation_batch(
-    shape: ModelShape, seq_len: int, requested: int, world: int, card_bytes: float, loss_chunk_tokens: int
+    shape: ModelShape,
+    seq_len: int,
+    requested: int,
+    world: int,
+    card_bytes: float,
+    loss_chunk_tokens: int,
+    dense_mask: bool = False,
 ) -> tuple[int, float]:
     """The largest batch, `requested` halved until it fits, whose inference bytes plus the margin stay within the
     card; (batch, bytes at that batch). Batch 0 when even one sequence does not fit."""
     margin = max(MARGIN_MIN_BYTES, MARGIN_FRACTION * card_bytes)
     batch = requested
     while batch >= 1:
-        need = inference_bytes(shape, seq_len, batch, world, loss_chunk_tokens)["total"]
+        need = inference_bytes(shape, seq_len, batch, world, loss_chunk_tokens, dense_mask)["total"]
         if need + margin <= card_bytes:
             return batch, need
         batch //= 2
-    return 0, inference_bytes(shape, seq_len, 1, world, loss_chunk_tokens)["total"]
+    return 0, inference_bytes(shape, seq_len, 1, world, loss_chunk_tokens, dense_mask)["total"]
