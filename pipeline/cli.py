@@ -479,6 +479,20 @@ def doctor(config: str | None, sets: tuple[str, ...], master_port: int | None, *
     "fitted to published runs (which depends on the card and the micro-step); e.g. what your own run measured.",
 )
 @opt("--tokens", default="1B", help="Token budget for the time estimate.")
+@click.option(
+    "--whole-documents",
+    is_flag=True,
+    help="Shards of whole documents (`pipeline shard --whole-documents`; with --config, read from the shards).",
+)
+@click.option(
+    "--document-attention",
+    type=click.Choice(["auto", "varlen", "dense"]),
+    default="auto",
+    show_default=True,
+    help="How the cluster keeps documents apart (train.document_attention): varlen (flash_attn installed there, no "
+    "mask), dense (SDPA's (seq x seq) mask, priced; no sequence parallelism); auto: varlen where flash_attn is "
+    "installed on this machine.",
+)
 @click.option("--write-ds-config", default=None, type=PATH, help="Write the chosen DeepSpeed JSON here.")
 @click.option(
     "--opt-in",

@@ -71,6 +71,17 @@ class Stack:
     """lm_head and the loss in one kernel, no logits kept; None: as `kernels` (the fused stacks have it)."""
     fp8: bool = False
     """This trainer's `train.fp8`: the decoder layers' matmuls at the card's FP8 rate where it has one."""
+    whole_documents: bool = False
+    """Samples of whole documents (`pipeline shard --whole-documents`), kept apart by attention."""
+    varlen: bool = False
+    """FlashAttention-2's varlen kernel is installed (pipeline.model.varlen): whole documents and sliding windows
+    need no mask, with sequence parallelism too. Without it whole documents go through SDPA with transformers'
+    (seq x seq) boolean mask, alive through the micro-step, which SDPA turns into a bf16 additive bias each layer
+    keeps for its backward (priced: `dense_mask`); sequence parallelism keeps neither (it is not offered)."""
+
+    @property
+    def dense_mask(self) -> bool:
+        return self.whole_documents and not self.varlen
 
     @property
     def loss_fused(self) -> bool:
@@ -114,9 +125,22 @@ TRAINER = Stack(compile=None, kernel_set="auto")
 """This trainer as it runs unless told otherwise: `train.compile` and `train.kernels` auto."""
 
 
-def trainer_stack(compile_setting: bool | None, kernels_setting: str, fp8: bool = False) -> Stack:
-    """This trainer with a config's `train.compile`, `train.kernels` and `train.fp8`."""
-    return Stack(compile=compile_setting, kernel_set=kernels_setting, fp8=fp8)
+def trainer_stack(
+    compile_setting: bool | None,
+    kernels_setting: str,
+    fp8: bool = False,
+    whole_documents: bool = False,
+    varlen: bool = False,
+) -> Stack:
+    """This trainer with a config's `train.compile`, `train.kernels` and `train.fp8`, over its shards' documents,
+    with or without the varlen attention kernel."""
+    return Stack(
+        compile=compile_setting,
+        kernel_set=kernels_setting,
+        fp8=fp8,
+        whole_documents=whole_documents,
+        varlen=varlen,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeline.errors import PipelineError
@@ -41,6 +41,8 @@ class PlanRequest:
     micro_batch_size: int | None = None
     mfu: float | None = None
     tokens: str = "1B"
+    whole_documents: bool = False
+    document_attention: str = "auto"
     write_ds_config: str | None = None
     opt_in: frozenset[str] = frozenset()
     as_json: bool = False
@@ -95,6 +97,16 @@ def plan(req: PlanRequest, echo: Echo, cluster: Cluster | None = None, rates: Ra
     return plan_model(req, cluster, rates, budget, gbt, source, echo)
 
 
+def varlen_on_cluster(setting: str) -> bool:
+    """--document-attention (train.document_attention) as the planner prices it: auto is varlen where flash_attn is
+    installed on the machine that plans (usually a node of the cluster)."""
+    if setting == "auto":
+        from pipeline.model.varlen import varlen_available
+
+        return varlen_available("cuda")
+    return setting == "varlen"
+
+
 def plan_model(
     req: PlanRequest, cluster: Cluster, rates: Rates | None, budget: float, gbt: int, source: str, echo: Echo
 ) -> int:
@@ -104,6 +116,7 @@ def plan_model(
         echo(note, err=True)
     if shape.hf_config and not req.as_json:
         echo(shape.describe())
+    stack = replace(TRAINER, whole_documents=req.whole_documents, varlen=varlen_on_cluster(req.document_attention))
     p = planner.search(
         shape,
         seq_len,
@@ -113,7 +126,7 @@ def plan_model(
         fixed_micro=req.micro_batch_size,
         rates=rates,
         opt_in=req.opt_in,
-        stack=TRAINER,
+        stack=stack,
     )
     if req.write_ds_config and p.best is not None:
         write_ds_config(p.best, req.write_ds_config, req.flags.get("nvme"))

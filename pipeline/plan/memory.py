@@ -207,7 +207,25 @@ def _activations(
         # computes its gradients in the forward and keeps them for the backward: lm_head's weight gradient in fp32
         # and the hidden states' gradient in bf16
         act["logits"] += 4.0 * shape.embedding_params() + 2.0 * cand.micro_batch_size * local * shape.hidden_size
+    act["document_mask"], act["document_mask_one_layer"] = document_mask_bytes(
+        shape, seq_len, cand.micro_batch_size, cand.activation_checkpointing, stack
+    )
     return act
+
+
+def document_mask_bytes(
+    shape: ModelShape, seq_len: int, micro: int, checkpointing: bool, stack: Stack
+) -> tuple[float, float]:
+    """(at the start of the backward, at its end) bytes of whole-document samples on SDPA's dense mask
+    (Stack.dense_mask): the (B, 1, T, T) boolean mask, alive from the model's forward to its last layer's
+    backward, and the bf16 additive bias SDPA's kernels that take a mask make of it in every call and keep for the
+    backward: in each layer that keeps its attention (all of them without checkpointing; the one recomputed with
+    it). The varlen path and plain packing: none."""
+    if not stack.dense_mask:
+        return 0.0, 0.0
+    mask = float(micro * seq_len * seq_len)
+    bias = 2.0 * mask
+    return mask + bias * (1 if checkpointing else shape.num_layers), mask + bias
 
 
 def _engine_buffers(
@@ -250,10 +268,12 @@ def gpu_memory(
     chunked = loss_chunk_tokens is not None
     buffers, reduce, unexplained, transient_grads = _engine_buffers(shape, c, cand, stack, chunked, zenflow_grads)
     static = sum(split.values()) - transient_grads
-    forward_act = act["layers"] + act["embeddings"] + act["logits"]  # the loss's backward starts with all of it
+    # the loss's backward starts with all of it
+    forward_act = act["layers"] + act["embeddings"] + act["logits"] + act["document_mask"]
     zero3_buffers = buffers if cand.stage == 3 else 0.0  # ZeRO-3's live through the forward as well
     forward = forward_act + zero3_buffers
-    backward = buffers + transient_grads + act["one_layer"]  # the end of the backward: gradients, few activations
+    # the end of the backward: gradients, few activations
+    backward = buffers + transient_grads + act["one_layer"] + act["document_mask_one_layer"]
     peak = static + max(forward, backward)
     # The reserved memory is the larger of the two moments, each with its slack: the reduce temporaries at
     # BUFFER_FRAGMENTATION (they are alive in both), everything else at FRAGMENTATION.
@@ -267,6 +287,7 @@ def gpu_memory(
         "ds_buffers": buffers - working - unexplained,
         "measured_unexplained": unexplained,
         "activations": act["layers"] + act["embeddings"],
+        "document_mask": act["document_mask"],
         "logits": act["logits"],
         "peak_phase_backward": float(backward > forward),
         "peak_allocated": peak,

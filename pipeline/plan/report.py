@@ -173,6 +173,14 @@ def _configuration_lines(p: Plan, e: Estimate, title: str) -> list[str]:
             f"train.sequence_parallel: {n}), "
             + (f"MLP in {tiles} tiles (train.tiled_mlp: {tiles})" if tiles > 1 else "MLP untiled")
         )
+    if p.stack is not None and p.stack.whole_documents:
+        lines.append(
+            "  documents: whole, kept apart by FlashAttention-2's varlen kernel from their positions (no mask)"
+            if p.stack.varlen
+            else f"  documents: whole, kept apart by SDPA's dense mask ({e.gpu['document_mask'] / GiB:.2f} GiB priced: "
+            "the boolean mask and the bias each kept layer makes of it; no sequence parallelism). With flash_attn on "
+            "the cluster (pip install -e '.[flash]'; --document-attention varlen) no mask is needed"
+        )
     return lines + [f"  {w}" for w in e.warnings]
 
 
@@ -187,6 +195,7 @@ def _gpu_lines(p: Plan, e: Estimate) -> list[str]:
         "ds_buffers": "DeepSpeed buckets",
         "activations": "activations" + (" (checkpointed)" if e.candidate.activation_checkpointing else ""),
         "logits": "loss (logits, one chunk)" if e.gpu["logits"] else "loss",
+        **({"document_mask": "documents' dense mask and bias"} if e.gpu.get("document_mask") else {}),
     }
     for k, label in names.items():
         lines.append(f"  {label:31s} {e.gpu[k] / GiB:7.2f}")

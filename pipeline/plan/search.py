@@ -156,9 +156,13 @@ def tiled_where_needed(ests: list[Estimate], seq_len: int, hidden_size: int) -> 
 def sequence_sizes(shape: ModelShape, seq_len: int, c: Cluster, stack: Stack | None = None) -> tuple[int, ...]:
     """The sequence-parallel sizes this trainer can run here: powers of two that divide the world and seq_len and
     split the model's heads (pipeline.model.sequence_parallel_problems); 1 only for another training stack (the
-    published runs') or materialised attention, which Ulysses does not take."""
+    published runs'), materialised attention or whole documents on SDPA's dense mask, which Ulysses does not take,
+    and for a model whose attention it would change (pipeline.model.varlen: a dynamic RoPE, or a sliding window
+    off the varlen path)."""
     stack = stack or Stack()
-    if stack.engine != "deepspeed" or stack.attention == "eager":
+    if stack.engine != "deepspeed" or stack.attention == "eager" or stack.dense_mask:
+        return (1,)
+    if not shape_keeps_its_attention_under_sp(shape, seq_len, stack):
         return (1,)
     sizes = (2**k for k in range(0, 11))
     return tuple(
@@ -166,6 +170,18 @@ def sequence_sizes(shape: ModelShape, seq_len: int, c: Cluster, stack: Stack | N
         for n in sizes
         if n <= c.world and not c.world % n and not seq_len % n and not sequence_parallel_problems(shape, n)
     )
+
+
+def shape_keeps_its_attention_under_sp(shape: ModelShape, seq_len: int, stack: Stack) -> bool:
+    """Whether ranks sharing a sample train this model as one rank would (pipeline.model.varlen's rule), on the
+    stack's attention path: the varlen kernel where the cluster has it, else SDPA."""
+    if shape.hf_config is None and not shape.rope:
+        return True  # our presets without RoPE settings: no window, static RoPE (and no transformers import)
+    from pipeline.model.varlen import NO_MASKS, DocumentAttention, attention_facts, sequence_parallel_attention_problems
+
+    path = DocumentAttention("varlen", "") if stack.varlen else NO_MASKS
+    facts = attention_facts(shape)
+    return not sequence_parallel_attention_problems(2, facts, seq_len, stack.whole_documents, path)
 
 
 def feature_variants(base: Candidate) -> list[Candidate]:
@@ -203,6 +219,8 @@ class Plan:
     by_feature: dict[str, tuple[Estimate | None, Estimate | None]] = field(default_factory=dict)
     """For each DeepSpeed 0.19 offload feature (pipeline.plan.cluster.FEATURES): the fastest fitting configuration
     that uses it (the other features as allowed), or None; and when none fits, the closest that does not."""
+    stack: Stack | None = None
+    """The training software planned for (None: the planner's default)."""
 
     def feature_notes(self) -> list[str]:
         """What each DeepSpeed 0.19 offload feature brings here, against the choice: the gain of the ones it uses
@@ -346,6 +364,7 @@ def search(
         global_batch_tokens,
         opt_in,
         by_feature,
+        stack,
     )
 
 

@@ -15,6 +15,7 @@ from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, loss_chunk_tokens
 from pipeline.model.families import model_shape
 from pipeline.plan.cluster import Cluster, Stack, trainer_stack
+from pipeline.plan.command import varlen_on_cluster
 from pipeline.plan.ds_json import candidate_from_ds
 from pipeline.plan.estimate import Estimate, estimate
 from pipeline.plan.gpus import capped, lookup
@@ -69,6 +70,14 @@ def shape_and_seq(
     return shape, seq, source, vocab
 
 
+def whole_documents(cfg: PretrainConfig) -> bool:
+    """Whether the config's shards hold whole documents (their manifest says; False before they exist)."""
+    try:
+        return bool(read_shard_manifest(cfg.data.path).get("document_masks"))
+    except (OSError, PipelineError):
+        return False
+
+
 def forecast_config(
     config_path: str,
     sets: list[str],
@@ -90,7 +99,13 @@ def forecast_config(
     # tries every size
     auto = cfg.train.deepspeed_config == "auto"
     fixed = bp.sequence_parallel if auto else None
-    stack = trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8)
+    stack = trainer_stack(
+        cfg.train.compile,
+        cfg.train.kernels,
+        cfg.train.fp8,
+        whole_documents=whole_documents(cfg),
+        varlen=varlen_on_cluster(cfg.train.document_attention),
+    )
     refused = trainer_refusals(cfg, bp, "cuda")
     found = search(
         shape,
@@ -236,10 +251,11 @@ def forecast_run(
     moments = OPTIMIZERS[cfg.optim.name].moment_bytes
     checkpointing = cfg.train.activation_checkpointing
     cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, checkpointing, moments, sp)
+    masks = (env.get("speed") or {}).get("attention_masks")  # what the run's attention did (since 2026-12-07)
     stack = (
-        trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8)
+        trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8, whole_documents(cfg), masks == "varlen")
         if env.get("device", "cpu") != "cpu"
-        else Stack()
+        else Stack(whole_documents=whole_documents(cfg), varlen=masks == "varlen")
     )
     yours = estimate(shape, seq, cluster, cand, mfu, chunk, stack=stack)
     found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk, stack=stack)

@@ -207,3 +207,25 @@ def test_bf16_master_weights_and_states_shrink_the_host_state() -> None:
     )
     psi = shape.num_params()
     assert (fp32 - master) == pytest.approx(2 * psi) and (master - states) == pytest.approx(4 * psi)
+
+
+def test_whole_documents_on_sdpas_dense_mask_are_priced_and_on_the_varlen_path_cost_nothing() -> None:
+    """At 32K, micro 1: the (1, 1, T, T) boolean mask is 1 GiB and SDPA's bf16 bias of it 2 GiB in each layer that
+    keeps its attention: one (the recomputed one) with checkpointing, every layer without. The varlen path and
+    plain packing price none, and the dense path's 3 GiB reach the peak."""
+    from pipeline.plan.cluster import Stack
+    from pipeline.plan.memory import document_mask_bytes, gpu_memory
+
+    shape = PRESETS["7b"]
+    dense = Stack(whole_documents=True)
+    assert document_mask_bytes(shape, 32768, 1, True, dense) == (3 * GiB, 3 * GiB)
+    assert document_mask_bytes(shape, 32768, 1, False, dense) == ((1 + 2 * 32) * GiB, 3 * GiB)
+    assert document_mask_bytes(shape, 32768, 2, True, dense)[0] == 6 * GiB
+    for stack in (Stack(), Stack(whole_documents=True, varlen=True)):
+        assert document_mask_bytes(shape, 32768, 1, True, stack) == (0.0, 0.0)
+    c = Cluster(8, 1, GPUS["4090d"], 512e9)
+    cand = Candidate(3, "cpu", "cpu", True, 1, 15, 1e8, 1e8, 3e8, 1e8, offload_activations=True)
+    plain = gpu_memory(shape, 32768, c, cand, 2048, Stack())
+    masked = gpu_memory(shape, 32768, c, cand, 2048, dense)
+    assert masked["document_mask"] == 3 * GiB and plain["document_mask"] == 0
+    assert masked["peak_allocated"] - plain["peak_allocated"] == pytest.approx(3 * GiB)

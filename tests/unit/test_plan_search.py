@@ -307,3 +307,26 @@ def test_deepspeed_config_auto_never_chooses_what_the_trainer_refuses(tmp_path: 
     assert any("compile" in p for p in refused(Candidate(3, "cpu", "cpu", True, 4, 16)))
     assert bool(refused(Candidate(0, "none", "none", False, 4, 16))) == (on_nonfinite == "skip")
     assert seen_stages
+
+
+def test_sequence_parallelism_is_offered_only_where_it_keeps_the_models_attention() -> None:
+    """Whole documents on SDPA's dense mask, a sliding window shorter than the sample off the varlen path, and a
+    dynamic RoPE: sequence parallel 1 only (the trainer refuses the rest); on the varlen path whole documents and
+    the window are offered every size."""
+    from pipeline.model import PRESETS
+    from pipeline.model.families import read_config, shape_from_config
+    from pipeline.plan.cluster import Cluster, Stack
+    from pipeline.plan.gpus import GPUS
+    from pipeline.plan.search import sequence_sizes
+
+    c = Cluster(1, 4, GPUS["4090d"], 120e9)
+    shape = PRESETS["7b"]
+    assert sequence_sizes(shape, 32768, c, Stack()) == (1, 2, 4)
+    assert sequence_sizes(shape, 32768, c, Stack(whole_documents=True)) == (1,)
+    assert sequence_sizes(shape, 32768, c, Stack(whole_documents=True, varlen=True)) == (1, 2, 4)
+    dynamic = replace(shape, rope={"rope_type": "dynamic", "factor": 4.0})
+    assert sequence_sizes(dynamic, 32768, c, Stack(varlen=True)) == (1,)
+    mistral = shape_from_config(read_config("configs/hf/mistral-7b-v0.1.json"), "mistral")
+    assert sequence_sizes(mistral, 32768, c, Stack()) == (1,)  # a 4096-token window at 32K
+    assert sequence_sizes(mistral, 4096, c, Stack()) == (1, 2, 4)  # the window is the whole sample
+    assert sequence_sizes(mistral, 32768, c, Stack(varlen=True)) == (1, 2, 4)

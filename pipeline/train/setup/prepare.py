@@ -17,6 +17,7 @@ from pipeline.errors import ConfigError, PipelineError
 from pipeline.model import ModelShape, sequence_parallel_problems
 from pipeline.model.families import model_shape
 from pipeline.model.varlen import (
+    NO_MASKS,
     DocumentAttention,
     attention_facts,
     choose_documents,
@@ -105,7 +106,7 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
     if found:
         raise ConfigError(found)
     if cfg.train.deepspeed_config == "auto":
-        raw, checkpointing = auto_ds_config(shape, plan, world_size, cfg, local_size)
+        raw, checkpointing = auto_ds_config(shape, plan, world_size, cfg, local_size, documents, whole_documents)
         cfg = replace(cfg, train=replace(cfg.train, activation_checkpointing=checkpointing))
         source = "deepspeed config chosen by the planner"
     else:
@@ -159,13 +160,20 @@ def cpu_card(ram_bytes: float, ranks: int) -> GPU:
 
 
 def auto_ds_config(
-    shape: ModelShape, plan: BatchPlan, world_size: int, cfg: PretrainConfig, local_size: int | None = None
+    shape: ModelShape,
+    plan: BatchPlan,
+    world_size: int,
+    cfg: PretrainConfig,
+    local_size: int | None = None,
+    documents: DocumentAttention = NO_MASKS,
+    whole_documents: bool = False,
 ) -> tuple[dict[str, Any], bool]:
     """Plan for this machine and world: nodes from the launcher's LOCAL_SIZE, the card from torch (capped at
     train.gpu_memory_cap_gib; a CPU run counts host RAM shared by its ranks), host RAM from the OS; the config's
     micro-batch is kept. `local_size` (ranks per node) defaults to the launcher's LOCAL_SIZE. Only the stages and
     offloads optim.name runs under are searched, its state bytes priced; train.compile and train.kernels are
-    priced per configuration as they resolve on a GPU; nothing the trainer refuses for this config is chosen."""
+    priced per configuration as they resolve on a GPU, whole documents on the attention path `documents` chose;
+    nothing the trainer refuses for this config is chosen."""
     from pipeline.plan import search as planner
     from pipeline.plan.cluster import Cluster, Stack, trainer_stack
     from pipeline.plan.ds_json import ds_config
@@ -173,9 +181,11 @@ def auto_ds_config(
     local = local_size or ranks_per_node(world_size)
     ram = host_ram_bytes()
     card: GPU
-    stack = Stack()  # on the CPU every speed switch falls back to transformers' modules
+    varlen = documents.kind == "varlen"
+    # on the CPU every speed switch falls back to transformers' modules
+    stack = Stack(whole_documents=whole_documents, varlen=varlen)
     if accelerator_name() == "cuda":
-        stack = trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8)
+        stack = trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8, whole_documents, varlen)
         card = planning_card(
             torch.cuda.get_device_name(0),
             torch.cuda.get_device_properties(0).total_memory,
