@@ -125,6 +125,29 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+PRESET_GEOMETRY: dict[str, str] = {
+    "1b": "TinyLlama-1.1B's geometry",
+    "7b": "Llama-2-7B's geometry: 32K vocabulary, 4K native context",
+    "13b": "Llama-2-13B's geometry: 32K vocabulary, 4K native context",
+    "70b": "Llama-2-70B's geometry: 32K vocabulary, 4K native context; the 70B continued at long context today is "
+    "Llama-3.1-70B (128K vocabulary and context): --model configs/hf/llama-3.1-70b.json",
+}
+"""What each preset is, said wherever a plan prints it: the presets are older models' shapes."""
+
+
+def preset_note(shape: ModelShape) -> str | None:
+    """'the 70b preset: Llama-2-70B's geometry ...' when `shape` is a preset's geometry (any vocabulary or
+    length), else None."""
+    geometry = ("hidden_size", "num_layers", "ffn_hidden_size", "num_heads", "num_kv_heads", "head_size")
+    if shape.hf_config is not None:
+        return None
+    for name, note in PRESET_GEOMETRY.items():
+        preset = PRESETS[name]
+        if all(getattr(shape, k) == getattr(preset, k) for k in geometry):
+            return f"the {name} preset: {note}"
+    return None
+
+
 def sequence_parallel_problems(shape: ModelShape, size: int) -> list[str]:
     """Why `size` ranks cannot share a sample of this model (empty when they can): Ulysses gives each rank
     heads / size query heads, and the key/value heads must split the same way or be replicated evenly."""

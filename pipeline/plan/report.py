@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pipeline
-from pipeline.model import resolve_shape
+from pipeline.model import PRESET_GEOMETRY, preset_note, resolve_shape
 from pipeline.plan.cluster import TRAINER, Candidate, Cluster
 from pipeline.plan.estimate import FITTED, Estimate
 from pipeline.plan.facts import cluster_from_flags
@@ -22,9 +22,11 @@ def _days(tokens: float, tps: float) -> str:
 
 def header(p: Plan) -> list[str]:
     c, s = p.cluster, p.shape
+    preset = preset_note(s)
     return [
         f"model {s.num_params() / 1e9:.2f}B parameters (h {s.hidden_size}, {s.num_layers} layers, ffn "
-        f"{s.ffn_hidden_size}, {s.num_heads} heads / {s.num_kv_heads} kv, vocab {s.vocab_size}), seq {p.seq_len}",
+        f"{s.ffn_hidden_size}, {s.num_heads} heads / {s.num_kv_heads} kv, vocab {s.vocab_size}), seq {p.seq_len}"
+        + (f"; {preset}" if preset else ""),
         f"cluster {c.nodes} node(s) x {c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gib:.1f} GiB, "
         f"{c.gpu.bf16_tflops:g} TF bf16 dense, PCIe {c.gpu.pcie_gen}, P2P {'yes' if c.gpu.p2p else 'no'}), "
         f"{c.cpu_mem_bytes / 1e9:.0f} GB RAM and {c.cpu_cores} cores/node, {c.network_gbps:g} Gbps"
@@ -271,6 +273,9 @@ def fits_table(rows: list[tuple[str, str, Plan]], token_budget: float = 1e9) -> 
             f"| {preset} | {where} | {e.candidate.label()} | {lo:,.0f}-{hi:,.0f} | {days} | "
             f"{e.host['total'] / 1e9:,.0f} GB | {e.checkpoint['per_node'] / 1e9:,.0f} GB{note} |"
         )
+    presets = sorted({preset for preset, _, _ in rows if preset in PRESET_GEOMETRY}, key=list(PRESET_GEOMETRY).index)
+    if presets:
+        out += ["", "Presets: " + "; ".join(f"{name}, {PRESET_GEOMETRY[name]}" for name in presets) + "."]
     return "\n".join(out)
 
 

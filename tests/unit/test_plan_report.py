@@ -35,3 +35,17 @@ def test_the_readme_fits_table_is_what_the_planner_says() -> None:
     block = readme.split("<!-- fits-table -->")[1].strip()
     r = CliRunner().invoke(main, ["plan", "--fits-table"])
     assert r.exit_code == 0 and block == r.output.strip(), "regenerate with `pipeline plan --fits-table`"
+
+
+def test_a_preset_says_whose_geometry_it_is_wherever_a_plan_prints_it() -> None:
+    """The `70b` preset is Llama-2-70B's shape (32K vocabulary, 4K context), not the Llama-3.1-70B users continue at
+    32K: its plan says so and names the config to plan instead; a Hugging Face config's plan names no preset, and a
+    slice of a preset (other depth) is no longer it."""
+    seventy = CliRunner().invoke(main, ["plan", "--model", "70b", "--seq-len", "8192", "--hostfile", "hostfiles/8node"])
+    assert seventy.exit_code == 0
+    assert "the 70b preset: Llama-2-70B's geometry: 32K vocabulary, 4K native context" in seventy.output
+    assert "--model configs/hf/llama-3.1-70b.json" in seventy.output
+    llama31 = CliRunner().invoke(main, ["plan", "--model", "configs/hf/llama-3.1-70b.json", "--seq-len", "8192"])
+    assert llama31.exit_code in (0, 3) and "preset:" not in llama31.output
+    sliced = CliRunner().invoke(main, ["plan", "--model", "70b", "--layers", "2"])
+    assert sliced.exit_code == 0 and "preset:" not in sliced.output
