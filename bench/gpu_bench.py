@@ -20,6 +20,13 @@
                         optimizer states; ZenFlow on ZeRO-2), each beside 7b_2layers_offload and the planner
      1b_slices          `pipeline probe --config` on 1b_default's config: 2 and 4 layers extrapolated to 22,
                         beside 1b_default measured whole (the ratio)
+     llama31_70b_2layers_32k, ..._documents_dense, ..._documents_varlen   a 2-layer slice of Llama-3.1-70B's real
+                        config at 32K (the planner's layout: ZeRO-3 + CPU offload, MLP in 4 tiles, offloaded
+                        checkpoints), capped: packed samples, then whole-document samples on SDPA's dense mask and
+                        on the varlen path (FlashAttention-2 where flash_attn is installed; the run records the path)
+     eval_7b_128k       a 2-layer 7B slice trained one step at 128K and saved, then one card's `pipeline evaluate`
+                        at --batch-size 8 under the 23 GiB cap: the batch it chooses and whether it runs (sequence
+                        parallelism needs two cards: this one-card run measures the rest)
 
 Each result lands in OUT/results.json as its case ends, with the planner's prediction beside it, and each case's
 whole log in OUT/logs/. MFU is given by the PaLM count the trainer logs (6N + 12*L*h*s FLOPs per token, as TinyLlama
@@ -57,13 +64,15 @@ if str(ROOT) not in sys.path:  # run from a carried checkout without an install 
     sys.path.insert(0, str(ROOT))
 
 CAP_GIB = 23.0  # what an RTX 4090D leaves usable, as the planner plans it
+LLAMA31_70B = "configs/hf/llama-3.1-70b.json"
+"""Llama-3.1-70B's own config.json: the 70B users continue at 32K (the 70b preset is Llama-2's geometry)."""
 PROBE = "host.probe.json"  # the warm-up's `pipeline probe` of the lent machine, beside results.json
 
 
 @dataclass
 class Case:
     name: str
-    kind: str  # pipeline | plain | stage4 | slices
+    kind: str  # pipeline | plain | stage4 | slices | eval
     preset: str
     seq_len: int
     micro_batch_size: int
@@ -86,6 +95,14 @@ class Case:
     """optim.name (pipeline.train.setup.optimizers.OPTIMIZERS)."""
     fp8: bool = False
     """train.fp8: the decoder's matmuls in float8 (torchao)."""
+    architecture: str | None = None
+    """A Hugging Face config.json (model.architecture, fresh weights) instead of `preset`, sliced to `layers`."""
+    whole_documents: bool = False
+    """Shards of whole documents (`pipeline shard --whole-documents`): positions restart at each document."""
+    document_attention: str = "auto"
+    """train.document_attention (pipeline.model.varlen): auto, varlen or dense."""
+    eval_batch: int | None = None
+    """kind "eval": after training (saved), one card's `pipeline evaluate --batch-size N` under the case's cap."""
     memory_at_peak: bool = False
     """Record the allocator's history and summarise the live blocks at the peak (PIPELINE_MEMORY_SNAPSHOT)."""
     timeout_s: int = 150
@@ -234,10 +251,51 @@ def cases(smoke: bool) -> list[Case]:
         # `pipeline probe --config` on 1b_default's config: slices of 2 and 4 layers extrapolated to 22, beside
         # what 1b_default measured whole (the same one micro-step per step): does the slope predict the model?
         Case("1b_slices", "slices", "1b", 2048, 8, 10, timeout_s=120, note="slices beside 1b_default", **default),
+        # Long context at first contact: the model users continue at 32K (Llama-3.1-70B's own config: 128K
+        # vocabulary) in the planner's layout, packed and with whole documents on each attention path
+        *(
+            Case(
+                f"llama31_70b_2layers_32k{suffix}",
+                "pipeline",
+                "llama31-70b",
+                32768,
+                1,
+                4,
+                layers=2,
+                architecture=LLAMA31_70B,
+                tiled_mlp=4,
+                whole_documents=bool(suffix),
+                document_attention=path,
+                timeout_s=200,
+                ds_overrides={"activation_checkpointing": {"cpu_checkpointing": True}},
+                note=note,
+                **offload,
+            )
+            for suffix, path, note in (
+                ("", "auto", "packed samples: the planner's Llama-3.1-70B-at-32K layout"),
+                ("_documents_dense", "dense", "whole documents on SDPA's (seq x seq) mask (planned: 3 GiB more)"),
+                ("_documents_varlen", "varlen", "whole documents on the varlen path (dense where flash_attn is not)"),
+            )
+        ),
+        Case(
+            "eval_7b_128k",
+            "eval",
+            "7b",
+            131072,
+            1,
+            1,
+            layers=2,
+            tiled_mlp=32,
+            eval_batch=8,
+            timeout_s=240,
+            ds_overrides={"activation_checkpointing": {"cpu_checkpointing": True}},
+            note="one card's evaluation batch at 128K (asked 8), after one saved training step",
+            **offload,
+        ),
     ]
     if not smoke:
         return full
-    small = {"1b": "tiny", "70b": "tiny", "7b": "tiny"}
+    small = {"1b": "tiny", "70b": "tiny", "7b": "tiny", "llama31-70b": "llama31-70b"}
     return [
         replace(
             c,
@@ -392,8 +450,12 @@ def init_speed(smoke: bool) -> dict[str, Any]:
 # ---- 2. the cases --------------------------------------------------------------------------------------------
 
 
-def synthetic_shards(work: Path, seq_len: int, vocab: int) -> Path:
-    out = work / f"shards{seq_len}"
+def synthetic_shards(
+    work: Path, seq_len: int, vocab: int, whole_documents: bool = False, eos: int = 2, bos: int = 1
+) -> Path:
+    """Random tokens in documents of 200-4000 tokens (each ending with `eos`), packed into samples of `seq_len`,
+    or with `whole_documents` each document whole in one sample, several to a sample."""
+    out = work / f"shards{seq_len}-{vocab}{'-whole' if whole_documents else ''}"
     if out.exists():
         return out
     import numpy as np
@@ -401,39 +463,77 @@ def synthetic_shards(work: Path, seq_len: int, vocab: int) -> Path:
     from pipeline.atomic import write_json
     from pipeline.data import shard as shard_stage
     from pipeline.data.config import ShardConfig
-    from pipeline.data.indexed import IndexedWriter
+    from pipeline.data.indexed import IndexedWriter, token_dtype
 
+    dtype = token_dtype(vocab)
     prefix = work / f"corpus{vocab}"
     if not Path(str(prefix) + ".manifest.json").exists():
         rng = np.random.default_rng(0)
-        w = IndexedWriter(Path(str(prefix) + ".bin"), np.dtype(np.uint16))
+        w = IndexedWriter(Path(str(prefix) + ".bin"), dtype)
         lengths = rng.integers(200, 4000, 1000).astype(np.int32)
-        w.add_many(lengths, rng.integers(4, vocab, int(lengths.sum())).astype(np.uint16))
+        tokens = rng.integers(4, min(vocab, 2**16), int(lengths.sum())).astype(dtype)
+        tokens[np.cumsum(lengths) - 1] = eos  # every document ends with the end-of-sequence token
+        w.add_many(lengths, tokens)
         w.finish(Path(str(prefix) + ".idx"))
         tokenizer = {
             "path": "synthetic",
             "sha256": "0" * 64,
             "kind": "none",
             "vocab_size": vocab,
-            "eos_id": 2,
-            "bos_id": 1,
+            "eos_id": eos,
+            "bos_id": bos,
             "pad_id": 3,
         }
         write_json(
             str(prefix) + ".manifest.json",
-            {"tokenizer": tokenizer, "dtype": "uint16", "totals": {"documents": w.documents, "tokens": w.tokens}},
+            {"tokenizer": tokenizer, "dtype": dtype.name, "totals": {"documents": w.documents, "tokens": w.tokens}},
         )
+    documents = {"cross_document": False, "whole_documents": True} if whole_documents else {}
     shard_stage.run(
         ShardConfig(
-            sources=((str(prefix), 1.0),), output=str(out), seq_len=seq_len, split=(98.0, 1.0, 1.0), progress=False
+            sources=((str(prefix), 1.0),),
+            output=str(out),
+            seq_len=seq_len,
+            split=(98.0, 1.0, 1.0),
+            progress=False,
+            **documents,
         )
     )
     return out
 
 
-def shape_of(case: Case, vocab: int) -> Any:
-    from pipeline.model import resolve_shape, with_seq_len
+def architecture_of(case: Case, work: Path, smoke: bool) -> Path | None:
+    """The case's config.json: its own, or on the CPU (smoke) the same architecture at a tiny width (its real
+    vocabulary and special ids, so the data path is the GPU run's)."""
+    if case.architecture is None:
+        return None
+    path = ROOT / case.architecture
+    if not smoke:
+        return path
+    raw = json.loads(path.read_text())
+    raw.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    tiny = work / f"tiny-{path.name}"
+    tiny.write_text(json.dumps(raw))
+    return tiny
 
+
+def case_vocab(case: Case, default: int) -> tuple[int, int, int]:
+    """(vocabulary, eos, bos) of the case's data: its architecture's own, else the preset's synthetic ones."""
+    if case.architecture is None:
+        return default, 2, 1
+    raw = json.loads((ROOT / case.architecture).read_text())
+    eos = raw["eos_token_id"][0] if isinstance(raw["eos_token_id"], list) else raw["eos_token_id"]
+    return int(raw["vocab_size"]), int(eos), int(raw["bos_token_id"])
+
+
+def shape_of(case: Case, vocab: int, work: Path | None = None, smoke: bool = False) -> Any:
+    from pipeline.model import resolve_shape, with_seq_len
+    from pipeline.model.families import model_shape
+
+    if case.architecture is not None and work is not None:
+        arch = architecture_of(case, work, smoke)
+        overrides = {"num_layers": case.layers} if case.layers else {}
+        return model_shape(None, overrides, None, None, case.seq_len, architecture=str(arch))
     shape = resolve_shape(case.preset, {"num_layers": case.layers} if case.layers else {}, vocab)
     return with_seq_len(shape, case.seq_len)
 
@@ -485,7 +585,10 @@ def pipeline_config(case: Case, shards: Path, work: Path, smoke: bool, save: boo
     run_dir = work / case.name
     config = {
         "run_dir": str(run_dir),
-        "model": {"preset": case.preset, "shape": {"num_layers": case.layers} if case.layers else {}},
+        "model": (
+            {"architecture": str(architecture_of(case, work, smoke))} if case.architecture else {"preset": case.preset}
+        )
+        | {"shape": {"num_layers": case.layers} if case.layers else {}},
         "data": {"path": str(shards), "num_workers": 2, "verify": False},
         "batch": {"micro_batch_size": case.micro_batch_size, "global_batch_size": case.micro_batch_size},
         "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2, "name": case.optimizer},
@@ -498,6 +601,7 @@ def pipeline_config(case: Case, shards: Path, work: Path, smoke: bool, save: boo
             "kernels": case.kernels,
             "activation_checkpointing": case.activation_checkpointing,
             "tiled_mlp": case.tiled_mlp,
+            "document_attention": case.document_attention,
             "deepspeed_config": str(ds_json(case, work)),
             "gpu_memory_cap_gib": case.memory_cap_gib,
         },
@@ -737,6 +841,46 @@ def run_stage4(case: Case, work: Path, logs: Path, smoke: bool, timeout: float) 
     return result
 
 
+EVAL_CAPPED = (
+    "import sys, torch\n"
+    "cap = float(sys.argv.pop(1)) * 2**30\n"
+    "if torch.cuda.is_available():  # a 24 GB card on a larger one: the cap, and the free memory it leaves\n"
+    "    torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)\n"
+    "    torch.cuda.mem_get_info = lambda device=None: (int(cap - torch.cuda.memory_reserved()), int(cap))\n"
+    "from pipeline.cli import main\n"
+    "main()\n"
+)
+"""`pipeline evaluate` as one card of the case's cap would run it (evaluate has no cap of its own)."""
+
+
+def run_eval(case: Case, work: Path, logs: Path, smoke: bool, timeout: float) -> dict[str, Any]:
+    """The case trained and saved through the launcher on stage 4's shards (a real tokenizer: evaluate prompts
+    with it), then one card's `pipeline evaluate --batch-size N` of it on the training split (the held-out ones
+    hold no sample this long) under the case's cap: the batch evaluate chose (its warning) or its one-line
+    refusal, and the loss."""
+    started = time.monotonic()
+    shards = stage4_shards(work, case.seq_len, smoke)
+    trained = run_pipeline(case, shards, work, logs, smoke, timeout - (time.monotonic() - started), save=True)
+    if "error" in trained:
+        return trained
+    out = work / f"{case.name}-eval.json"
+    cap = str(case.memory_cap_gib or 10**6)
+    cmd = [sys.executable, "-c", EVAL_CAPPED, cap, "evaluate", "--checkpoint", str(work / case.name)]
+    cmd += ["--split", "train", "--batch-size", str(case.eval_batch or 8), "--max-batches", "1"]
+    cmd += ["--max-new-tokens", "4"]
+    cmd += ["--output", str(out)]
+    log = logs / f"{case.name}_evaluate.log"
+    code, seconds = run_group(cmd, child_env(smoke), max(10.0, timeout - (time.monotonic() - started)), log)
+    text = log.read_text() if log.exists() else ""
+    chosen = [line for line in text.splitlines() if "evaluating with batch" in line or "evaluate across" in line]
+    result = {**trained, "evaluate_s": seconds, "eval_batch_asked": case.eval_batch, "eval_said": chosen[-1:]}
+    if code != 0:
+        return result | (
+            {"eval_refused": chosen[-1]} if chosen else {"error": "evaluate: " + failure(code, timeout, log)}
+        )
+    return result | {"eval_loss": json.loads(out.read_text()).get("loss")}
+
+
 def free_port() -> int:
     from pipeline.doctor.cluster import rendezvous_port
 
@@ -763,6 +907,9 @@ def cpu_path(case: Case) -> tuple[Any, ...]:
         case.tiled_mlp > 1,
         case.optimizer,
         case.fp8,
+        case.architecture,
+        case.whole_documents,
+        case.document_attention,
     )
 
 
@@ -785,18 +932,31 @@ LEASE_HOST = Host(128 * 2**30, 16)
 predate the `host` record."""
 
 
-def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path, host: Host | None = None) -> dict[str, Any]:
+def planned(
+    case: Case, vocab: int, card: Any, work: Path, probe: Path, host: Host | None = None, smoke: bool = False
+) -> dict[str, Any]:
     """The planner's prediction for exactly this case: its DeepSpeed JSON on one GPU capped as the case is, the
     lent machine's RAM and cores (`host`, default this machine's), and what `pipeline probe` measured on it in the
-    warm-up (`probe`), as a user's plan with a probed hostfile would be."""
+    warm-up (`probe`), as a user's plan with a probed hostfile would be; whole documents on the attention path the
+    case asks for (varlen where flash_attn is installed)."""
     from pipeline.model import loss_chunk_tokens
     from pipeline.plan.cluster import Cluster, trainer_stack
+    from pipeline.plan.command import varlen_on_cluster
     from pipeline.plan.ds_json import candidate_from_ds
     from pipeline.plan.estimate import estimate
     from pipeline.plan.facts import with_probe
     from pipeline.plan.gpus import capped
     from pipeline.train.setup.optimizers import OPTIMIZERS
 
+    if case.kind == "eval":  # the batch one card's evaluate should choose under the case's cap
+        from pipeline.plan.memory import evaluation_batch
+
+        shape = shape_of(case, 1000 if smoke else 4096)  # stage 4's tokenizer
+        cap = capped(card, case.memory_cap_gib).memory_gib * 2**30
+        batch, need = evaluation_batch(
+            shape, case.seq_len, case.eval_batch or 8, 1, cap, loss_chunk_tokens(shape.vocab_size)
+        )
+        return {"plan_eval_batch": batch, "plan_eval_gib": need / 2**30}
     if case.kind not in ("pipeline", "slices"):  # slices: planned as the whole model they extrapolate to
         return {}
     host = host or Host.here()
@@ -809,8 +969,9 @@ def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path, host: Ho
     cluster = Cluster(1, 1, capped(card, case.memory_cap_gib), host.ram_bytes, cpu_cores=host.cores)
     if probe.exists():
         cluster, _ = with_probe(cluster, probe, set())
-    shape = shape_of(case, vocab)
-    stack = trainer_stack(case.compile, case.kernels, case.fp8)
+    shape = shape_of(case, vocab, work, smoke)
+    varlen = varlen_on_cluster(case.document_attention)
+    stack = trainer_stack(case.compile, case.kernels, case.fp8, case.whole_documents, varlen)
     e = estimate(shape, case.seq_len, cluster, cand, loss_chunk_tokens=loss_chunk_tokens(shape.vocab_size), stack=stack)
     return {
         "plan_tokens_per_s": e.tokens_per_s,
@@ -819,6 +980,7 @@ def planned(case: Case, vocab: int, card: Any, work: Path, probe: Path, host: Ho
         "plan_fits": e.fits,
         "plan_peak_allocated_gib": e.gpu["peak_allocated"] / 2**30,  # beside torch.cuda.max_memory_allocated
         "plan_reserved_gib": e.gpu["reserved"] / 2**30,
+        "plan_document_mask_gib": e.gpu["document_mask"] / 2**30,
         "plan_assumed": [{"figure": f, "value": v, "source": src} for f, v, src in e.assumed],
     }
 
@@ -857,10 +1019,12 @@ def replanned(results: Path, probe_doc: dict[str, Any] | None = None) -> list[di
     return out
 
 
-def mfu(result: dict[str, Any], case: Case, vocab: int, peak_tflops: float | None) -> dict[str, Any]:
+def mfu(
+    result: dict[str, Any], case: Case, vocab: int, peak_tflops: float | None, work: Path | None = None
+) -> dict[str, Any]:
     if "tokens_per_s" not in result or not peak_tflops:
         return {"mfu_palm": None, "mfu_causal": None}
-    shape = shape_of(case, vocab)
+    shape = shape_of(case, vocab, work)
     tps = result["tokens_per_s"]
     return {
         "mfu_palm": tps * shape.flops_per_token(case.seq_len) / (peak_tflops * 1e12),
@@ -894,7 +1058,8 @@ def table(results: list[dict[str, Any]]) -> str:
         s = r.get("speed") or {}
         if not s:
             return ""
-        return f"{'compile, ' if s.get('compile') else ''}{s.get('attention')}, {s.get('kernels')}"
+        masks = f", {s['attention_masks']} masks" if s.get("attention_masks") not in (None, "sdpa") else ""
+        return f"{'compile, ' if s.get('compile') else ''}{s.get('attention')}, {s.get('kernels')}{masks}"
 
     head = (
         "| case | switches used | tokens/s | step s | planned step s | peak alloc GiB | planned peak GiB | MFU (PaLM) "
@@ -1001,12 +1166,15 @@ def main() -> None:
                 doc["cases"].append({"name": case.name, "skipped": f"{case.timeout_s} s needed, {left:.0f} s left"})
                 save()
                 continue
-            shards = synthetic_shards(work, case.seq_len, vocab)
+            case_vocab_size, eos, bos = case_vocab(case, vocab)
+            shards = synthetic_shards(work, case.seq_len, case_vocab_size, case.whole_documents, eos, bos)
             timeout = min(case.timeout_s * (3 if args.smoke else 1), max(30.0, left))
             if case.kind == "plain":
                 result = run_plain(case, shards, work, logs, vocab, args.smoke, timeout)
             elif case.kind == "stage4":
                 result = run_stage4(case, work, logs, args.smoke, timeout)
+            elif case.kind == "eval":
+                result = run_eval(case, work, logs, args.smoke, timeout)
             elif case.kind == "slices":
                 result = run_slices(case, shards, work, logs, args.smoke, timeout)
                 whole = by_name.get("1b_default") or by_name.get(twin_of.get("1b_default", ""))
@@ -1017,8 +1185,8 @@ def main() -> None:
                 "name": case.name,
                 "note": case.note,
                 **result,
-                **planned(case, vocab, card, work, out_dir / PROBE),
-                **mfu(result, case, vocab, card.bf16_tflops if cuda else None),
+                **planned(case, vocab, card, work, out_dir / PROBE, smoke=args.smoke),
+                **mfu(result, case, vocab, card.bf16_tflops if cuda else None, work),
             }
             by_name[case.name] = result
             doc["cases"].append(result)

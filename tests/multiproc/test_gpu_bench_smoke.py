@@ -48,6 +48,10 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
         "1b_muon",
         "1b_fp8",
         "1b_slices",
+        "llama31_70b_2layers_32k",
+        "llama31_70b_2layers_32k_documents_dense",
+        "llama31_70b_2layers_32k_documents_varlen",
+        "eval_7b_128k",
     ]
     ran = {c["name"]: c for c in doc["cases"] if "same_cpu_path_as" not in c}
     twins = {c["name"]: c["same_cpu_path_as"] for c in doc["cases"] if "same_cpu_path_as" in c}
@@ -68,7 +72,7 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
     for case in ran.values():
         assert "error" not in case and case["tokens_per_s"] > 0, case
         assert (tmp_path / "logs" / f"{case['name']}.log").stat().st_size > 0
-        if case["name"] != "plain_eager" and case["name"] != "1b_stage4":  # beside the planner's prediction
+        if case["name"] not in ("plain_eager", "1b_stage4", "eval_7b_128k"):  # beside the planner's prediction
             assert case["plan_step_time_s"] > 0 and case["plan_peak_allocated_gib"] > 0
     # planned on the host the warm-up probed, as a user's plan with a probed hostfile is
     assert (tmp_path / "host.probe.json").exists() and doc["warm_up"]["host"]["cpu_adam"]["params_per_s"] > 0
@@ -84,6 +88,17 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
     assert (
         slices["extrapolated_over_whole"]["case"] == "1b_zero2" and slices["extrapolated_over_whole"]["step_time"] > 0
     )
+    # long context at first contact: Llama-3.1-70B's own config (its 128K vocabulary, as int32 shards), packed and
+    # with whole documents on each path; the two paths train the same losses, and the run says which it took
+    long = {k: ran[f"llama31_70b_2layers_32k{k}"] for k in ("", "_documents_dense", "_documents_varlen")}
+    assert long[""]["speed"]["attention_masks"] == "sdpa"
+    assert long["_documents_dense"]["speed"]["attention_masks"] == "dense"
+    assert long["_documents_varlen"]["speed"]["attention_masks"] == "varlen"
+    assert long["_documents_dense"]["losses"] == pytest.approx(long["_documents_varlen"]["losses"], rel=1e-4)
+    assert long["_documents_dense"]["plan_document_mask_gib"] > 0 == long["_documents_varlen"]["plan_document_mask_gib"]
+    evaluated = ran["eval_7b_128k"]  # one card's evaluation after a saved step; on the CPU the batch asked for
+    assert evaluated["eval_loss"] > 0 and evaluated["plan_eval_batch"] == 8
+    assert (tmp_path / "logs" / "eval_7b_128k_evaluate.log").exists()
     assert "| 1b_zero2 |" in (tmp_path / "results.md").read_text()
     assert not list(tmp_path.glob("**/step0*")), "the benchmark leaves no checkpoint behind"
 
