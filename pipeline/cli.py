@@ -505,6 +505,7 @@ def doctor(config: str | None, sets: tuple[str, ...], master_port: int | None, *
 @click.option(
     "--fits-table", is_flag=True, help="Print the table of docs/planning.md: presets 1b-70b on each reference hostfile."
 )
+@click.option("--long-context-table", is_flag=True, help="Print the table of docs/long-context.md: the headline plans.")
 def plan(**options: Any) -> None:
     """Will MODEL fit the cluster, how fast will it train, and which DeepSpeed config gets there. Memory is given as
     peak allocated (what torch.cuda.max_memory_allocated reports) and reserved (what the card must hold), with a

@@ -47,6 +47,7 @@ class PlanRequest:
     opt_in: frozenset[str] = frozenset()
     as_json: bool = False
     fits_table: bool = False
+    long_context_table: bool = False
     model_given: bool = False
     """--model was given (with --from-run: plan that model at the run's rates, not the run itself)."""
     cluster_given: bool = False
@@ -88,6 +89,9 @@ def plan(req: PlanRequest, echo: Echo, cluster: Cluster | None = None, rates: Ra
     budget, gbt = token_amounts(req.tokens, req.global_batch_tokens)
     if req.fits_table:
         echo(plan_report.reference_fits_table(req.flags, req.vocab_size, req.seq_len or 4096, gbt, req.mfu, budget))
+        return 0
+    if req.long_context_table:
+        echo(plan_report.long_context_table(req.flags, gbt, req.mfu))
         return 0
     source = ""
     if cluster is None:

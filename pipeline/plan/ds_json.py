@@ -22,10 +22,12 @@ def candidate_from_ds(
     activation_checkpointing: bool,
     moment_bytes: float = 8.0,
     sequence_parallel: int = 1,
+    tiled_mlp: int = 0,
 ) -> Candidate:
     """The configuration a DeepSpeed JSON describes; fields it leaves out (or "auto") take DeepSpeed's defaults.
     `moment_bytes`: the optimizer's (pipeline.train.setup.optimizers), which the JSON does not say;
-    `sequence_parallel`: the config's train.sequence_parallel (the JSON's sequence_parallel_size when it says)."""
+    `sequence_parallel`: the config's train.sequence_parallel (the JSON's sequence_parallel_size when it says);
+    `tiled_mlp`: the config's train.tiled_mlp (the JSON has no field for it)."""
     zero = ds.get("zero_optimization") or {}
 
     def num(key: str, default: float) -> float:
@@ -58,6 +60,7 @@ def candidate_from_ds(
         moment_bytes=moment_bytes,
         sequence_parallel=sp if isinstance(sp := ds.get("sequence_parallel_size"), int) else sequence_parallel,
         zenflow_interval=(interval if isinstance(interval, int) else grad_accum) if zenflow else 0,
+        tiled_mlp=tiled_mlp,
     )
 
 
@@ -75,7 +78,7 @@ def ds_config(e: Estimate | Candidate, nvme_path: str = "/local_nvme") -> dict[s
             {
                 "stage3_prefetch_bucket_size": cand.prefetch_bucket,
                 "stage3_max_live_parameters": cand.max_live,
-                "stage3_max_reuse_distance": cand.max_live,
+                "stage3_max_reuse_distance": cand.max_reuse or cand.max_live,
                 "stage3_param_persistence_threshold": 1e5,
                 "sub_group_size": cand.sub_group,
                 "stage3_gather_16bit_weights_on_model_save": False,

@@ -240,6 +240,9 @@ def _engine_buffers(
         buffers = 4.5 * 2 * cand.reduce_bucket if cand.stage in (1, 2) else 2 * 2.5e7
         return buffers, 0.0, 0.0, (2.0 * psi if cand.stage in (0, 1) else 0.0) + zenflow_grads
     live = 2 * min(cand.max_live, shape.layer_params() + cand.prefetch_bucket, psi)
+    mlp = 3.0 * shape.hidden_size * shape.ffn_hidden_size
+    if cand.tiled_mlp > 1 and (cand.max_reuse or cand.max_live) >= mlp:  # gate, up, down kept across the tiles
+        live = max(live, 2 * mlp)
     reduce = cand.reduce_bucket * (REDUCE_BYTES + (4 / g if cand.fp32_grad_accum else 0))
     unexplained = 0.0
     if chunked_loss and not stack.loss_fused:  # this trainer's chunked loss under ZeRO-3

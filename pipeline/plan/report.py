@@ -210,6 +210,34 @@ def _gpu_lines(p: Plan, e: Estimate) -> list[str]:
         f"transients, +{g['cuda_context'] / GiB:.1f} CUDA context: what the card must hold)",
         f"  {'margin kept':31s} {g['margin'] / GiB:7.2f}   (max(1.5 GiB, 7%)); card {card:.1f}, "
         f"free after all: {card - (g['reserved'] + g['margin']) / GiB:.2f}",
+        *thin_note(p, e),
+    ]
+
+
+THIN_GIB = 1.5
+"""Free memory after the margin below which a long-context plan is called thin: at 32K one activation is a
+0.25-1.75 GiB block, and terms of the long-context path are priced from reading, not yet measured on a GPU."""
+
+
+def free_gib(p: Plan, e: Estimate) -> float:
+    return p.cluster.gpu.memory_gib - (e.gpu["reserved"] + e.gpu["margin"]) / GiB
+
+
+def thin_note(p: Plan, e: Estimate) -> list[str]:
+    """At 16K+ tokens, a fitting plan with less than THIN_GIB free after the margin says so, and what would leave
+    that much: the fastest such configuration the search found, or that none does."""
+    if not e.fits or p.seq_len < 16384 or (free := free_gib(p, e)) >= THIN_GIB:
+        return []
+    roomy = next((r for r in p.ranked if free_gib(p, r) >= THIN_GIB), None)
+    head = (
+        f"  thin: {free:.2f} GiB free after the margin at {p.seq_len:,} tokens, where single activations are "
+        "GiB-sized and the long-context terms are priced from reading, not yet measured on a GPU; "
+    )
+    if roomy is None:
+        return [head + f"no configuration here leaves {THIN_GIB} GiB: one more node, or a shorter seq_len"]
+    return [
+        head + f"{roomy.candidate.label()} leaves {free_gib(p, roomy):.2f} GiB at {roomy.tokens_per_s:,.0f} tokens/s "
+        f"({roomy.tokens_per_s / e.tokens_per_s:.2f}x)"
     ]
 
 
@@ -306,3 +334,46 @@ def reference_fits_table(
 def row_label(c: Candidate) -> str:
     """A candidate in the runners-up and rejected lists: ZeRO-3's differ by their bucket set too."""
     return c.label() + (f", buckets {c.reduce_bucket:.0e}" if c.stage == 3 else "")
+
+
+LONG_CONTEXT_PLANS = (
+    ("Llama-3.1-70B at 32K", "configs/hf/llama-3.1-70b.json", 32768, "8node", None),
+    ("the same, whole documents on the varlen path", "configs/hf/llama-3.1-70b.json", 32768, "8node", "varlen"),
+    ("the same, whole documents on SDPA's dense mask", "configs/hf/llama-3.1-70b.json", 32768, "8node", "dense"),
+    ("the 70b preset (Llama-2-70B's geometry) at 32K", "70b", 32768, "8node", None),
+    ("7B at 128K", "7b", 131072, "4node4gpu", None),
+)
+"""docs/long-context.md's plans: (row, model, seq_len, reference hostfile, whole documents on which path)."""
+
+
+def long_context_table(flags: dict[str, str | None], global_batch_tokens: int, mfu: float | None) -> str:
+    """`plan --long-context-table`: docs/long-context.md's table, each headline plan as the planner makes it."""
+    from dataclasses import replace
+
+    from pipeline.plan.search import planned_shape
+
+    hostfiles = Path(pipeline.__file__).resolve().parents[1] / "hostfiles"
+    root = hostfiles.parent
+    out = [
+        "| model, sequence | cluster | chosen | tokens/s | free after the margin |",
+        "|---|---|---|---:|---:|",
+    ]
+    for label, model, seq_len, hf, documents in LONG_CONTEXT_PLANS:
+        c, _ = cluster_from_flags(str(hostfiles / hf), 1, 1, flags)
+        where = f"{hf} ({c.nodes}x{c.gpus_per_node} {c.gpu.name})"
+        path = str(root / model) if model.endswith(".json") else model
+        shape, _ = planned_shape(path, None, 32000, seq_len)
+        stack = replace(TRAINER, whole_documents=documents is not None, varlen=documents == "varlen")
+        p = search(shape, seq_len, c, global_batch_tokens, mfu, stack=stack)
+        e = p.best
+        if e is None:
+            closest = min(p.rejected, key=lambda r: r.gpu["reserved"])
+            over = (closest.gpu["reserved"] + closest.gpu["margin"]) / GiB - c.gpu.memory_gib
+            out.append(f"| {label} | {where} | nothing fits (the closest is {over:.1f} GiB over) | | |")
+            continue
+        lo, hi = e.tokens_per_s_range
+        out.append(
+            f"| {label} | {where} | {e.candidate.label()} | {e.tokens_per_s:,.0f} ({lo:,.0f}-{hi:,.0f}) | "
+            f"{free_gib(p, e):.2f} GiB |"
+        )
+    return "\n".join(out)

@@ -139,18 +139,29 @@ def too_long(ests: list[Estimate]) -> set[tuple[Any, ...]]:
     return {k for k, e in smallest.items() if any(w.startswith("GPU memory") for w in e.why_not)}
 
 
-def tiled_where_needed(ests: list[Estimate], seq_len: int, hidden_size: int) -> list[Candidate]:
+def tiled_where_needed(ests: list[Estimate], seq_len: int, shape: ModelShape) -> list[Candidate]:
     """The tiled MLP where it is needed: for every configuration whose smallest micro-batch does not fit the GPU
     untiled (a long sequence's SwiGLU intermediates), each of its micro-batches again with the MLP in tiles. Where
     one sample fits untiled the tiled MLP is not offered: it has not been measured on a GPU, and a larger
-    micro-batch is better bought with what has."""
+    micro-batch is better bought with what has. Under ZeRO-3 a tiled configuration keeps a layer's three MLP
+    matrices gathered across its tiles (`stage3_max_reuse_distance` at least `mlp_reuse(shape)`), or each tile
+    would gather them again."""
     short = too_long(ests)
-    return [
-        replace(e.candidate, tiled_mlp=tiles)
-        for e in ests
-        if _key(e.candidate) in short
-        and (tiles := mlp_tiles(seq_len // e.candidate.sequence_parallel, hidden_size)) > 1
-    ]
+    out = []
+    for e in ests:
+        cand = e.candidate
+        tiles = mlp_tiles(seq_len // cand.sequence_parallel, shape.hidden_size)
+        if _key(cand) not in short or tiles < 2:
+            continue
+        reuse = cand.max_reuse or cand.max_live
+        out.append(replace(cand, tiled_mlp=tiles, max_reuse=max(reuse, mlp_reuse(shape)) if cand.stage == 3 else None))
+    return out
+
+
+def mlp_reuse(shape: ModelShape) -> float:
+    """The reuse distance (parameters) under which ZeRO-3 keeps gate, up and down gathered from one tile to the next:
+    between two uses of a matrix come the other two (DeepSpeed releases a module whose next use is further away)."""
+    return 3.0 * shape.hidden_size * shape.ffn_hidden_size
 
 
 def sequence_sizes(shape: ModelShape, seq_len: int, c: Cluster, stack: Stack | None = None) -> tuple[int, ...]:
@@ -331,7 +342,7 @@ def search(
     wider = () if fixed_sequence else tuple(n for n in sequence_sizes(shape, seq_len, c, stack) if n > 1)
     if wider and (short := too_long(ests)):
         ests += price([cand for cand in tried(wider) if _key(replace(cand, sequence_parallel=1)) in short])
-    ests += price(tiled_where_needed(ests, seq_len, shape.hidden_size))
+    ests += price(tiled_where_needed(ests, seq_len, shape))
     allowed = [e for e in ests if not (e.candidate.features() & OPT_IN) - opt_in]
     fitting = choose([e for e in allowed if e.fits])
     rejected = sorted((e for e in allowed if not e.fits), key=lambda e: -e.tokens_per_s)

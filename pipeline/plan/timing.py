@@ -244,6 +244,11 @@ def _traffic(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate) -> tu
             gathers += (
                 regathered(shape, cand.max_reuse or cand.max_live) * shape.layer_params() * shape.num_layers / psi
             )
+        mlp = 3.0 * shape.hidden_size * shape.ffn_hidden_size
+        if cand.tiled_mlp > 1 and (cand.max_reuse or cand.max_live) < mlp:
+            # each tile gathers the MLP's matrices again: in the forward, the recompute and TiledMLP's backward
+            passes = 3 if cand.activation_checkpointing else 2
+            gathers += passes * (cand.tiled_mlp - 1) * mlp * shape.num_layers / psi
     if cand.stage == 3:
         net_micro = (gathers * 2 * psi + 2 * psi) * share
     else:

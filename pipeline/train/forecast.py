@@ -133,6 +133,7 @@ def forecast_config(
             cfg.train.activation_checkpointing,
             OPTIMIZERS[cfg.optim.name].moment_bytes,
             bp.sequence_parallel,
+            cfg.train.tiled_mlp,
         )
         yours = estimate(shape, seq, cluster, cand, mfu, chunk, rates=rates, stack=stack)
         if problems := refused(cand):  # the trainer would not start it: say why beside what does not fit
@@ -250,7 +251,7 @@ def forecast_run(
     chunk = cfg.train.loss_chunk_tokens or loss_chunk_tokens(shape.vocab_size)
     moments = OPTIMIZERS[cfg.optim.name].moment_bytes
     checkpointing = cfg.train.activation_checkpointing
-    cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, checkpointing, moments, sp)
+    cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, checkpointing, moments, sp, cfg.train.tiled_mlp)
     masks = (env.get("speed") or {}).get("attention_masks")  # what the run's attention did (since 2026-12-07)
     stack = (
         trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8, whole_documents(cfg), masks == "varlen")

@@ -184,7 +184,7 @@ def plan(req: PlanRequest, echo: Echo) -> int:
     """`pipeline plan`, every mode; the exit code. Here: `--from-run RUN` (the run's plan beside what it measured;
     with --model or --config, that planned at the run's rates on its cluster) and `--config FILE`; a model's plan
     and the fits table are pipeline.plan.command.plan's."""
-    if not (req.config or req.from_run) or req.fits_table:
+    if not (req.config or req.from_run) or req.fits_table or req.long_context_table:
         return plan_command.plan(req, echo)
     budget, _ = token_amounts(req.tokens, req.global_batch_tokens)
     cluster, source = cluster_from_flags(req.hostfile, req.nodes, req.gpus_per_node, req.flags)

@@ -219,6 +219,7 @@ class Trainer:
             env["grad_accum_dtype"] = (run.ds.get("data_types") or {}).get("grad_accum_dtype") or "model dtype"
             env["ranks"] = ranks
             env["speed"] = speed.record()
+            env["long_context"] = {"sequence_parallel": run.plan.sequence_parallel, "tiled_mlp": cfg.train.tiled_mlp}
             write_json(run.run_dir / "environment.json", env)
         self.max_steps = max_steps_for(cfg, run.plan)
         self.backward_scale = sequence_parallel_loss_factor(run.ds, run.plan.sequence_parallel)

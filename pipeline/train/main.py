@@ -41,7 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pipeline.train.runtime.env import allocator_default
+
     args = parse_args(argv)
+    allocator_default()  # before anything touches CUDA; environment.json records it
     try:
         prepared = prepare(load(args.config, args.set), int(os.environ.get("WORLD_SIZE", "1")))
     except PipelineError as e:

@@ -293,6 +293,41 @@ def test_planner_written_configs_train(shards: Path, tmp_path: Path) -> None:
         assert json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] == 8
 
 
+def test_auto_where_only_tiles_fit_the_emulated_card_trains_tiled(shards: Path, tmp_path: Path) -> None:
+    """`deepspeed_config: auto` with train.gpu_memory_cap_gib set to a card only a tiled MLP fits (computed from the
+    planner: between its smallest untiled and tiled configurations): the launched run tiles, and its log,
+    config.yaml and environment.json say so; what was priced is what trains."""
+    from pipeline.train.setup.config import from_dict
+    from pipeline.train.setup.prepare import prepare
+    from tests.unit.test_prepare import TILES_MODEL, tiles_only_cap
+
+    raw = {
+        "model": {"shape": TILES_MODEL},
+        "data": {"path": str(shards)},
+        "batch": {"micro_batch_size": 2, "global_batch_size": 4},
+        "train": {"max_steps": 2, "deepspeed_config": "auto", "loss_chunk_tokens": 48},
+    }
+    cap = tiles_only_cap(prepare(from_dict(raw), 2, local_size=2))
+    run_dir = tmp_path / "tiled"
+    shape = ", ".join(f"{k}: {v}" for k, v in TILES_MODEL.items())
+    cfg = launch.write_config(
+        tmp_path / "tiled.yaml",
+        run_dir=run_dir,
+        shards=shards,
+        ds_config="zero1.json",
+        steps=2,
+        global_batch=4,
+        ckpt_interval=2,
+        model=f"{{shape: {{{shape}}}}}",
+    )
+    out = launch.run(cfg, sets=("train.deepspeed_config=auto", f"train.gpu_memory_cap_gib={cap!r}"))
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert "tiled MLP: each layer's MLP in 4 tiles along the sequence" in log
+    assert json.loads((run_dir / "environment.json").read_text())["long_context"]["tiled_mlp"] == 4
+    assert "tiled_mlp: 4" in (run_dir / "config.yaml").read_text()
+
+
 @pytest.mark.parametrize("stage, optimizer", [(1, "BF16_Optimizer"), (3, "DeepSpeedZeroOptimizer_Stage3")])
 def test_bf16_runs_accumulate_gradients_in_fp32_train_resume_and_evaluate(
     shards: Path, tmp_path: Path, stage: int, optimizer: str

@@ -184,6 +184,8 @@ def test_masks_ulysses_drops_are_kept_on_the_varlen_path_two_ranks_train_the_den
     assert f"attention masks: {said} through SDPA with a dense mask" in one_log, one_log[-3000:]
     assert f"attention masks: {said}, kept from the tokens' positions by a per-document reference" in log
     assert environment(one)["speed"]["attention_masks"] == "dense"
+    for rank in environment(shared)["ranks"]:  # every rank's allocator (pipeline.train.runtime.env)
+        assert rank["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert environment(shared)["speed"]["attention_masks"] == "varlen"
     assert_same_losses(launch.losses(shared), launch.losses(one), range(1, STEPS + 1))
     val = [

@@ -30,3 +30,14 @@ def test_p2p_is_disabled_for_several_geforce_cards_unless_the_user_chose() -> No
     assert p2p_default(["NVIDIA H100 80GB HBM3"] * 8, 8, {}) is None  # NVLink: P2P works
     chosen = {"NCCL_P2P_DISABLE": "0"}
     assert p2p_default(four, 4, chosen) is None and chosen == {"NCCL_P2P_DISABLE": "0"}
+
+
+def test_every_rank_gets_expandable_segments_unless_the_user_configured_the_allocator() -> None:
+    from pipeline.train.runtime.env import allocator_default, recorded
+
+    environ: dict[str, str] = {}
+    assert allocator_default(environ) and environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert recorded(environ) == environ  # environment.json keeps it per rank
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # the user's own, under either name, is kept
+        mine = {name: "max_split_size_mb:512"}
+        assert not allocator_default(mine) and mine == {name: "max_split_size_mb:512"}

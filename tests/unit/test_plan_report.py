@@ -49,3 +49,20 @@ def test_a_preset_says_whose_geometry_it_is_wherever_a_plan_prints_it() -> None:
     assert llama31.exit_code in (0, 3) and "preset:" not in llama31.output
     sliced = CliRunner().invoke(main, ["plan", "--model", "70b", "--layers", "2"])
     assert sliced.exit_code == 0 and "preset:" not in sliced.output
+
+
+def test_the_long_context_table_of_the_docs_is_what_the_planner_says() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "long-context.md").read_text()
+    block = doc.split("<!-- long-context-table -->")[1].strip()
+    r = CliRunner().invoke(main, ["plan", "--long-context-table"])
+    assert r.exit_code == 0 and block == r.output.strip(), "regenerate with `pipeline plan --long-context-table`"
+
+
+def test_a_thin_long_context_plan_says_so_and_what_leaves_room() -> None:
+    """7B at 128K on the rented 4x4 nodes: the fastest configuration leaves under 1.5 GiB after the margin; the
+    plan calls it thin and names the fastest one that leaves 1.5 GiB, with its speed beside."""
+    r = CliRunner().invoke(main, ["plan", "--model", "7b", "--seq-len", "131072", "--hostfile", "hostfiles/4node4gpu"])
+    (line,) = [x for x in r.output.splitlines() if x.strip().startswith("thin:")]
+    assert "GiB free after the margin at 131,072 tokens" in line and " leaves " in line and "tokens/s (0." in line
+    short = CliRunner().invoke(main, ["plan", "--model", "7b", "--seq-len", "4096", "--hostfile", "hostfiles/8node"])
+    assert "thin:" not in short.output

@@ -330,3 +330,35 @@ def test_sequence_parallelism_is_offered_only_where_it_keeps_the_models_attentio
     assert sequence_sizes(mistral, 32768, c, Stack()) == (1,)  # a 4096-token window at 32K
     assert sequence_sizes(mistral, 4096, c, Stack()) == (1, 2, 4)  # the window is the whole sample
     assert sequence_sizes(mistral, 32768, c, Stack(varlen=True)) == (1, 2, 4)
+
+
+def test_a_tiled_zero3_configuration_keeps_the_mlp_gathered_across_tiles_and_is_priced_so() -> None:
+    """Llama-3.1-70B at 32K on the seed cluster: every tiled ZeRO-3 configuration the search prices has a reuse
+    distance of at least gate + up + down (3 x h x f parameters), writes it into its DeepSpeed JSON, and carries
+    those three matrices gathered (1.31 GiB in bf16) in its buffers; with the old distance (max live) it is priced
+    as gathering them again every tile instead."""
+    from pipeline.model.families import read_config, shape_from_config
+    from pipeline.plan.cluster import TRAINER, Cluster
+    from pipeline.plan.ds_json import ds_config
+    from pipeline.plan.estimate import estimate
+    from pipeline.plan.gpus import GPUS
+    from pipeline.plan.search import mlp_reuse, search
+    from pipeline.plan.timing import _traffic
+
+    shape = shape_from_config(read_config("configs/hf/llama-3.1-70b.json"), "llama-3.1-70b")
+    c = Cluster(8, 1, GPUS["4090d"], 512e9, network_gbps=100)
+    p = search(shape, 32768, c, 4 * 2**20, stack=TRAINER)
+    tiled = [e for e in p.ranked + p.rejected if e.candidate.tiled_mlp > 1 and e.candidate.stage == 3]
+    assert tiled
+    matrices = mlp_reuse(shape)
+    assert matrices == 3 * 8192 * 28672
+    for e in tiled:
+        assert e.candidate.max_reuse >= matrices
+        assert ds_config(e)["zero_optimization"]["stage3_max_reuse_distance"] >= matrices
+    e = tiled[0]
+    old = replace(e.candidate, max_reuse=e.candidate.max_live)
+    kept, again = (estimate(shape, 32768, c, cand, stack=TRAINER) for cand in (e.candidate, old))
+    cand = e.candidate
+    live_before = 2 * min(cand.max_live, shape.layer_params() + cand.prefetch_bucket)  # the gathered layer's part
+    assert kept.gpu["ds_buffers"] - again.gpu["ds_buffers"] == pytest.approx(2 * matrices - live_before, rel=1e-6)
+    assert _traffic(shape, 32768, c, old)[0] > _traffic(shape, 32768, c, e.candidate)[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pipeline.errors import PipelineError
@@ -112,3 +114,65 @@ def test_a_wsd_run_extended_while_stable_resumes_with_a_clean_note_and_inside_it
     other = schedule_note(prepared(100, decay_shape="sqrt"), {"step": 90, "max_steps": 100, "schedule": saved})  # type: ignore[arg-type]
     assert other is not None and "decay_shape linear -> sqrt" in other and "re-stretched" in other
     assert schedule_note(prepared(100), {"step": 90, "max_steps": 100, "schedule": saved}) is None  # type: ignore[arg-type]
+
+
+TILES_MODEL = {"hidden_size": 16, "num_layers": 2, "ffn_hidden_size": 4096, "num_heads": 2, "num_kv_heads": 2}
+"""A model whose SwiGLU intermediates dominate its activations (ffn 256 x hidden): at seq 64 the tiled MLP (4 tiles,
+one per hidden_size tokens) is what separates fitting from not."""
+
+
+def tiles_only_cap(prepared) -> float:  # noqa: ANN001
+    """The emulated card (GiB) between the smallest configuration the search prices untiled for this run and the
+    smallest tiled one, plus the margin: only a tiled layout fits it."""
+    from pipeline.plan import search as planner
+    from pipeline.plan.cluster import Cluster, Stack
+    from pipeline.plan.estimate import estimate
+    from pipeline.plan.memory import MARGIN_MIN_BYTES
+    from pipeline.train.runtime.dist import host_ram_bytes
+    from pipeline.train.setup.prepare import cpu_card, optimizer_fit
+
+    shape, plan, cfg = prepared.shape, prepared.plan, prepared.cfg
+    ram = host_ram_bytes()
+    c = Cluster(1, 2, cpu_card(ram, 2), ram)
+    found = planner.search(
+        shape,
+        plan.seq_len,
+        c,
+        plan.tokens_per_step,
+        fixed_micro=plan.micro_batch_size,
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        fixed_sequence=1,
+        optimizer=optimizer_fit(cfg.optim.name),
+        stack=Stack(),
+    )
+    untiled = [e for e in found.ranked + found.rejected if e.candidate.tiled_mlp <= 1]
+    tiles = planner.mlp_tiles(plan.seq_len, shape.hidden_size)
+    least = min(e.gpu["reserved"] for e in untiled)
+    tiled = min(
+        estimate(shape, plan.seq_len, c, replace(e.candidate, tiled_mlp=tiles), None, cfg.train.loss_chunk_tokens).gpu[
+            "reserved"
+        ]
+        for e in untiled
+    )
+    assert tiled < least, (tiled, least)
+    return ((least + tiled) / 2 + MARGIN_MIN_BYTES) / 2**30
+
+
+def test_auto_on_a_card_only_a_tiled_layout_fits_runs_the_tiles_it_priced(shards) -> None:
+    """`deepspeed_config: auto` on an emulated card (train.gpu_memory_cap_gib, the CPU's stand-in for a GPU) that
+    only a tiled MLP fits: the prepared run tiles as the planner chose (one record: what was priced runs), and a
+    roomier card leaves it untiled."""
+    from pipeline.train.setup.config import from_dict
+    from pipeline.train.setup.prepare import prepare
+
+    raw = {
+        "model": {"shape": TILES_MODEL},
+        "data": {"path": str(shards)},
+        "batch": {"micro_batch_size": 2, "global_batch_size": 4},
+        "train": {"max_steps": 2, "deepspeed_config": "auto", "loss_chunk_tokens": 48},
+    }
+    roomy = prepare(from_dict(raw), 2, local_size=2)
+    assert roomy.cfg.train.tiled_mlp == 0
+    cap = tiles_only_cap(roomy)
+    tight = prepare(from_dict({**raw, "train": {**raw["train"], "gpu_memory_cap_gib": cap}}), 2, local_size=2)
+    assert tight.cfg.train.tiled_mlp == 4

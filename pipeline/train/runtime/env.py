@@ -12,7 +12,15 @@ import os
 import socket
 from pathlib import Path
 
-RECORDED_PREFIXES = ("NCCL_", "GLOO_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TORCH_EXTENSIONS_DIR")
+RECORDED_PREFIXES = (
+    "NCCL_",
+    "GLOO_",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "TORCH_EXTENSIONS_DIR",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+)
 """Variables recorded per rank in RUN_DIR/environment.json."""
 
 
@@ -53,6 +61,20 @@ def p2p_default(
         f"{local_ranks} ranks on GeForce cards ({gpu_names[0]}) on {socket.gethostname()}: NCCL_P2P_DISABLE=1 "
         "(peer-to-peer hangs on consumer cards, DeepSpeed #4433); set NCCL_P2P_DISABLE=0 to try it"
     )
+
+
+ALLOCATOR_DEFAULT = "expandable_segments:True"
+"""The caching allocator's setting for every rank: at 32K every activation is a 0.25-1.75 GiB block, and fixed-size
+segments leave such blocks' holes unusable for the next size (Arctic Long Sequence Training sets the same)."""
+
+
+def allocator_default(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set the allocator's configuration (either
+    name); before anything touches CUDA (torch reads it when CUDA initialises). True when set here."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in environ or "PYTORCH_ALLOC_CONF" in environ:
+        return False
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_DEFAULT
+    return True
 
 
 def recorded(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:

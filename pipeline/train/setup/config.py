@@ -109,9 +109,11 @@ class TrainSection:
     """bf16 | fp16 (dynamic loss scaling) | fp32."""
     activation_checkpointing: bool = False
     deepspeed_config: str = "ds_configs/zero1.json"
-    """A DeepSpeed JSON with "auto" batch/precision fields, or `auto` to let the planner choose."""
+    """A DeepSpeed JSON with "auto" batch/precision fields, or `auto` to let the planner choose for this machine:
+    the JSON, activation_checkpointing and tiled_mlp are then the planner's (what it priced is what runs)."""
     gpu_memory_cap_gib: float | None = None
-    """Cap this process's GPU memory (emulate a smaller card, e.g. 24 on an 80 GB GPU); null = the whole card."""
+    """Cap this process's GPU memory (emulate a smaller card, e.g. 24 on an 80 GB GPU); null = the whole card. On
+    the CPU (tests), the card `deepspeed_config: auto` plans for."""
     compile: bool | None = None
     """Compile each decoder layer with torch.compile (per layer, so ZeRO-2 still overlaps gradient reduction with
     the backward). null (auto): on a CUDA GPU with ZeRO 0-2, where it was measured to pay (1.21x on an H200), off

@@ -105,9 +105,9 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
     found += stage_problems(cfg.data, manifest, max_steps_for(cfg, plan))
     if found:
         raise ConfigError(found)
-    if cfg.train.deepspeed_config == "auto":
-        raw, checkpointing = auto_ds_config(shape, plan, world_size, cfg, local_size, documents, whole_documents)
-        cfg = replace(cfg, train=replace(cfg.train, activation_checkpointing=checkpointing))
+    if cfg.train.deepspeed_config == "auto":  # the trainer runs what the planner priced: JSON, checkpointing, tiles
+        raw, checkpointing, tiles = auto_ds_config(shape, plan, world_size, cfg, local_size, documents, whole_documents)
+        cfg = replace(cfg, train=replace(cfg.train, activation_checkpointing=checkpointing, tiled_mlp=tiles))
         source = "deepspeed config chosen by the planner"
     else:
         raw, source = load_ds_config(cfg.train.deepspeed_config), cfg.train.deepspeed_config
@@ -153,10 +153,12 @@ def planning_card(device_name: str, total_bytes: int, gpu_memory_cap_gib: float 
     return capped(replace(card, memory_gib=total_bytes / 2**30), gpu_memory_cap_gib)
 
 
-def cpu_card(ram_bytes: float, ranks: int) -> GPU:
-    """A CPU rank as the planner's "card": its share of host RAM, a nominal 0.5 TF. Only for the arithmetic of
-    CPU test runs; the planner's GPU physics (MFU, PCIe) says nothing true about them."""
-    return GPU("CPU rank", ram_bytes / max(1, ranks) / 2**30 * 0.8, 0.5, 20.0, 0, 10.0, True)
+def cpu_card(ram_bytes: float, ranks: int, gpu_memory_cap_gib: float | None = None) -> GPU:
+    """A CPU rank as the planner's "card": its share of host RAM (or `gpu_memory_cap_gib`, the card a CPU test run
+    emulates), a nominal 0.5 TF. Only for the arithmetic of CPU test runs; the planner's GPU physics (MFU, PCIe)
+    says nothing true about them."""
+    share = ram_bytes / max(1, ranks) / 2**30 * 0.8
+    return GPU("CPU rank", min(share, gpu_memory_cap_gib or share), 0.5, 20.0, 0, 10.0, True)
 
 
 def auto_ds_config(
@@ -167,13 +169,14 @@ def auto_ds_config(
     local_size: int | None = None,
     documents: DocumentAttention = NO_MASKS,
     whole_documents: bool = False,
-) -> tuple[dict[str, Any], bool]:
+) -> tuple[dict[str, Any], bool, int]:
     """Plan for this machine and world: nodes from the launcher's LOCAL_SIZE, the card from torch (capped at
-    train.gpu_memory_cap_gib; a CPU run counts host RAM shared by its ranks), host RAM from the OS; the config's
-    micro-batch is kept. `local_size` (ranks per node) defaults to the launcher's LOCAL_SIZE. Only the stages and
-    offloads optim.name runs under are searched, its state bytes priced; train.compile and train.kernels are
-    priced per configuration as they resolve on a GPU, whole documents on the attention path `documents` chose;
-    nothing the trainer refuses for this config is chosen."""
+    train.gpu_memory_cap_gib; a CPU run counts host RAM shared by its ranks, or the cap), host RAM from the OS; the
+    config's micro-batch and sequence-parallel size are kept. Returns the chosen configuration's DeepSpeed JSON,
+    activation checkpointing and MLP tiles: what the trainer then runs. `local_size` (ranks per node) defaults to
+    the launcher's LOCAL_SIZE. Only the stages and offloads optim.name runs under are searched, its state bytes
+    priced; train.compile and train.kernels are priced per configuration as they resolve on a GPU, whole documents
+    on the attention path `documents` chose; nothing the trainer refuses for this config is chosen."""
     from pipeline.plan import search as planner
     from pipeline.plan.cluster import Cluster, Stack, trainer_stack
     from pipeline.plan.ds_json import ds_config
@@ -192,7 +195,7 @@ def auto_ds_config(
             cfg.train.gpu_memory_cap_gib,
         )
     else:
-        card = cpu_card(ram, local)
+        card = cpu_card(ram, local, cfg.train.gpu_memory_cap_gib)
     cluster = Cluster(max(1, world_size // local), local, card, ram)
     result = planner.search(
         shape,
@@ -200,6 +203,7 @@ def auto_ds_config(
         cluster,
         plan.tokens_per_step,
         fixed_micro=plan.micro_batch_size,
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens or -1,  # the run's own chunk (-1: the trainer's default)
         fixed_sequence=plan.sequence_parallel,
         optimizer=optimizer_fit(cfg.optim.name),
         stack=stack,
@@ -210,4 +214,5 @@ def auto_ds_config(
             "train.deepspeed_config auto: nothing fits this machine; see `pipeline plan` for what would: "
             + "; ".join(result.advice)
         )
-    return ds_config(result.best), result.best.candidate.activation_checkpointing
+    best = result.best.candidate
+    return ds_config(result.best), best.activation_checkpointing, best.tiled_mlp
