@@ -370,14 +370,23 @@ class Switches:
 
 
 def gpu_switches(
-    compile_setting: bool | None, kernels_setting: str, shape: ModelShape, zero_stage: int, long_context: bool
+    compile_setting: bool | None,
+    kernels_setting: str,
+    shape: ModelShape,
+    zero_stage: int,
+    long_context: bool,
+    assume_installed: bool = True,
 ) -> Switches:
     """`train.compile` and `train.kernels` resolved on a CUDA GPU for a configuration (its ZeRO stage, whether it
     uses the long-context parts) exactly as choose_compile and choose_kernels resolve them at the start of a run,
-    the kernels' packages taken as installed there. Their effects combine as measured: compile and Liger together
-    fuse what either fuses alone (1b_liger = 1b_default), so the larger saving counts once."""
+    the kernels' packages taken as installed there (`assume_installed`: a plan made off the cluster), or as they
+    are on this machine (False: `deepspeed_config: auto` on the node that will run). Their effects combine as
+    measured: compile and Liger together fuse what either fuses alone (1b_liger = 1b_default), so the larger saving
+    counts once."""
     compiled, _ = choose_compile(compile_setting, "cuda", zero_stage, long_context)
-    choice = choose_kernels(kernels_setting, shape, "cuda", zero_stage == 3, compiled, assume_installed=True)
+    choice = choose_kernels(
+        kernels_setting, shape, "cuda", zero_stage == 3, compiled, assume_installed=assume_installed
+    )
     effects = [KERNELS[choice.kernels].effect, *([COMPILE_EFFECT] if compiled else [])]
     used = [e for e in effects if e is not NO_EFFECT]
     effect = (

@@ -71,6 +71,9 @@ class Stack:
     """lm_head and the loss in one kernel, no logits kept; None: as `kernels` (the fused stacks have it)."""
     fp8: bool = False
     """This trainer's `train.fp8`: the decoder layers' matmuls at the card's FP8 rate where it has one."""
+    kernels_here: bool = False
+    """Price `kernel_set` as its packages are installed on this machine (`deepspeed_config: auto` on the node that
+    runs: what it priced is what runs); otherwise as installed on the cluster (a plan made elsewhere)."""
     whole_documents: bool = False
     """Samples of whole documents (`pipeline shard --whole-documents`), kept apart by attention."""
     varlen: bool = False
@@ -99,9 +102,11 @@ class Stack:
         if self.switches is not None or (self.compile is False and self.kernel_set == "torch" and not self.fp8):
             return self
         long_context = cand.sequence_parallel > 1 or cand.tiled_mlp > 1
-        key = (self.compile, self.kernel_set, shape.family, cand.stage, long_context)
+        key = (self.compile, self.kernel_set, shape.family, cand.stage, long_context, self.kernels_here)
         if (sw := _SWITCHES.get(key)) is None:  # the search resolves thousands of configurations, few kinds
-            sw = _SWITCHES[key] = gpu_switches(self.compile, self.kernel_set, shape, cand.stage, long_context)
+            sw = _SWITCHES[key] = gpu_switches(
+                self.compile, self.kernel_set, shape, cand.stage, long_context, not self.kernels_here
+            )
         return replace(
             self,
             switches=sw,
@@ -120,7 +125,7 @@ class Stack:
 
 
 _SWITCHES: dict[tuple[Any, ...], Switches] = {}
-"""gpu_switches by (compile, kernels, model family, ZeRO stage, long context): all it reads."""
+"""gpu_switches by (compile, kernels, model family, ZeRO stage, long context, packages as here): all it reads."""
 TRAINER = Stack(compile=None, kernel_set="auto")
 """This trainer as it runs unless told otherwise: `train.compile` and `train.kernels` auto."""
 

@@ -256,3 +256,27 @@ def test_auto_times_the_backends_at_one_ranks_shape_compares_the_backward_and_st
     calls = []
     assert kernels.timed(lambda: calls.append(1), 1000, 0.0, lambda: None)[1] == 1  # a spent budget: one call
     assert kernels.timed(lambda: calls.append(1), 3, 1e9, lambda: None)[1] == 3  # else the repeats asked for
+
+
+def test_auto_on_the_node_prices_liger_only_where_it_is_installed(monkeypatch) -> None:
+    """A plan made off the cluster takes train.kernels' packages as installed there; `deepspeed_config: auto`, on
+    the node that runs, prices them as that node has them: without liger-kernel, transformers' modules, which keep
+    more activations (the plan then fits what will run)."""
+    from pipeline.model import PRESETS
+    from pipeline.plan.cluster import _SWITCHES, Candidate, Cluster, Stack
+    from pipeline.plan.gpus import GPUS
+    from pipeline.plan.memory import gpu_memory
+
+    shape, cand = PRESETS["7b"], Candidate(3, "cpu", "cpu", True, 1, 1)
+    c = Cluster(1, 1, GPUS["4090d"], 120e9)
+    for installed in (False, True):
+        monkeypatch.setattr(kernels, "_installed", lambda package, ok=installed: ok)
+        _SWITCHES.clear()  # resolved per process; this test changes what is installed
+        here = Stack(compile=False, kernel_set="auto", kernels_here=True).resolved(shape, cand)
+        elsewhere = Stack(compile=False, kernel_set="auto").resolved(shape, cand)
+        assert elsewhere.switches is not None and elsewhere.switches.kernels == "liger"
+        assert here.switches is not None and here.switches.kernels == ("liger" if installed else "torch")
+        if not installed:
+            act = [gpu_memory(shape, 32768, c, cand, 2048, s)["activations"] for s in (here, elsewhere)]
+            assert act[0] > act[1]  # transformers' modules keep more than the fused layout
+    _SWITCHES.clear()
