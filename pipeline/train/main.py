@@ -77,6 +77,7 @@ def describe(prepared: Prepared) -> str:
             f"# model: {shape.describe()}"
             if shape.hf_config
             else f"# model: {shape.num_params() / 1e6:.1f}M parameters {shape.as_dict()}",
+            *([f"# {prepared.documents.note}"] if prepared.documents.kind != "sdpa" else []),
             "# deepspeed config:",
             json.dumps(ds, indent=2),
         ]
