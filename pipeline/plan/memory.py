@@ -356,8 +356,26 @@ def host_memory(shape: ModelShape, c: Cluster, cand: Candidate, seq_len: int = 0
             cand.stage, psi, shape.largest_layer_params(), gpn, c.nodes, True, cand.offload_param == "cpu"
         )
         out["deepspeed_estimate"] = float(cpu) + RANK_HOST_OVERHEAD * gpn
-    out["total"] = out["itemized"]  # DeepSpeed's estimate (a flat 1.5x buffer factor) is shown beside it
+    # The start: without ZeRO-3 every rank builds the whole model in host memory before DeepSpeed takes it (in the
+    # training dtype, pipeline.train.engine.build_for), its init drawing one fp32 tensor at a time; the steady
+    # state's buffers come after.
+    out["build"] = (build_bytes(shape) + RANK_HOST_OVERHEAD) * gpn if cand.stage < 3 else 0.0
+    out["total"] = max(out["itemized"], out["build"])  # DeepSpeed's estimate (a flat 1.5x buffer) is shown beside it
     return out
+
+
+def build_bytes(shape: ModelShape, dtype_bytes: int = 2) -> float:
+    """Host bytes one rank holds while it builds the whole model (ZeRO 0-2): every parameter in the training
+    dtype (bf16: 2 bytes), and while the init fills the largest tensor its fp32 draw and that draw's bf16 copy (6
+    bytes an element), plus BUILD_SLACK. Measured on the CPU (tests/multiproc/test_build_memory.py, 2026-12-07):
+    350m 0.92-0.93 GB against 1.01 planned, 1b 2.54-2.57 GB against 2.66; the fp32 build it replaced held 1.66 and
+    4.71 GB."""
+    return dtype_bytes * shape.num_params() + 6.0 * shape.largest_layer_params() + BUILD_SLACK
+
+
+BUILD_SLACK = 64 * 2**20
+"""What a build holds beyond its tensors (the allocator's arenas, the modules' Python objects): runs vary by 10-30
+MB, and the term must not fall under them."""
 
 
 def checkpoint_bytes(

@@ -24,13 +24,36 @@ from pipeline.train.setup.ds_config import zero_stage
 from pipeline.train.setup.optimizers import OPTIMIZERS
 
 
+def training_dtype(ds: dict[str, Any]) -> torch.dtype:
+    """The dtype DeepSpeed casts the parameters to (bf16, fp16, else fp32): what the model is built in."""
+    if (ds.get("bf16") or {}).get("enabled") is True:
+        return torch.bfloat16
+    if (ds.get("fp16") or {}).get("enabled") is True:
+        return torch.float16
+    return torch.float32
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Any:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def build_for(shape: ModelShape, ds: dict[str, Any], tok: TokenizerInfo) -> Any:
     """The model, weights not yet filled: under ZeRO-3 built inside `deepspeed.zero.Init`, so that each parameter
     is partitioned as it is created and no rank ever holds the whole model (training and distributed evaluation
-    both build it here)."""
+    both build it here). Without ZeRO-3 every rank holds the whole model in host memory until DeepSpeed takes it,
+    so it is built in the dtype DeepSpeed casts it to (bf16: half of fp32's bytes, 4 ranks of a 7B on one node
+    hold 54 GB instead of 108); the values are those of the fp32 build cast (pipeline.plan.memory.build_bytes)."""
     pretraining_class(shape)  # imports transformers' model code now, not under zero.Init (see its docstring)
     transformers_helper("transformers.initialization", "no_init_weights")
     with contextlib.ExitStack() as stack:
+        if zero_stage(ds) != 3:  # RoPE's inv_freq stays fp32: transformers computes it as float
+            stack.enter_context(default_dtype(training_dtype(ds)))
         if zero_stage(ds) == 3:
             import deepspeed
 

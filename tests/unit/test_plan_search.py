@@ -76,14 +76,18 @@ def test_every_preset_gets_an_answer_for_the_seed_clusters() -> None:
 
 
 def test_offload_features_the_choice_uses_and_the_ones_it_leaves_to_the_user() -> None:
-    """Continued pretraining of Qwen2.5-7B on the rented 4 x 4 cluster: the exact features are chosen only where
-    they pay; bf16 master weights and states, which change the numerics, are priced (+34%: they free the host RAM
-    that micro-batch 8 with activation offload needs) and chosen only when the user opts in; ZenFlow's GPU-side
-    states do not fit beside ZeRO-2's whole bf16 model on a 24 GB card, and the plan says so."""
+    """Continued pretraining of Qwen2.5-7B on the rented 4 x 4 cluster: ZeRO-2 no longer fits there, because its 4
+    ranks each build the whole 7.6B model in host memory at start-up (100 GB of the 96 allowed per node: the build
+    term); ZeRO-3 builds partitioned. bf16 master weights and states, which change the numerics, are priced (they
+    free the host RAM that micro-batch 8 needs) and chosen only when the user opts in; ZenFlow's GPU-side states do
+    not fit beside ZeRO-2's whole bf16 model on a 24 GB card, and the plan says so."""
     p = search(qwen_7b(), 4096, RENTED)
-    assert p.best is not None and not p.best.candidate.features()
+    assert p.best is not None and p.best.candidate.stage == 3
+    assert not {"bf16-master", "bf16-states", "zenflow"} & p.best.candidate.features()
+    zero2 = [e for e in p.rejected if e.candidate.stage == 2 and not e.candidate.zenflow_interval]
+    assert zero2 and all(any(w.startswith("host RAM ") for w in e.why_not) for e in zero2)
+    assert any("host RAM 100 GB per node > 80% of 120 GB" in e.why_not for e in zero2)
     notes = "\n".join(p.feature_notes())
-    assert "activation-offload: not chosen" in notes
     assert "bf16-states: not chosen; --opt-in bf16-states allows it" in notes
     assert "zenflow: no configuration with it fits (closest: ZeRO-2 + cpu offload (opt) + ckpt + ZenFlow" in notes
     option, _ = p.by_feature["bf16-states"]
@@ -98,7 +102,7 @@ def test_offload_features_the_choice_uses_and_the_ones_it_leaves_to_the_user() -
             ).host,
         ).host["total"]
     )
-    assert 1.2 < option.tokens_per_s / p.best.tokens_per_s < 1.6
+    assert 1.2 < option.tokens_per_s / p.best.tokens_per_s < 2.0
     allowed = search(qwen_7b(), 4096, RENTED, opt_in=frozenset({"bf16-states"}))
     assert allowed.best is not None and "bf16-states" in allowed.best.candidate.features()
     assert allowed.best.tokens_per_s == pytest.approx(option.tokens_per_s)
