@@ -81,6 +81,25 @@ CONFIGS: dict[str, dict] = {
 }
 FAMILIES = tuple(CONFIGS)
 
+MISTRAL_WINDOW_16 = {
+    "model_type": "mistral",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 640,
+    "max_position_embeddings": 256,
+    "sliding_window": 16,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+"""A tiny Mistral-7B-v0.1 config.json with its sliding window at a quarter of a 64-token sample (fresh weights:
+model.architecture), over the test tokenizers' ids."""
+
 
 def write_tokenizer(out: Path, split: str | None = None, bos: bool = False) -> Path:
     """A 600-token byte-level BPE with <unk> <s> </s> as ids 0, 1, 2, saved as a transformers tokenizer folder.

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.train.checkpoint import files as ckpt
+from tests.hf_families import MISTRAL_WINDOW_16
 from tests.multiproc import launch
 
 # on one test worker: the 1-rank reference run is shared (a module fixture), and two workers would each make it
@@ -136,26 +137,6 @@ def whole_documents(tokenized: Path, tmp_path_factory: pytest.TempPathFactory) -
         [(tokenized, 1.0)], out, seq_len=64, split=(80.0, 10.0, 10.0), cross_document=False, whole_documents=True
     )
     return out
-
-
-MISTRAL_WINDOW_16 = {
-    "model_type": "mistral",
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 640,
-    "max_position_embeddings": 256,
-    "sliding_window": 16,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-}
-"""A tiny Mistral-7B-v0.1 (its sliding_window, at a quarter of the 64-token sample), fresh weights
-(model.architecture) over the fixture tokenizer's ids."""
 
 
 def environment(run_dir: Path) -> dict:

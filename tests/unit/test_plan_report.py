@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
@@ -29,12 +30,12 @@ def test_an_nvme_plan_says_it_cannot_resume() -> None:
     assert "this run cannot continue after a stop or a crash" in r.output
 
 
-def test_the_readme_fits_table_is_what_the_planner_says() -> None:
-
-    readme = (Path(__file__).resolve().parents[2] / "docs" / "planning.md").read_text()
-    block = readme.split("<!-- fits-table -->")[1].strip()
-    r = CliRunner().invoke(main, ["plan", "--fits-table"])
-    assert r.exit_code == 0 and block == r.output.strip(), "regenerate with `pipeline plan --fits-table`"
+@pytest.mark.parametrize("doc, table", [("planning.md", "fits-table"), ("long-context.md", "long-context-table")])
+def test_the_docs_tables_are_what_the_planner_says(doc: str, table: str) -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / doc).read_text()
+    block = text.split(f"<!-- {table} -->")[1].strip()
+    r = CliRunner().invoke(main, ["plan", f"--{table}"])
+    assert r.exit_code == 0 and block == r.output.strip(), f"regenerate with `pipeline plan --{table}`"
 
 
 def test_a_preset_says_whose_geometry_it_is_wherever_a_plan_prints_it() -> None:
@@ -49,13 +50,6 @@ def test_a_preset_says_whose_geometry_it_is_wherever_a_plan_prints_it() -> None:
     assert llama31.exit_code in (0, 3) and "preset:" not in llama31.output
     sliced = CliRunner().invoke(main, ["plan", "--model", "70b", "--layers", "2"])
     assert sliced.exit_code == 0 and "preset:" not in sliced.output
-
-
-def test_the_long_context_table_of_the_docs_is_what_the_planner_says() -> None:
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "long-context.md").read_text()
-    block = doc.split("<!-- long-context-table -->")[1].strip()
-    r = CliRunner().invoke(main, ["plan", "--long-context-table"])
-    assert r.exit_code == 0 and block == r.output.strip(), "regenerate with `pipeline plan --long-context-table`"
 
 
 def test_a_thin_long_context_plan_says_so_and_what_leaves_room() -> None:

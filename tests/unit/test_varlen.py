@@ -14,25 +14,14 @@ from pipeline.data.loader import document_positions
 from pipeline.model import build_model, resolve_shape, varlen
 from pipeline.model.families import read_config, shape_from_config
 from pipeline.model.varlen import AttentionFacts, choose_documents, sequence_parallel_attention_problems
+from tests.hf_families import MISTRAL_WINDOW_16
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 2
 
 
 def mistral(window: int | None) -> object:
-    cfg = {
-        "model_type": "mistral",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": 300,
-        "max_position_embeddings": 256,
-        "sliding_window": window,
-        "_name_or_path": "tiny-mistral",
-    }
+    cfg = {**MISTRAL_WINDOW_16, "sliding_window": window, "vocab_size": 300, "_name_or_path": "tiny-mistral"}
     return shape_from_config(cfg, "tiny-mistral")
 
 
