@@ -63,6 +63,10 @@ class ModelShape:
         n = h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h  # q, k, v, o, gate/up/down, two RMSNorms
         return n + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
 
+    def mlp_params(self) -> int:
+        """gate, up and down: the SwiGLU MLP's three matrices of one layer."""
+        return 3 * self.hidden_size * self.ffn_hidden_size
+
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 

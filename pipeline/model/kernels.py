@@ -4,7 +4,12 @@ consumer (the model builder, the config check, the planner, the bench, `--help`)
 backend or kernel set is one entry here.
 
 GPU-only choices fall back on the CPU (where the project is tested, not where users train) and say what they used
-instead: a run never fails because a speed switch cannot apply where it runs."""
+instead: a run never fails because a speed switch cannot apply where it runs.
+
+One job in sections (attention's backend and its timing, the kernel sets, what each costs the planner, FP8,
+compile, the tiled MLP): each switch resolved for a device, applied to the process or model, and priced; they
+share the fall-back rule and the planner's `Effect`. What keeps documents apart is not a speed switch:
+pipeline.model.varlen."""
 
 from __future__ import annotations
 

@@ -44,7 +44,10 @@ class AttentionFacts:
 
 def attention_facts(shape: ModelShape) -> AttentionFacts:
     """The model's sliding window and RoPE variants as transformers builds it (Mistral's `sliding_window`; Qwen's
-    `use_sliding_window` with `layer_types`; our presets' `model.rope`)."""
+    `use_sliding_window` with `layer_types`; our presets' `model.rope`). A preset is a LlamaConfig without a window
+    whose RoPE is its own `rope`: read without building a transformers config (no import on the planner's path)."""
+    if shape.hf_config is None:
+        return AttentionFacts(None, (str((shape.rope or {}).get("rope_type", "default")),))
     config = model_config(shape)
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
@@ -123,7 +126,8 @@ def choose_documents(
         if not why:
             return NO_MASKS
         mask = micro_batch_size * seq_len**2
-        fallback = " (flash_attn is not installed: pip install -e '.[flash]' for the varlen path)" * (setting == "auto")
+        fallback = " (flash_attn is not installed: pip install -e '.[flash]' for the varlen path)"
+        fallback = fallback if setting == "auto" else ""
         return DocumentAttention(
             "dense",
             f"attention masks: {' and '.join(why)} through SDPA with a dense mask{fallback}: a {_binary(mask)} "
@@ -159,11 +163,11 @@ def _binary(n: float) -> str:
 
 
 def sequence_parallel_attention_problems(
-    size: int, facts: AttentionFacts, seq_len: int, whole_documents: bool, documents: DocumentAttention
+    size: int, facts: AttentionFacts, seq_len: int, whole_documents: bool, varlen: bool
 ) -> list[str]:
     """Why `size` ranks sharing a sample would train another model than one rank holding it (empty when they
     would not): DeepSpeed's Ulysses attention drops every mask (so documents and sliding windows survive only on
-    the varlen path, which reads the gathered positions), and dynamic RoPE variants pick frequencies from each
+    the `varlen` path, which reads the gathered positions), and dynamic RoPE variants pick frequencies from each
     rank's own positions."""
     if size == 1:
         return []
@@ -176,7 +180,7 @@ def sequence_parallel_attention_problems(
             "would be rotated with different frequencies; use a static scaling in model.rope (rope_type yarn, "
             "llama3 or linear) or sequence_parallel 1"
         )
-    if documents.kind != "varlen":
+    if not varlen:
         if whole_documents:
             found.append(
                 f"{field}: the shards hold whole documents packed several to a sample (`pipeline shard "

@@ -1,5 +1,7 @@
 """Memory of one training configuration: per GPU (live tensors at the peak, what the card must hold, the margin
-kept) and per node in host RAM. Pure arithmetic over the model shape; the coefficients are measured (see each).
+kept) and per node in host RAM, at start-up (the model's build) and in the steady state; and of evaluating a
+checkpoint. Pure arithmetic over the model shape; the coefficients are measured (see each). One job: every term
+the planner's fit verdict and evaluate's batch read, beside the constants they share (fragmentation, margin).
 
 GPU, like with like: `peak_allocated` is what `torch.cuda.max_memory_allocated` reports (live tensors at the
 peak); `reserved` adds the allocator's slack and the CUDA context, and is what the card must hold. A plan fits
@@ -240,7 +242,7 @@ def _engine_buffers(
         buffers = 4.5 * 2 * cand.reduce_bucket if cand.stage in (1, 2) else 2 * 2.5e7
         return buffers, 0.0, 0.0, (2.0 * psi if cand.stage in (0, 1) else 0.0) + zenflow_grads
     live = 2 * min(cand.max_live, shape.layer_params() + cand.prefetch_bucket, psi)
-    mlp = 3.0 * shape.hidden_size * shape.ffn_hidden_size
+    mlp = shape.mlp_params()
     if cand.tiled_mlp > 1 and (cand.max_reuse or cand.max_live) >= mlp:  # gate, up, down kept across the tiles
         live = max(live, 2 * mlp)
     reduce = cand.reduce_bucket * (REDUCE_BYTES + (4 / g if cand.fp32_grad_accum else 0))

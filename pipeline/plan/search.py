@@ -29,6 +29,7 @@ from pipeline.model import (
     sequence_parallel_problems,
     with_seq_len,
 )
+from pipeline.model.varlen import attention_facts, sequence_parallel_attention_problems
 from pipeline.plan.cluster import (
     FEATURES,
     OPT_IN,
@@ -161,7 +162,7 @@ def tiled_where_needed(ests: list[Estimate], seq_len: int, shape: ModelShape) ->
 def mlp_reuse(shape: ModelShape) -> float:
     """The reuse distance (parameters) under which ZeRO-3 keeps gate, up and down gathered from one tile to the next:
     between two uses of a matrix come the other two (DeepSpeed releases a module whose next use is further away)."""
-    return 3.0 * shape.hidden_size * shape.ffn_hidden_size
+    return float(shape.mlp_params())
 
 
 def sequence_sizes(shape: ModelShape, seq_len: int, c: Cluster, stack: Stack | None = None) -> tuple[int, ...]:
@@ -171,28 +172,16 @@ def sequence_sizes(shape: ModelShape, seq_len: int, c: Cluster, stack: Stack | N
     and for a model whose attention it would change (pipeline.model.varlen: a dynamic RoPE, or a sliding window
     off the varlen path)."""
     stack = stack or Stack()
-    if stack.engine != "deepspeed" or stack.attention == "eager" or stack.dense_mask:
+    if stack.engine != "deepspeed" or stack.attention == "eager":
         return (1,)
-    if not shape_keeps_its_attention_under_sp(shape, seq_len, stack):
-        return (1,)
+    if sequence_parallel_attention_problems(2, attention_facts(shape), seq_len, stack.whole_documents, stack.varlen):
+        return (1,)  # the trainer's own rule (pipeline.train.setup.prepare refuses the same)
     sizes = (2**k for k in range(0, 11))
     return tuple(
         n
         for n in sizes
         if n <= c.world and not c.world % n and not seq_len % n and not sequence_parallel_problems(shape, n)
     )
-
-
-def shape_keeps_its_attention_under_sp(shape: ModelShape, seq_len: int, stack: Stack) -> bool:
-    """Whether ranks sharing a sample train this model as one rank would (pipeline.model.varlen's rule), on the
-    stack's attention path: the varlen kernel where the cluster has it, else SDPA."""
-    if shape.hf_config is None and not shape.rope:
-        return True  # our presets without RoPE settings: no window, static RoPE (and no transformers import)
-    from pipeline.model.varlen import NO_MASKS, DocumentAttention, attention_facts, sequence_parallel_attention_problems
-
-    path = DocumentAttention("varlen", "") if stack.varlen else NO_MASKS
-    facts = attention_facts(shape)
-    return not sequence_parallel_attention_problems(2, facts, seq_len, stack.whole_documents, path)
 
 
 def feature_variants(base: Candidate) -> list[Candidate]:

@@ -244,7 +244,7 @@ def _traffic(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate) -> tu
             gathers += (
                 regathered(shape, cand.max_reuse or cand.max_live) * shape.layer_params() * shape.num_layers / psi
             )
-        mlp = 3.0 * shape.hidden_size * shape.ffn_hidden_size
+        mlp = shape.mlp_params()
         if cand.tiled_mlp > 1 and (cand.max_reuse or cand.max_live) < mlp:
             # each tile gathers the MLP's matrices again: in the forward, the recompute and TiledMLP's backward
             passes = 3 if cand.activation_checkpointing else 2

@@ -252,11 +252,12 @@ def forecast_run(
     moments = OPTIMIZERS[cfg.optim.name].moment_bytes
     checkpointing = cfg.train.activation_checkpointing
     cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, checkpointing, moments, sp, cfg.train.tiled_mlp)
-    masks = (env.get("speed") or {}).get("attention_masks")  # what the run's attention did (since 2026-12-07)
+    # whole documents on the attention path the run took (environment.json says since 2026-12-07)
+    whole, varlen = whole_documents(cfg), (env.get("speed") or {}).get("attention_masks") == "varlen"
     stack = (
-        trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8, whole_documents(cfg), masks == "varlen")
+        trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8, whole, varlen)
         if env.get("device", "cpu") != "cpu"
-        else Stack(whole_documents=whole_documents(cfg), varlen=masks == "varlen")
+        else Stack(whole_documents=whole, varlen=varlen)
     )
     yours = estimate(shape, seq, cluster, cand, mfu, chunk, stack=stack)
     found = search(shape, seq, cluster, bp.tokens_per_step, mfu, loss_chunk_tokens=chunk, stack=stack)

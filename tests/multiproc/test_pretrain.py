@@ -257,10 +257,15 @@ def test_resume_refuses_other_data(zero_runs: dict[int, Path], tmp_path: Path, t
 
 def test_planner_written_configs_train(shards: Path, tmp_path: Path) -> None:
     """`deepspeed_config: auto` (the planner chooses for this machine) and a `pipeline plan --write-ds-config`
-    file both train through the launcher."""
+    file both train through the launcher. The auto run plans for an emulated card (train.gpu_memory_cap_gib,
+    computed from the planner between its smallest untiled and tiled configurations) that only a tiled MLP fits:
+    the launched run tiles, and its log, config.yaml and environment.json say so; what was priced is what trains."""
     from click.testing import CliRunner
 
     from pipeline.cli import main
+    from pipeline.train.setup.config import from_dict
+    from pipeline.train.setup.prepare import prepare
+    from tests.unit.test_prepare import TILES_MODEL, tiles_only_cap
 
     written = tmp_path / "planned.json"
     r = CliRunner().invoke(
@@ -279,53 +284,37 @@ def test_planner_written_configs_train(shards: Path, tmp_path: Path) -> None:
     # the written file with what the command says to set beside it (its choice offloads checkpointed activations)
     assert "train.activation_checkpointing: true" in r.output
     checkpointing = "train.activation_checkpointing=true"
-    for name, sets in (
-        ("auto", ["train.deepspeed_config=auto"]),
-        ("written", [f"train.deepspeed_config={written}", checkpointing]),
-    ):
-        run_dir = tmp_path / name
-        cfg = launch.write_config(
-            tmp_path / f"{name}.yaml", run_dir=run_dir, shards=shards, ds_config="zero1.json", steps=3, ckpt_interval=3
-        )
-        out = launch.run(cfg, sets=tuple(sets))
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        assert ckpt.latest_complete(run_dir) == "step00000003"
-        assert json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] == 8
-
-
-def test_auto_where_only_tiles_fit_the_emulated_card_trains_tiled(shards: Path, tmp_path: Path) -> None:
-    """`deepspeed_config: auto` with train.gpu_memory_cap_gib set to a card only a tiled MLP fits (computed from the
-    planner: between its smallest untiled and tiled configurations): the launched run tiles, and its log,
-    config.yaml and environment.json say so; what was priced is what trains."""
-    from pipeline.train.setup.config import from_dict
-    from pipeline.train.setup.prepare import prepare
-    from tests.unit.test_prepare import TILES_MODEL, tiles_only_cap
-
     raw = {
         "model": {"shape": TILES_MODEL},
         "data": {"path": str(shards)},
-        "batch": {"micro_batch_size": 2, "global_batch_size": 4},
-        "train": {"max_steps": 2, "deepspeed_config": "auto", "loss_chunk_tokens": 48},
+        "batch": {"micro_batch_size": 2, "global_batch_size": 8},
+        "train": {"max_steps": 3, "deepspeed_config": "auto", "loss_chunk_tokens": 48},
     }
     cap = tiles_only_cap(prepare(from_dict(raw), 2, local_size=2))
-    run_dir = tmp_path / "tiled"
-    shape = ", ".join(f"{k}: {v}" for k, v in TILES_MODEL.items())
-    cfg = launch.write_config(
-        tmp_path / "tiled.yaml",
-        run_dir=run_dir,
-        shards=shards,
-        ds_config="zero1.json",
-        steps=2,
-        global_batch=4,
-        ckpt_interval=2,
-        model=f"{{shape: {{{shape}}}}}",
-    )
-    out = launch.run(cfg, sets=("train.deepspeed_config=auto", f"train.gpu_memory_cap_gib={cap!r}"))
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-3000:]
-    assert "tiled MLP: each layer's MLP in 4 tiles along the sequence" in log
-    assert json.loads((run_dir / "environment.json").read_text())["long_context"]["tiled_mlp"] == 4
-    assert "tiled_mlp: 4" in (run_dir / "config.yaml").read_text()
+    tiles_model = "{shape: {" + ", ".join(f"{k}: {v}" for k, v in TILES_MODEL.items()) + "}}"
+    for name, sets, model in (
+        ("auto", ["train.deepspeed_config=auto", f"train.gpu_memory_cap_gib={cap!r}"], tiles_model),
+        ("written", [f"train.deepspeed_config={written}", checkpointing], "{preset: tiny}"),
+    ):
+        run_dir = tmp_path / name
+        cfg = launch.write_config(
+            tmp_path / f"{name}.yaml",
+            run_dir=run_dir,
+            shards=shards,
+            ds_config="zero1.json",
+            steps=3,
+            ckpt_interval=3,
+            model=model,
+        )
+        out = launch.run(cfg, sets=tuple(sets))
+        log = out.stdout + out.stderr
+        assert out.returncode == 0, log[-3000:]
+        assert ckpt.latest_complete(run_dir) == "step00000003"
+        assert json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] == 8
+        if name == "auto":
+            assert "tiled MLP: each layer's MLP in 4 tiles along the sequence" in log
+            assert json.loads((run_dir / "environment.json").read_text())["long_context"]["tiled_mlp"] == 4
+            assert "tiled_mlp: 4" in (run_dir / "config.yaml").read_text()
 
 
 @pytest.mark.parametrize("stage, optimizer", [(1, "BF16_Optimizer"), (3, "DeepSpeedZeroOptimizer_Stage3")])

@@ -113,16 +113,14 @@ def test_the_path_is_chosen_where_masks_matter_and_dense_only_where_varlen_canno
 def test_sequence_parallelism_refuses_what_it_would_silently_change_and_nothing_else() -> None:
     plain = AttentionFacts(None, ("llama3",))
     window = AttentionFacts(16, ("default",))
-    dense = varlen.DocumentAttention("dense", "")
-    on_varlen = varlen.DocumentAttention("varlen", "")
-    assert sequence_parallel_attention_problems(2, plain, 64, False, varlen.NO_MASKS) == []
-    assert sequence_parallel_attention_problems(1, AttentionFacts(16, ("longrope",)), 64, True, dense) == []
-    assert sequence_parallel_attention_problems(2, window, 64, True, on_varlen) == []
-    assert sequence_parallel_attention_problems(2, window, 16, False, varlen.NO_MASKS) == []  # window = sample
-    both = sequence_parallel_attention_problems(2, window, 64, True, dense)
+    assert sequence_parallel_attention_problems(2, plain, 64, False, False) == []
+    assert sequence_parallel_attention_problems(1, AttentionFacts(16, ("longrope",)), 64, True, False) == []
+    assert sequence_parallel_attention_problems(2, window, 64, True, True) == []
+    assert sequence_parallel_attention_problems(2, window, 16, False, False) == []  # window = sample
+    both = sequence_parallel_attention_problems(2, window, 64, True, False)
     assert len(both) == 2 and "--whole-documents" in both[0] and "sliding window of 16" in both[1]
     for kind in ("dynamic", "longrope"):
-        (line,) = sequence_parallel_attention_problems(4, AttentionFacts(None, (kind,)), 64, False, on_varlen)
+        (line,) = sequence_parallel_attention_problems(4, AttentionFacts(None, (kind,)), 64, False, True)
         assert line.startswith("train.sequence_parallel 4: ") and f"RoPE ({kind})" in line and "yarn" in line
 
 

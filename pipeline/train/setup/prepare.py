@@ -101,7 +101,8 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
         device_type=accelerator_name(),
     )
     found = deepspeed_version_problems() + sequence_parallel_problems(shape, plan.sequence_parallel)
-    found += sequence_parallel_attention_problems(plan.sequence_parallel, facts, seq_len, whole_documents, documents)
+    varlen = documents.kind == "varlen"
+    found += sequence_parallel_attention_problems(plan.sequence_parallel, facts, seq_len, whole_documents, varlen)
     found += stage_problems(cfg.data, manifest, max_steps_for(cfg, plan))
     if found:
         raise ConfigError(found)
