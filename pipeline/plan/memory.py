@@ -370,14 +370,14 @@ def build_bytes(shape: ModelShape, dtype_bytes: int = 2) -> float:
     """Host bytes one rank holds while it builds the whole model (ZeRO 0-2): every parameter in the training
     dtype (bf16: 2 bytes), and while the init fills the largest tensor its fp32 draw and that draw's bf16 copy (6
     bytes an element), plus BUILD_SLACK. Measured on the CPU (tests/multiproc/test_build_memory.py, 2026-12-07):
-    350m 0.92-0.93 GB against 1.01 planned, 1b 2.54-2.57 GB against 2.66; the fp32 build it replaced held 1.66 and
-    4.71 GB."""
+    350m 0.90-0.93 GB against 0.98 planned, 1b 2.49-2.57 GB against 2.63; the fp32 build it replaced held 1.64-1.67
+    and 4.68-4.72 GB."""
     return dtype_bytes * shape.num_params() + 6.0 * shape.largest_layer_params() + BUILD_SLACK
 
 
-BUILD_SLACK = 64 * 2**20
-"""What a build holds beyond its tensors (the allocator's arenas, the modules' Python objects): runs vary by 10-30
-MB, and the term must not fall under them."""
+BUILD_SLACK = 32 * 2**20
+"""What a build holds beyond its tensors (the allocator's arenas, the modules' Python objects): runs of one build
+vary by up to 40 MB, and the term must not fall under them."""
 
 
 def checkpoint_bytes(

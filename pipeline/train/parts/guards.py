@@ -122,13 +122,14 @@ class Watchdog:
                 os.dup2(fd, sys.stdout.fileno())
                 os.dup2(fd, sys.stderr.fileno())
                 os.close(fd)
-            if self.rank == 0:
-                print(
-                    "the `pipeline pretrain` that launched this run is gone (killed, or its session ended): every "
-                    "rank saves at the end of its step and stops; the same command resumes",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            # Said by each rank that notices: the first to notice stops them all (they agree at the step's end), so
+            # rank 0's own watcher may never poll again before the run has saved and exited.
+            print(
+                f"rank {self.rank}: the `pipeline pretrain` that launched this run is gone (killed, or its session "
+                "ended): every rank saves at the end of its step and stops; the same command resumes",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 class NonFinite:
