@@ -933,12 +933,20 @@ predate the `host` record."""
 
 
 def planned(
-    case: Case, vocab: int, card: Any, work: Path, probe: Path, host: Host | None = None, smoke: bool = False
+    case: Case,
+    vocab: int,
+    card: Any,
+    work: Path,
+    probe: Path,
+    host: Host | None = None,
+    smoke: bool = False,
+    packages: frozenset[str] | None = None,
 ) -> dict[str, Any]:
     """The planner's prediction for exactly this case: its DeepSpeed JSON on one GPU capped as the case is, the
     lent machine's RAM and cores (`host`, default this machine's), and what `pipeline probe` measured on it in the
-    warm-up (`probe`), as a user's plan with a probed hostfile would be; whole documents on the attention path the
-    case asks for (varlen where flash_attn is installed)."""
+    warm-up (`probe`), as a user's plan with a probed hostfile would be; the kernel packages the probe found there
+    (`packages` where it kept none; else those installed here), whole documents on the attention path the case
+    asks for."""
     from pipeline.model import loss_chunk_tokens
     from pipeline.plan.cluster import Cluster, trainer_stack
     from pipeline.plan.command import varlen_on_cluster
@@ -970,8 +978,9 @@ def planned(
     if probe.exists():
         cluster, _ = with_probe(cluster, probe, set())
     shape = shape_of(case, vocab, work, smoke)
-    varlen = varlen_on_cluster(case.document_attention)
-    stack = trainer_stack(case.compile, case.kernels, case.fp8, case.whole_documents, varlen)
+    packages = cluster.packages if cluster.packages is not None else packages
+    varlen = varlen_on_cluster(case.document_attention, packages)
+    stack = trainer_stack(case.compile, case.kernels, case.fp8, case.whole_documents, varlen, packages)
     e = estimate(shape, case.seq_len, cluster, cand, loss_chunk_tokens=loss_chunk_tokens(shape.vocab_size), stack=stack)
     return {
         "plan_tokens_per_s": e.tokens_per_s,
@@ -983,6 +992,18 @@ def planned(
         "plan_document_mask_gib": e.gpu["document_mask"] / 2**30,
         "plan_assumed": [{"figure": f, "value": v, "source": src} for f, v, src in e.assumed],
     }
+
+
+def lease_packages(doc: dict[str, Any]) -> frozenset[str]:
+    """The kernel packages a stored GPU run had, from what its cases ran with (runs before the probe said so):
+    liger-kernel where a case ran Liger's kernels, flash-attn where one took the varlen path."""
+    speeds = [c.get("speed") for c in doc.get("cases", [])]
+    text = " ".join(s if isinstance(s, str) else json.dumps(s) for s in speeds if s)
+    return frozenset(
+        name
+        for name, sign in (("liger-kernel", "'kernels': 'liger'"), ("flash-attn", "'attention_masks': 'varlen'"))
+        if sign in text or sign.replace("'", '"') in text
+    )
 
 
 def replanned(results: Path, probe_doc: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -997,6 +1018,7 @@ def replanned(results: Path, probe_doc: dict[str, Any] | None = None) -> list[di
     probe_doc = doc.get("warm_up", {}).get("host") or probe_doc
     host = Host(**doc["host"]) if doc.get("host") else LEASE_HOST
     by_name = {c.name: c for c in cases(False)}
+    packages = lease_packages(doc)
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         work, probe = Path(tmp), Path(tmp) / PROBE
@@ -1013,7 +1035,7 @@ def replanned(results: Path, probe_doc: dict[str, Any] | None = None) -> list[di
                     "name": case.name,
                     "step_time_s": r["step_time_s"],
                     "peak_allocated_gib": r["peak_allocated_gib"],
-                    **planned(case, 32000, lookup(doc["gpu"]), work, probe, host),
+                    **planned(case, 32000, lookup(doc["gpu"]), work, probe, host, packages=packages),
                 }
             )
     return out

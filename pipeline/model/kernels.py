@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.model import ModelShape
 
@@ -212,9 +212,9 @@ def apply_attention(choice: AttentionChoice) -> None:
 class Effect:
     """A speed switch's effect in the planner's terms (pipeline.plan), each figure measured on a GPU."""
 
-    fused_activations: bool
-    """A decoder layer keeps the fused layout's activations for the backward (pipeline.plan.memory FUSED_PER_H/F:
-    the norms keep their input and 1/rms, the SwiGLU its gate and up) instead of transformers' modules'."""
+    activations: Literal["hf", "compiled", "liger"]
+    """What a decoder layer keeps for the backward under the switch (pipeline.plan.memory.SAVED_PER_H_F, each
+    counted on its graph): hf, transformers' modules'; compiled, Inductor's; liger, Liger Kernel's modules'."""
     knee_factor: float
     """The planner's compute efficiency is the card's GEMM ceiling x g / (g + knee), g the time of one (tokens x
     h) x (h x h) GEMM of a micro-step: the knee is what small micro-steps lose to kernel launches and the norms',
@@ -224,9 +224,9 @@ class Effect:
     """Where the figures come from: card, date, cases."""
 
 
-NO_EFFECT = Effect(False, 1.0, "transformers' own modules: what the planner's fitted rates were measured with")
+NO_EFFECT = Effect("hf", 1.0, "transformers' own modules: what the planner's fitted rates were measured with")
 COMPILE_EFFECT = Effect(
-    True,
+    "compiled",
     0.6,
     "H200, 2026-12-04 (bench/results/gpu-h200-2026-12-04b.json): the 1b preset at micro 8 x 2048, ZeRO-2, "
     "1b_default (compiled) 0.286 s a step and 37.0 GiB peak against 1b_zero2 (eager) 0.377 s and 46.3 GiB; the "
@@ -280,7 +280,7 @@ KERNELS: dict[str, KernelSet] = {
             True,
             "apply_liger_kernel_to",
             Effect(
-                True,
+                "liger",
                 0.6,
                 "H200, 2026-12-04 (bench/results/gpu-h200-2026-12-04{b,c}.json): the 1b preset eager, ZeRO-2, "
                 "1b_liger_eager 0.289 s and 36.5 GiB against 1b_zero2 0.377 s and 46.3 GiB; with compile it adds "
@@ -317,15 +317,18 @@ def choose_kernels(
     device_type: str,
     zero3: bool,
     compiled: bool = False,
-    assume_installed: bool = False,
+    installed: frozenset[str] | None = None,
 ) -> KernelChoice:
     """`train.kernels` resolved for this model on this device (see KERNELS): the set, whether the fused loss is
     used, and one line saying what replaced what, or what was used instead and why. `compiled`: the decoder
-    layers are compiled (auto then keeps transformers' modules, see AUTO_WHEN_COMPILED). `assume_installed`: the
-    packages are taken as installed where it will run (a plan made on another machine than the cluster's)."""
+    layers are compiled (auto then keeps transformers' modules, see AUTO_WHEN_COMPILED). `installed`: the pip
+    packages installed where it will run (a plan made for a cluster: its nodes' facts); None: those of this
+    machine."""
 
     def missing(package: str | None) -> bool:
-        return bool(package) and not assume_installed and not _installed(str(package))
+        if not package:
+            return False
+        return package not in installed if installed is not None else not _installed(package)
 
     if setting == "auto":
         if device_type != "cuda":
@@ -380,23 +383,21 @@ def gpu_switches(
     shape: ModelShape,
     zero_stage: int,
     long_context: bool,
-    assume_installed: bool = True,
+    installed: frozenset[str] | None = None,
 ) -> Switches:
     """`train.compile` and `train.kernels` resolved on a CUDA GPU for a configuration (its ZeRO stage, whether it
     uses the long-context parts) exactly as choose_compile and choose_kernels resolve them at the start of a run,
-    the kernels' packages taken as installed there (`assume_installed`: a plan made off the cluster), or as they
-    are on this machine (False: `deepspeed_config: auto` on the node that will run). Their effects combine as
+    with the kernels' packages `installed` there (the cluster's facts), or as they are on this machine (None:
+    `deepspeed_config: auto` on the node that will run). Their effects combine as
     measured: compile and Liger together fuse what either fuses alone (1b_liger = 1b_default), so the larger saving
-    counts once."""
+    of time counts once; of memory, the layout that keeps more (Liger's modules, opaque to Inductor)."""
     compiled, _ = choose_compile(compile_setting, "cuda", zero_stage, long_context)
-    choice = choose_kernels(
-        kernels_setting, shape, "cuda", zero_stage == 3, compiled, assume_installed=assume_installed
-    )
+    choice = choose_kernels(kernels_setting, shape, "cuda", zero_stage == 3, compiled, installed=installed)
     effects = [KERNELS[choice.kernels].effect, *([COMPILE_EFFECT] if compiled else [])]
     used = [e for e in effects if e is not NO_EFFECT]
     effect = (
         Effect(
-            any(e.fused_activations for e in used),
+            "liger" if any(e.activations == "liger" for e in used) else used[0].activations,
             min(e.knee_factor for e in used),
             "; ".join(e.measured for e in used),
         )

@@ -38,10 +38,18 @@ class Cluster:
     cpu_adam_params_per_s: float | None = None  # fp32 CPU Adam per node, measured (`pipeline probe`); None: fitted
     measured: frozenset[str] = frozenset()
     """Which facts `pipeline probe` measured on a node (cpu_mem_bw, cpu_adam, pcie, gemm): their range is narrower."""
+    packages: frozenset[str] | None = None
+    """The kernel packages installed on the nodes (pipeline.plan.facts.KERNEL_PACKAGES), as `pipeline probe` found
+    them or the facts say; None: not known, priced as none (transformers' modules, SDPA's mask)."""
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def installed(self) -> frozenset[str]:
+        """The kernel packages a plan for these nodes prices as installed: those known to be (none if unknown)."""
+        return self.packages or frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +57,11 @@ class Stack:
     """The training software, as far as its time and memory depend on it (the planner's defaults are this
     project's trainer; published runs of other stacks are planned with theirs)."""
 
-    kernels: Literal["hf", "fused"] = "hf"
-    """hf: transformers' decoder layers with SDPA (this trainer); fused: FlashAttention with fused norm, SwiGLU
-    and cross-entropy kernels (TinyLlama, llm-foundry), which keep fewer activations for the backward."""
+    kernels: Literal["hf", "compiled", "liger", "fused"] = "hf"
+    """The modules a decoder layer runs, for what they save for the backward (pipeline.plan.memory.SAVED_PER_H_F):
+    hf, transformers' layers with SDPA (this trainer); compiled, the same under torch.compile; liger, Liger Kernel's
+    norms and SwiGLU; fused, FlashAttention with fused norm, SwiGLU and cross-entropy kernels (TinyLlama,
+    llm-foundry)."""
     attention: Literal["sdpa", "eager"] = "sdpa"
     """eager: attention scores materialised, seq^2 per head per layer (transformers' eager path; Falcon's 2023
     code)."""
@@ -71,9 +81,10 @@ class Stack:
     """lm_head and the loss in one kernel, no logits kept; None: as `kernels` (the fused stacks have it)."""
     fp8: bool = False
     """This trainer's `train.fp8`: the decoder layers' matmuls at the card's FP8 rate where it has one."""
-    kernels_here: bool = False
-    """Price `kernel_set` as its packages are installed on this machine (`deepspeed_config: auto` on the node that
-    runs: what it priced is what runs); otherwise as installed on the cluster (a plan made elsewhere)."""
+    packages: frozenset[str] | None = None
+    """The kernel packages installed where it runs, as `kernel_set` resolves against them (the cluster's facts);
+    None: those installed on this machine (`deepspeed_config: auto` on the node that runs: what it priced is what
+    runs)."""
     whole_documents: bool = False
     """Samples of whole documents (`pipeline shard --whole-documents`), kept apart by attention."""
     varlen: bool = False
@@ -88,7 +99,7 @@ class Stack:
 
     @property
     def loss_fused(self) -> bool:
-        return self.kernels == "fused" if self.fused_loss is None else self.fused_loss
+        return self.kernels in ("fused", "liger") if self.fused_loss is None else self.fused_loss
 
     @property
     def knee_factor(self) -> float:
@@ -102,15 +113,15 @@ class Stack:
         if self.switches is not None or (self.compile is False and self.kernel_set == "torch" and not self.fp8):
             return self
         long_context = cand.sequence_parallel > 1 or cand.tiled_mlp > 1
-        key = (self.compile, self.kernel_set, shape.family, cand.stage, long_context, self.kernels_here)
+        key = (self.compile, self.kernel_set, shape.family, cand.stage, long_context, self.packages)
         if (sw := _SWITCHES.get(key)) is None:  # the search resolves thousands of configurations, few kinds
             sw = _SWITCHES[key] = gpu_switches(
-                self.compile, self.kernel_set, shape, cand.stage, long_context, not self.kernels_here
+                self.compile, self.kernel_set, shape, cand.stage, long_context, self.packages
             )
         return replace(
             self,
             switches=sw,
-            kernels="fused" if sw.effect.fused_activations else self.kernels,
+            kernels=sw.effect.activations,
             fused_loss=sw.fused_loss,
         )
 
@@ -125,9 +136,10 @@ class Stack:
 
 
 _SWITCHES: dict[tuple[Any, ...], Switches] = {}
-"""gpu_switches by (compile, kernels, model family, ZeRO stage, long context, packages as here): all it reads."""
-TRAINER = Stack(compile=None, kernel_set="auto")
-"""This trainer as it runs unless told otherwise: `train.compile` and `train.kernels` auto."""
+"""gpu_switches by (compile, kernels, model family, ZeRO stage, long context, packages): all it reads."""
+TRAINER = Stack(compile=None, kernel_set="auto", packages=frozenset())
+"""This trainer as it runs unless told otherwise: `train.compile` and `train.kernels` auto, no kernel package known
+installed (a plan for a cluster replaces `packages` with its nodes')."""
 
 
 def trainer_stack(
@@ -136,15 +148,18 @@ def trainer_stack(
     fp8: bool = False,
     whole_documents: bool = False,
     varlen: bool = False,
+    packages: frozenset[str] | None = None,
 ) -> Stack:
     """This trainer with a config's `train.compile`, `train.kernels` and `train.fp8`, over its shards' documents,
-    with or without the varlen attention kernel."""
+    with or without the varlen attention kernel, with the kernel `packages` installed where it runs (None: as
+    here)."""
     return Stack(
         compile=compile_setting,
         kernel_set=kernels_setting,
         fp8=fp8,
         whole_documents=whole_documents,
         varlen=varlen,
+        packages=packages,
     )
 
 

@@ -101,10 +101,12 @@ def plan(req: PlanRequest, echo: Echo, cluster: Cluster | None = None, rates: Ra
     return plan_model(req, cluster, rates, budget, gbt, source, echo)
 
 
-def varlen_on_cluster(setting: str) -> bool:
-    """--document-attention (train.document_attention) as the planner prices it: auto is varlen where flash_attn is
-    installed on the machine that plans (usually a node of the cluster)."""
+def varlen_on_cluster(setting: str, packages: frozenset[str] | None = None) -> bool:
+    """--document-attention (train.document_attention) as the planner prices it: auto is varlen where flash-attn is
+    installed on the nodes (`packages`, the cluster's facts; None: on the machine that plans)."""
     if setting == "auto":
+        if packages is not None:
+            return "flash-attn" in packages
         from pipeline.model.varlen import varlen_available
 
         return varlen_available("cuda")
@@ -120,7 +122,12 @@ def plan_model(
         echo(note, err=True)
     if shape.hf_config and not req.as_json:
         echo(shape.describe())
-    stack = replace(TRAINER, whole_documents=req.whole_documents, varlen=varlen_on_cluster(req.document_attention))
+    stack = replace(
+        TRAINER,
+        whole_documents=req.whole_documents,
+        varlen=varlen_on_cluster(req.document_attention, cluster.installed),
+        packages=cluster.installed,
+    )
     p = planner.search(
         shape,
         seq_len,

@@ -13,7 +13,7 @@ from pipeline.errors import PipelineError
 from pipeline.plan.cluster import Cluster
 from pipeline.plan.gpus import lookup
 from pipeline.plan.hostfile import hostfile_facts, parse_hostfile
-from pipeline.plan.probe import SUFFIX, measured
+from pipeline.plan.probe import SUFFIX, measured, parse_packages
 from pipeline.units import parse_gbps, parse_size
 
 CLUSTER_DEFAULTS: dict[str, str | None] = {
@@ -25,6 +25,7 @@ CLUSTER_DEFAULTS: dict[str, str | None] = {
     "disk": None,
     "nvme": None,
     "network": "100Gbps",
+    "packages": None,
     "probe": None,
 }
 """Each node's facts when neither a flag nor the hostfile's `# cluster:` line gives them (the seed cluster's node)."""
@@ -38,6 +39,9 @@ NODE_FACTS: dict[str, str] = {
     "disk": "Free disk per node at the run folder, for checkpoints (e.g. 40GB, or the folder itself).",
     "nvme": "NVMe capacity per node for ZeRO-Infinity, e.g. 4TB (or a mounted path).",
     "network": "Inter-node bandwidth per node.",
+    "packages": "Kernel packages installed on the nodes, comma-separated, or none: liger-kernel (pip install -e "
+    "'.[gpu]': Liger's modules, fewer activations kept), flash-attn ('.[flash]': whole documents without a mask) "
+    "[default: what `pipeline probe` found on a node, else none: transformers' modules and SDPA are priced].",
     "probe": "A node's rates measured by `pipeline probe` [default: HOSTFILE.probe.json when there is one, or the "
     "hostfile's probe=FILE].",
 }
@@ -142,6 +146,7 @@ def _cluster(nodes: int, gpus_per_node: int, values: dict[str, str | None]) -> C
         cpu_mem_bw_gbs=_size(values, "cpu_mem_bw") / 1e9,
         cpu_cores=cores,
         disk_bytes=_size(values, "disk", allow_dir=True),
+        packages=parse_packages(str(values["packages"])) if values.get("packages") is not None else None,
     )
     if not cluster.cpu_mem_bytes or not cluster.cpu_mem_bw_gbs:
         raise PipelineError("--cpu-mem and --cpu-mem-bw must be positive sizes")
@@ -181,7 +186,16 @@ def with_probe(c: Cluster, path: Path, given: set[str]) -> tuple[Cluster, str]:
         card, used["gemm"] = replace(card, gemm_fraction=fraction), f"GEMM ceiling {fraction:.0%} of peak"
     if m["gpu"] and not same:
         note = f"; its GPU ({m['gpu']}) is not this plan's {c.gpu.name}: the GPU's rates stay the table's"
+    packages = c.packages
+    if "packages" not in given and m.get("packages") is not None:
+        packages = m["packages"]
+        used["packages"] = f"packages={','.join(sorted(packages)) or 'none'}"
     c = replace(
-        c, gpu=card, cpu_mem_bw_gbs=bw, cpu_adam_params_per_s=m["cpu_adam_params_per_s"], measured=frozenset(used)
+        c,
+        gpu=card,
+        cpu_mem_bw_gbs=bw,
+        cpu_adam_params_per_s=m["cpu_adam_params_per_s"],
+        measured=frozenset(used) - {"packages"},
+        packages=packages,
     )
     return c, f"measured by {m['source']}: {', '.join(used.values())}{note}"

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.plan.probe import parse_packages
 
 
 def parse_hostfile(path: str) -> tuple[int, int]:
@@ -54,7 +55,7 @@ def hostfile_hosts(path: str) -> list[tuple[str, int]]:
     return slots
 
 
-HOSTFILE_FACTS = ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network", "nvme", "probe")
+HOSTFILE_FACTS = ("gpu", "cpu_mem", "cpu_cores", "cpu_mem_bw", "disk", "network", "nvme", "packages", "probe")
 
 
 def hostfile_facts(path: str) -> dict[str, str]:
@@ -73,5 +74,7 @@ def hostfile_facts(path: str) -> dict[str, str]:
                         f"{path}:{n}: '{item}' in the cluster line; expected key=value with keys "
                         f"{', '.join(HOSTFILE_FACTS)}"
                     )
+                if key == "packages":
+                    parse_packages(value, f"{path}:{n}: packages=")
                 facts[key] = value
     return facts

@@ -39,14 +39,36 @@ MARGIN_MIN_BYTES = int(1.5 * GiB)
 MARGIN_FRACTION = 0.07
 RANK_HOST_OVERHEAD = 6 * GiB  # torch + CUDA libraries + DeepSpeed per rank process, host RAM
 
-# Bytes saved for the backward per token by one transformers LlamaDecoderLayer in bf16 with SDPA, measured with
-# saved-tensor hooks (bench/activation_bytes.py; tests/unit/test_plan_memory.py re-measures it):
-# 20 h (bf16 inputs/outputs of q, k, v, o, the residuals, and the fp32 RMSNorm intermediates) + 4 h_kv (k, v)
-# + 8 f (SwiGLU gate, up, act, product) + 5 a (attention's fp32 log-sum-exp and its bf16 output per head).
-ACT_PER_H, ACT_PER_HKV, ACT_PER_F, ACT_PER_HEAD = 20, 4, 8, 5
-# Fused kernels (FlashAttention, a fused RMSNorm that keeps its input and 1/rms, a fused SwiGLU that keeps gate and
-# up and recomputes the rest; TinyLlama's and llm-foundry's stacks) keep 10 h + 4 h_kv + 4 f + 5 a.
-FUSED_PER_H, FUSED_PER_F = 10, 4
+# Bytes saved for the backward per token by one decoder layer in bf16, per hidden unit (h) and per FFN unit (f), by
+# the modules that run it (Stack.kernels), each counted with saved-tensor hooks on the graph it prices
+# (tests/unit/test_plan_memory.py re-counts every one):
+# - hf, transformers' LlamaDecoderLayer with SDPA: 20 h (bf16 inputs/outputs of q, k, v, o, the residuals, and the
+#   fp32 RMSNorm intermediates) + 8 f (SwiGLU gate, up, act, product);
+# - compiled, the same layer under torch.compile (Inductor keeps the norms' inputs and 1/rms, recomputes the rest):
+#   10 h + 6 f (gate, up and down_proj's input);
+# - liger, Liger Kernel's RMSNorm and SwiGLU (each norm keeps its input and 1/rms; LigerSiLUMulFunction keeps gate
+#   and up, and down_proj, a Linear, its input: the product): 12 h + 6 f;
+# - fused, the published stacks' FlashAttention with fused norm and SwiGLU kernels that recompute the product
+#   (TinyLlama's, llm-foundry's): 10 h + 4 f.
+# Every layout adds 4 h_kv (k, v) and 5 a (attention's fp32 log-sum-exp and its output per head); those whose norms
+# keep 1/rms apart (all but hf, whose 20 h holds the fp32 intermediates) 8 bytes a token (two norms, fp32).
+SAVED_PER_H_F: dict[str, tuple[int, int]] = {"hf": (20, 8), "compiled": (10, 6), "liger": (12, 6), "fused": (10, 4)}
+ACT_PER_H, ACT_PER_F = SAVED_PER_H_F["hf"]
+ACT_PER_HKV, ACT_PER_HEAD, NORM_RSTD_BYTES = 4, 5, 8
+BACKWARD_PER_F, BACKWARD_PER_H = 4, -2
+"""A layer's backward holds, beyond what the layer saved, the gradients of its MLP's intermediates (4 f at once)
+while the h-sized tensors it saved are freed one by one. Counted on the CPU as the live peak of one layer's forward
+and backward with every storage tracked until freed (tests/unit/test_plan_memory_graphs.py), at every length:
+saved + 4 f - 6 h on transformers' layer, saved + 4 f - 2 h on Liger's contract; the term is the larger."""
+ATTENTION_BACKWARD_PER_H = 4
+"""The flash attention backward's fp32 dq accumulator (q's size in fp32: 4 bytes a hidden unit a token), alive
+through the attention's backward on a GPU (FlashAttention-2's and SDPA's flash and cuDNN kernels; the CPU's SDPA has
+none, so the CPU measurement is below the term by it)."""
+ULYSSES_COPY_PER_H = 8
+"""Under sequence parallelism Ulysses' all-to-all copies: q, k, v and the attention output each rearranged into a
+contiguous send buffer and received into another (DeepSpeed 0.19.8 ulysses_sp.py:168-231), 2 x 2 bytes a hidden
+unit a local token for the output and the same for q (k, v: h_kv) while they are in flight, at the attention's
+forward and again in its backward."""
 # Eager attention (scores materialised) keeps the bf16 scores and probabilities: 4 bytes per score.
 EAGER_SCORE_KEPT_BYTES = 4
 # The plain loss over full logits: bf16 logits, their fp32 copy, fp32 log-softmax and the fp32 gradient.
@@ -63,16 +85,30 @@ step runs."""
 
 
 def layer_activation_bytes_per_token(shape: ModelShape, stack: Stack | None = None, seq_len: int = 0) -> int:
+    """What one decoder layer saves for its backward per token, as the stack's modules save it (SAVED_PER_H_F)."""
     stack = stack or Stack()
     h_kv = shape.num_kv_heads * shape.head_dim
-    per_h, per_f = (FUSED_PER_H, FUSED_PER_F) if stack.kernels == "fused" else (ACT_PER_H, ACT_PER_F)
+    per_h, per_f = SAVED_PER_H_F[stack.kernels]
     scores = EAGER_SCORE_KEPT_BYTES * shape.num_heads * seq_len if stack.attention == "eager" else 0
     return (
-        per_h * shape.hidden_size
+        (0 if stack.kernels == "hf" else NORM_RSTD_BYTES)
+        + per_h * shape.hidden_size
         + ACT_PER_HKV * h_kv
         + per_f * shape.ffn_hidden_size
         + ACT_PER_HEAD * shape.num_heads
         + scores
+    )
+
+
+def layer_backward_bytes_per_token(shape: ModelShape, sequence_parallel: int = 1) -> int:
+    """What one layer's backward holds per token beyond what the layer saved (BACKWARD_PER_F and _PER_H,
+    ATTENTION_BACKWARD_PER_H, and under sequence parallelism ULYSSES_COPY_PER_H on q and the output, 4 bytes a kv
+    unit on k and v)."""
+    ulysses = ULYSSES_COPY_PER_H * shape.hidden_size + 4 * shape.num_kv_heads * shape.head_dim
+    return (
+        BACKWARD_PER_F * shape.ffn_hidden_size
+        + (BACKWARD_PER_H + ATTENTION_BACKWARD_PER_H) * shape.hidden_size
+        + (ulysses if sequence_parallel > 1 else 0)
     )
 
 
@@ -85,24 +121,34 @@ def activation_bytes(
     stack: Stack | None = None,
     offloaded: bool = False,
     mlp_tiles: int = 0,
+    sequence_parallel: int = 1,
 ) -> dict[str, float]:
-    """Activation memory of one micro-batch (bf16): `layers` at the end of the forward (full recompute keeps each
-    layer's bf16 input plus one layer's activations while it is recomputed; `offloaded`: only ACT_OFFLOAD_KEPT of
-    those inputs stay on the GPU), `one_layer`, `logits` (the loss's peak: full logits, or one chunk of
-    `loss_chunk_tokens` as our trainer computes it) and `embeddings`. `mlp_tiles` (the tiled MLP): no layer keeps
-    its SwiGLU intermediates for the backward, which recomputes them one tile at a time."""
+    """Activation memory of one micro-batch (bf16) of `seq_len` tokens a sample on this rank: `layers` at the start
+    of the backward (full recompute keeps each layer's bf16 input plus one layer's activations and its backward's
+    working set while it is recomputed; `offloaded`: only ACT_OFFLOAD_KEPT of those inputs stay on the GPU),
+    `one_layer` (that layer), `at_loss` (what is kept while the loss's backward runs, before any layer's),
+    `logits` (the loss's peak: full logits, or one chunk of `loss_chunk_tokens` as our trainer computes it) and
+    `embeddings`. `mlp_tiles` (the tiled MLP): no layer keeps its SwiGLU intermediates for
+    the backward, which recomputes them, and their gradients, one tile at a time."""
     sb = seq_len * micro
     per_token = layer_activation_bytes_per_token(shape, stack, seq_len)
-    mlp = (FUSED_PER_F if (stack or Stack()).kernels == "fused" else ACT_PER_F) * shape.ffn_hidden_size
+    mlp = SAVED_PER_H_F[(stack or Stack()).kernels][1] * shape.ffn_hidden_size
+    backward = layer_backward_bytes_per_token(shape, sequence_parallel)
+    mlp_backward = BACKWARD_PER_F * shape.ffn_hidden_size  # the part of `backward` a tile holds a tile of
     if mlp_tiles > 1:
         kept_one = float(sb * (per_token - mlp))  # a layer's activations but its MLP's intermediates
-        one = kept_one + sb / mlp_tiles * mlp
+        one = kept_one + sb / mlp_tiles * (mlp + mlp_backward) + sb * (backward - mlp_backward)
     else:
-        kept_one = one = float(sb * per_token)
+        kept_one = float(sb * per_token)
+        one = kept_one + sb * backward
     kept = min(shape.num_layers, ACT_OFFLOAD_KEPT) if offloaded else shape.num_layers
-    layers = kept * 2 * sb * shape.hidden_size + one if checkpointing else shape.num_layers * kept_one + one - kept_one
+    # while the loss's backward runs: the checkpointed inputs, or every layer's saved activations
+    at_loss = kept * 2 * sb * shape.hidden_size if checkpointing else shape.num_layers * kept_one
+    # then while the last layer's backward runs: it recomputed, or its saved ones, with its working set
+    layers = at_loss + (one if checkpointing else one - kept_one)
     logit_tokens = sb if loss_chunk_tokens is None else min(sb, loss_chunk_tokens)
     return {
+        "at_loss": float(at_loss),
         "layers": float(layers),
         "one_layer": one,
         "logits": float(LOGIT_BYTES * logit_tokens * shape.vocab_size),
@@ -204,6 +250,7 @@ def _activations(
         stack,
         cand.offload_activations,
         cand.tiled_mlp,
+        cand.sequence_parallel,
     )
     if stack.loss_fused and stack.switches is not None:  # this trainer's fused loss (Liger's, fp32 accumulation)
         # computes its gradients in the forward and keeps them for the backward: lm_head's weight gradient in fp32
@@ -262,8 +309,11 @@ def gpu_memory(
     loss_chunk_tokens: int | None,
     stack: Stack | None = None,
 ) -> dict[str, float]:
-    """Per-GPU bytes. The peak is the larger of two moments: the start of the backward (every activation and the
-    loss's logits and their gradient alive) and its end (buckets full, ZeRO-0/1's whole bf16 gradients alive).
+    """Per-GPU bytes. The peak is the largest of three moments: the loss's backward (what the layers keep, the
+    logits and their gradient), the last layer's backward after it (what the layers keep, that layer recomputed and
+    its backward's working set; the logits of a chunked or fused loss are gone, a whole-logits loss's are priced
+    alive, as measured) and the backward's end (buckets full, ZeRO-0/1's whole bf16
+    gradients alive).
     Model states and ZeRO-3's gathered layer and buffers are alive at both. What the card must hold (`reserved`)
     adds the allocator's slack on the transients only: activations and logits at FRAGMENTATION, ZeRO-3's
     bucket-sized buffers at BUFFER_FRAGMENTATION; model states are allocated once."""
@@ -273,8 +323,12 @@ def gpu_memory(
     chunked = loss_chunk_tokens is not None
     buffers, reduce, unexplained, transient_grads = _engine_buffers(shape, c, cand, stack, chunked, zenflow_grads)
     static = sum(split.values()) - transient_grads
-    # the loss's backward starts with all of it
-    forward_act = act["layers"] + act["embeddings"] + act["logits"] + act["document_mask"]
+    # the loss's backward, then the last layer's
+    if chunked or stack.loss_fused:  # the loss's logits are made and freed chunk by chunk, before any layer's
+        forward_act = max(act["at_loss"] + act["logits"], act["layers"])
+    else:  # the whole logits' loss: as measured (the H200 anchors' 70B slices), its bytes outlive it
+        forward_act = act["layers"] + act["logits"]
+    forward_act += act["embeddings"] + act["document_mask"]
     zero3_buffers = buffers if cand.stage == 3 else 0.0  # ZeRO-3's live through the forward as well
     forward = forward_act + zero3_buffers
     # the end of the backward: gradients, few activations

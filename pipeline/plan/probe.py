@@ -110,6 +110,30 @@ def probe_host(smoke: bool = False) -> dict[str, Any]:
     }
 
 
+KERNEL_PACKAGES = ("liger-kernel", "flash-attn")
+"""The pip packages whose presence on the nodes changes a plan (pipeline.model.kernels, pipeline.model.varlen)."""
+
+
+def parse_packages(text: str, where: str = "--packages") -> frozenset[str]:
+    """A `packages` fact: comma-separated names of KERNEL_PACKAGES, or none."""
+    names = {p.strip().lower().replace("_", "-") for p in text.split(",") if p.strip()}
+    names.discard("none")
+    unknown = sorted(names - set(KERNEL_PACKAGES))
+    if unknown:
+        raise PipelineError(
+            f"{where} {text}: {', '.join(unknown)} is not a kernel package the planner prices; give "
+            f"{', '.join(KERNEL_PACKAGES)} (comma-separated) or none"
+        )
+    return frozenset(names)
+
+
+def installed_packages() -> list[str]:
+    """The kernel packages installed on this node."""
+    import importlib.util
+
+    return [p for p in KERNEL_PACKAGES if importlib.util.find_spec(p.replace("-", "_")) is not None]
+
+
 def probe_node(quick: bool = False, gemm_shape: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """This node measured, with what it ran on: host, time, cores and threads, the GPU (None without CUDA).
     `gemm_shape`: (hidden, ffn, tokens per micro-step) of the model to plan, for the GEMM rate (a GPU only).
@@ -128,6 +152,7 @@ def probe_node(quick: bool = False, gemm_shape: tuple[int, int, int] | None = No
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
     }
+    doc["packages"] = installed_packages()
     doc |= probe_host(quick)
     doc["gemm"] = gemm_rates(*gemm_shape) if gemm_shape and cuda else None
     return doc
@@ -177,6 +202,7 @@ def measured(path: Path) -> dict[str, Any]:
             "cpu_mem_bw_gbs": float(doc["memory"]["bytes_per_s"]) / 1e9,
             "cpu_adam_params_per_s": float(doc["cpu_adam"]["params_per_s"]),
             "gpu": doc.get("gpu"),
+            "packages": frozenset(doc["packages"]) if isinstance(doc.get("packages"), list) else None,
         }
         pinned, gemm = doc.get("pinned"), doc.get("gemm")
         if pinned:

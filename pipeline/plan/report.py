@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pipeline
@@ -11,7 +12,7 @@ from pipeline.plan.cluster import TRAINER, Candidate, Cluster
 from pipeline.plan.estimate import FITTED, Estimate
 from pipeline.plan.facts import cluster_from_flags
 from pipeline.plan.memory import GiB
-from pipeline.plan.search import Plan, search
+from pipeline.plan.search import LONG_SEQ, THIN_GIB, Plan, free_gib, search
 from pipeline.plan.timing import ASSUMED_SPREAD, MEASURED_SPREAD, RANGE
 
 
@@ -183,7 +184,25 @@ def _configuration_lines(p: Plan, e: Estimate, title: str) -> list[str]:
             "the boolean mask and the bias each kept layer makes of it; no sequence parallelism). With flash_attn on "
             "the cluster (pip install -e '.[flash]'; --document-attention varlen) no mask is needed"
         )
+    if p.stack is not None and p.stack.packages is not None:
+        lines.append("  " + _kernels_line(p, e))
     return lines + [f"  {w}" for w in e.warnings]
+
+
+def _kernels_line(p: Plan, e: Estimate) -> str:
+    """Which modules the plan priced, and the kernel packages it took as installed on the nodes (and from where)."""
+    assert p.stack is not None and p.stack.packages is not None
+    sw = p.stack.resolved(p.shape, e.candidate).switches
+    used = f"{sw.kernels} kernels" if sw and sw.kernels != "torch" else "transformers' modules"
+    used += ", compiled" if sw and sw.compiled else ""
+    if p.cluster.packages is None:
+        known = (
+            "no kernel package known installed on the nodes; --packages liger-kernel,flash-attn, or `pipeline probe` "
+            "on a node, says which are"
+        )
+    else:
+        known = f"packages on the nodes: {', '.join(sorted(p.cluster.packages)) or 'none'}"
+    return f"kernels priced: {used}; {known}"
 
 
 def _gpu_lines(p: Plan, e: Estimate) -> list[str]:
@@ -214,30 +233,31 @@ def _gpu_lines(p: Plan, e: Estimate) -> list[str]:
     ]
 
 
-THIN_GIB = 1.5
-"""Free memory after the margin below which a long-context plan is called thin: at 32K one activation is a
-0.25-1.75 GiB block, and terms of the long-context path are priced from reading, not yet measured on a GPU."""
-
-
-def free_gib(p: Plan, e: Estimate) -> float:
-    return p.cluster.gpu.memory_gib - (e.gpu["reserved"] + e.gpu["margin"]) / GiB
-
-
 def thin_note(p: Plan, e: Estimate) -> list[str]:
-    """At 16K+ tokens, a fitting plan with less than THIN_GIB free after the margin says so, and what would leave
-    that much: the fastest such configuration the search found, or that none does."""
-    if not e.fits or p.seq_len < 16384 or (free := free_gib(p, e)) >= THIN_GIB:
+    """At LONG_SEQ tokens and more, a fitting plan with less than THIN_GIB free after the margin says so, and what
+    would leave that much (the fastest such configuration the search found, or that none does); a plan chosen for
+    its room (pipeline.plan.search.roomy_first) names the faster one it passed over."""
+    if not e.fits or p.seq_len < LONG_SEQ:
         return []
-    roomy = next((r for r in p.ranked if free_gib(p, r) >= THIN_GIB), None)
+    if (free := free_gib(p.cluster, e)) >= THIN_GIB:
+        fastest = max(p.ranked, key=lambda r: r.tokens_per_s)
+        if fastest.tokens_per_s <= e.tokens_per_s:
+            return []
+        return [
+            f"  room: chosen for the {free:.2f} GiB it leaves after the margin at {p.seq_len:,} tokens; the fastest "
+            f"that fits, {fastest.candidate.label()}, leaves {free_gib(p.cluster, fastest):.2f} GiB at "
+            f"{fastest.tokens_per_s / e.tokens_per_s:.2f}x"
+        ]
+    roomy = next((r for r in p.ranked if free_gib(p.cluster, r) >= THIN_GIB), None)
     head = (
         f"  thin: {free:.2f} GiB free after the margin at {p.seq_len:,} tokens, where single activations are "
-        "GiB-sized and the long-context terms are priced from reading, not yet measured on a GPU; "
+        "GiB-sized and the long-context terms are counted on the CPU, not yet measured on a GPU; "
     )
     if roomy is None:
         return [head + f"no configuration here leaves {THIN_GIB} GiB: one more node, or a shorter seq_len"]
     return [
-        head + f"{roomy.candidate.label()} leaves {free_gib(p, roomy):.2f} GiB at {roomy.tokens_per_s:,.0f} tokens/s "
-        f"({roomy.tokens_per_s / e.tokens_per_s:.2f}x)"
+        head + f"{roomy.candidate.label()} leaves {free_gib(p.cluster, roomy):.2f} GiB at "
+        f"{roomy.tokens_per_s:,.0f} tokens/s ({roomy.tokens_per_s / e.tokens_per_s:.2f}x)"
     ]
 
 
@@ -327,13 +347,14 @@ def reference_fits_table(
         c, _ = cluster_from_flags(str(hostfiles / hf), 1, 1, flags)
         for name in ("1b", "7b", "13b", "70b"):
             shape = resolve_shape(name, {}, vocab_size)
-            rows.append((name, f"hostfiles/{hf}", search(shape, seq_len, c, global_batch_tokens, mfu, stack=TRAINER)))
+            stack = replace(TRAINER, packages=c.installed)
+            rows.append((name, f"hostfiles/{hf}", search(shape, seq_len, c, global_batch_tokens, mfu, stack=stack)))
     return fits_table(rows, budget)
 
 
 def row_label(c: Candidate) -> str:
     """A candidate in the runners-up and rejected lists: ZeRO-3's differ by their bucket set too."""
-    return c.label() + (f", buckets {c.reduce_bucket:.0e}" if c.stage == 3 else "")
+    return c.label() + (f", buckets {c.reduce_bucket:.0e}" if c.stage == 3 or c.reduce_bucket != 5e8 else "")
 
 
 LONG_CONTEXT_PLANS = (
@@ -348,7 +369,6 @@ LONG_CONTEXT_PLANS = (
 
 def long_context_table(flags: dict[str, str | None], global_batch_tokens: int, mfu: float | None) -> str:
     """`plan --long-context-table`: docs/long-context.md's table, each headline plan as the planner makes it."""
-    from dataclasses import replace
 
     from pipeline.plan.search import planned_shape
 
@@ -363,7 +383,9 @@ def long_context_table(flags: dict[str, str | None], global_batch_tokens: int, m
         where = f"{hf} ({c.nodes}x{c.gpus_per_node} {c.gpu.name})"
         path = str(root / model) if model.endswith(".json") else model
         shape, _ = planned_shape(path, None, 32000, seq_len)
-        stack = replace(TRAINER, whole_documents=documents is not None, varlen=documents == "varlen")
+        stack = replace(
+            TRAINER, whole_documents=documents is not None, varlen=documents == "varlen", packages=c.installed
+        )
         p = search(shape, seq_len, c, global_batch_tokens, mfu, stack=stack)
         e = p.best
         if e is None:
@@ -374,6 +396,6 @@ def long_context_table(flags: dict[str, str | None], global_batch_tokens: int, m
         lo, hi = e.tokens_per_s_range
         out.append(
             f"| {label} | {where} | {e.candidate.label()} | {e.tokens_per_s:,.0f} ({lo:,.0f}-{hi:,.0f}) | "
-            f"{free_gib(p, e):.2f} GiB |"
+            f"{free_gib(p.cluster, e):.2f} GiB |"
         )
     return "\n".join(out)

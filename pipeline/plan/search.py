@@ -159,6 +159,23 @@ def tiled_where_needed(ests: list[Estimate], seq_len: int, shape: ModelShape) ->
     return out
 
 
+BUCKET_SMALL = 1e8
+"""The ZeRO-1/2 reduce bucket tried where DeepSpeed's 5e8 leaves no room for one sample (4.5 bf16 copies of a
+bucket: 4.19 GiB at 5e8, 0.84 at 1e8); without a collective's latency priced under ZeRO-1/2, it is not offered where
+one sample fits, or every choice would take it for the memory."""
+
+
+def smaller_buckets_where_needed(ests: list[Estimate]) -> list[Candidate]:
+    """ZeRO-1/2 configurations whose smallest micro-batch does not fit the GPU, each micro-batch again with
+    BUCKET_SMALL reduce buckets."""
+    short = too_long(ests)
+    return [
+        replace(e.candidate, reduce_bucket=BUCKET_SMALL)
+        for e in ests
+        if e.candidate.stage in (1, 2) and e.candidate.reduce_bucket > BUCKET_SMALL and _key(e.candidate) in short
+    ]
+
+
 def mlp_reuse(shape: ModelShape) -> float:
     """The reuse distance (parameters) under which ZeRO-3 keeps gate, up and down gathered from one tile to the next:
     between two uses of a matrix come the other two (DeepSpeed releases a module whose next use is further away)."""
@@ -261,6 +278,7 @@ class Plan:
                 **asdict(self.cluster),
                 "gpu": asdict(self.cluster.gpu),
                 "measured": sorted(self.cluster.measured),
+                "packages": None if self.cluster.packages is None else sorted(self.cluster.packages),
             },
             "best": estimate_dict(self.best) if self.best else None,
             "runners_up": [estimate_dict(e) for e in self.ranked[1:6]],
@@ -288,6 +306,27 @@ def choose(fitting: list[Estimate]) -> list[Estimate]:
     best_tps = ranked[0].tokens_per_s
     ties = sorted((e for e in ranked if e.tokens_per_s >= (1 - NEAR_TIE) * best_tps), key=lambda e: e.gpu["reserved"])
     return [ties[0]] + [e for e in ranked if e is not ties[0]]
+
+
+THIN_GIB, LONG_SEQ, ROOM_TRADE = 1.5, 16384, 0.85
+"""At LONG_SEQ tokens and more a plan that leaves less than THIN_GIB free after the margin is thin (one activation
+is a 0.25-1.75 GiB block there, and the long-context terms are counted on the CPU, not yet measured on a GPU): the
+fastest configuration that leaves THIN_GIB is chosen instead where it keeps ROOM_TRADE of the fastest's
+throughput."""
+
+
+def free_gib(c: Cluster, e: Estimate) -> float:
+    """What a configuration leaves of the card after the margin."""
+    return c.gpu.memory_gib - (e.gpu["reserved"] + e.gpu["margin"]) / GiB
+
+
+def roomy_first(ranked: list[Estimate], seq_len: int, c: Cluster) -> list[Estimate]:
+    """`ranked` with, at a long sequence, a roomy configuration first in place of a thin one (THIN_GIB)."""
+    if seq_len < LONG_SEQ or not ranked or free_gib(c, ranked[0]) >= THIN_GIB:
+        return ranked
+    floor = ROOM_TRADE * ranked[0].tokens_per_s
+    roomy = next((e for e in ranked if free_gib(c, e) >= THIN_GIB and e.tokens_per_s >= floor), None)
+    return ranked if roomy is None else [roomy, *(e for e in ranked if e is not roomy)]
 
 
 def search(
@@ -331,9 +370,10 @@ def search(
     wider = () if fixed_sequence else tuple(n for n in sequence_sizes(shape, seq_len, c, stack) if n > 1)
     if wider and (short := too_long(ests)):
         ests += price([cand for cand in tried(wider) if _key(replace(cand, sequence_parallel=1)) in short])
+    ests += price(smaller_buckets_where_needed(ests))
     ests += price(tiled_where_needed(ests, seq_len, shape))
     allowed = [e for e in ests if not (e.candidate.features() & OPT_IN) - opt_in]
-    fitting = choose([e for e in allowed if e.fits])
+    fitting = roomy_first(choose([e for e in allowed if e.fits]), seq_len, c)
     rejected = sorted((e for e in allowed if not e.fits), key=lambda e: -e.tokens_per_s)
     by_feature: dict[str, tuple[Estimate | None, Estimate | None]] = {}
     for name in FEATURES:  # the fastest configuration with each feature, the others as allowed

@@ -104,7 +104,8 @@ def forecast_config(
         cfg.train.kernels,
         cfg.train.fp8,
         whole_documents=whole_documents(cfg),
-        varlen=varlen_on_cluster(cfg.train.document_attention),
+        varlen=varlen_on_cluster(cfg.train.document_attention, cluster.installed),
+        packages=cluster.installed,
     )
     refused = trainer_refusals(cfg, bp, "cuda")
     found = search(

@@ -49,7 +49,7 @@ def test_plan_config_evaluates_the_run_about_to_launch(tmp_path) -> None:
         main, ["plan", "--config", "configs/70b_8node.yaml", "--hostfile", "hostfiles/8node", "--seq-len", "4096"]
     )
     assert r.exit_code == 0, r.output
-    assert "your config: ZeRO-3 + cpu offload (opt, params) + ckpt, micro 2 x GA 61" in r.output
+    assert "your config: ZeRO-3 + cpu offload (opt, params) + ckpt (offloaded), micro 4 x GA 30" in r.output
     assert "FITS: +" in r.output and "the search would choose" in r.output and "seq_len 4096 from --seq-len" in r.output
     # The same run with DeepSpeed's default ZeRO-3 buckets on a 24 GiB-capped H200, 2 layers: predicted not to fit.
     ds = tmp_path / "defaults.json"

@@ -154,15 +154,19 @@ def test_a_tiled_mlp_gives_the_untiled_outputs_and_gradients() -> None:
 def test_the_planner_resolves_the_switches_as_the_trainer_does_on_a_gpu() -> None:
     """gpu_switches: compile on where auto compiles (ZeRO 0-2, no long-context parts), Liger where the layers run
     eager, its fused loss but under ZeRO-3; each with the measured effect of its table entry, combined as measured
-    (compile and Liger together fuse what either does alone)."""
-    sw = kernels.gpu_switches(None, "auto", TINY, 2, False)
+    (compile and Liger together fuse what either does alone; for memory, Liger's layout, which keeps more); the
+    packages as the cluster's nodes have them."""
+    liger = frozenset({"liger-kernel"})
+    sw = kernels.gpu_switches(None, "auto", TINY, 2, False, liger)
     assert (sw.compiled, sw.kernels, sw.effect) == (True, "torch", kernels.COMPILE_EFFECT)
-    sw = kernels.gpu_switches(None, "auto", TINY, 3, False)
+    sw = kernels.gpu_switches(None, "auto", TINY, 3, False, liger)
     assert (sw.compiled, sw.kernels, sw.fused_loss) == (False, "liger", False)
-    assert sw.effect == kernels.KERNELS["liger"].effect and sw.effect.fused_activations
-    sw = kernels.gpu_switches(None, "auto", TINY, 2, True)  # sequence parallelism or the tiled MLP: eager
+    assert sw.effect == kernels.KERNELS["liger"].effect and sw.effect.activations == "liger"
+    sw = kernels.gpu_switches(None, "auto", TINY, 2, True, liger)  # sequence parallelism or the tiled MLP: eager
     assert (sw.compiled, sw.kernels, sw.fused_loss) == (False, "liger", True)
-    both = kernels.gpu_switches(True, "liger", TINY, 1, False)
+    assert kernels.gpu_switches(None, "auto", TINY, 3, False, frozenset()).kernels == "torch"
+    both = kernels.gpu_switches(True, "liger", TINY, 1, False, liger)
+    assert both.effect.activations == "liger"
     knees = (kernels.COMPILE_EFFECT.knee_factor, kernels.KERNELS["liger"].effect.knee_factor)
     assert both.compiled and both.kernels == "liger" and both.effect.knee_factor == min(knees)
     assert kernels.gpu_switches(False, "torch", TINY, 2, False).effect is kernels.NO_EFFECT
@@ -258,10 +262,10 @@ def test_auto_times_the_backends_at_one_ranks_shape_compares_the_backward_and_st
     assert kernels.timed(lambda: calls.append(1), 3, 1e9, lambda: None)[1] == 3  # else the repeats asked for
 
 
-def test_auto_on_the_node_prices_liger_only_where_it_is_installed(monkeypatch) -> None:
-    """A plan made off the cluster takes train.kernels' packages as installed there; `deepspeed_config: auto`, on
-    the node that runs, prices them as that node has them: without liger-kernel, transformers' modules, which keep
-    more activations (the plan then fits what will run)."""
+def test_kernels_are_priced_as_the_nodes_have_them(monkeypatch) -> None:
+    """A plan for a cluster prices train.kernels against the packages its nodes are known to have (none unless the
+    facts or a probe say); `deepspeed_config: auto`, on the node that runs, against what that node has. Without
+    liger-kernel: transformers' modules, which keep more activations (the plan then fits what will run)."""
     from pipeline.model import PRESETS
     from pipeline.plan.cluster import _SWITCHES, Candidate, Cluster, Stack
     from pipeline.plan.gpus import GPUS
@@ -272,11 +276,12 @@ def test_auto_on_the_node_prices_liger_only_where_it_is_installed(monkeypatch) -
     for installed in (False, True):
         monkeypatch.setattr(kernels, "_installed", lambda package, ok=installed: ok)
         _SWITCHES.clear()  # resolved per process; this test changes what is installed
-        here = Stack(compile=False, kernel_set="auto", kernels_here=True).resolved(shape, cand)
-        elsewhere = Stack(compile=False, kernel_set="auto").resolved(shape, cand)
-        assert elsewhere.switches is not None and elsewhere.switches.kernels == "liger"
+        here = Stack(compile=False, kernel_set="auto").resolved(shape, cand)
+        with_liger = Stack(compile=False, kernel_set="auto", packages=frozenset({"liger-kernel"})).resolved(shape, cand)
+        unknown = Stack(compile=False, kernel_set="auto", packages=frozenset()).resolved(shape, cand)
+        assert with_liger.switches is not None and with_liger.switches.kernels == "liger"
+        assert unknown.switches is not None and unknown.switches.kernels == "torch"
         assert here.switches is not None and here.switches.kernels == ("liger" if installed else "torch")
-        if not installed:
-            act = [gpu_memory(shape, 32768, c, cand, 2048, s)["activations"] for s in (here, elsewhere)]
-            assert act[0] > act[1]  # transformers' modules keep more than the fused layout
+        act = [gpu_memory(shape, 32768, c, cand, 2048, s)["activations"] for s in (unknown, with_liger)]
+        assert act[0] > act[1]  # transformers' modules keep more than Liger's
     _SWITCHES.clear()

@@ -4,6 +4,7 @@ accepted by `pipeline pretrain`."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,17 +38,20 @@ def test_written_ds_config_is_accepted_by_pretrain(tmp_path: Path) -> None:
     ds = json.loads(out.read_text())
     assert ds["zero_optimization"]["reduce_bucket_size"] <= 2e8
     # with the settings the command says to put in the pretrain config
-    assert (
-        "set batch.micro_batch_size: 8, batch.global_batch_size: 960, train.activation_checkpointing: true" in r.output
+    said = re.search(
+        r"set batch.micro_batch_size: (\d+), batch.global_batch_size: (\d+), train.activation_checkpointing: true",
+        r.output,
     )
+    assert said, r.output
+    micro, global_batch = int(said[1]), int(said[2])
     cfg = from_dict(
         {
-            "batch": {"micro_batch_size": 8, "global_batch_size": 960},
+            "batch": {"micro_batch_size": micro, "global_batch_size": global_batch},
             "train": {"max_steps": 1, "activation_checkpointing": True},
         }
     )
     resolved = resolve(cfg, ds, batch_plan(cfg, 8, 4096), accelerator="cuda")
-    assert resolved["gradient_accumulation_steps"] == 15 and resolved["bf16"]["enabled"] is True
+    assert resolved["gradient_accumulation_steps"] == global_batch // (8 * micro) and resolved["bf16"]["enabled"]
     assert resolved["activation_checkpointing"]["cpu_checkpointing"] is True
 
 

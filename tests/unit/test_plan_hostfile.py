@@ -26,4 +26,7 @@ def test_reference_hostfiles_carry_their_clusters() -> None:
     assert "cpu_mem=120GB" not in r.output.splitlines()[0] and "512 GB RAM and 10 cores/node" in r.output  # flag wins
     # The 8 x 1 cluster's answer is the same with its facts as with the flags it had before.
     a = CliRunner().invoke(main, ["plan", "--model", "70b", "--hostfile", "hostfiles/8node", "--json"]).output
-    assert json.loads(a)["best"]["label"] == "ZeRO-3 + cpu offload (opt, params) + ckpt (offloaded), micro 8 x GA 15"
+    flags = ["--gpu", "4090d", "--cpu-mem", "512GB", "--cpu-cores", "128", "--cpu-mem-bw", "300GB/s"]
+    b = CliRunner().invoke(main, ["plan", "--model", "70b", "--nodes", "8", "--gpus-per-node", "1", *flags, "--json"])
+    assert json.loads(a)["best"]["label"] == json.loads(b.output)["best"]["label"]
+    assert json.loads(a)["best"]["label"].startswith("ZeRO-3 + cpu offload (opt, params) + ckpt (offloaded), micro")

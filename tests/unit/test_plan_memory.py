@@ -1,5 +1,5 @@
-"""pipeline.plan.memory: model states equal DeepSpeed's estimators, activation bytes measured on a real
-transformers layer, host RAM buffer by buffer, pinned buffers, evaluation batches."""
+"""pipeline.plan.memory: model states equal DeepSpeed's estimators (activation terms: test_plan_memory_graphs.py),
+host RAM buffer by buffer, pinned buffers, evaluation batches."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from pipeline.plan.gpus import GPUS
 from pipeline.plan.memory import (
     activation_bytes,
     deepspeed_model_states,
-    layer_activation_bytes_per_token,
     pinned,
     state_split,
 )
@@ -58,7 +57,6 @@ def test_model_states_equal_deepspeed_estimators(h: int, layers: int, vocab: int
 
 
 def test_largest_layer_matches_the_real_module() -> None:
-    import torch
 
     from pipeline.model import build_model
 
@@ -77,46 +75,6 @@ SEED = Cluster(8, 1, GPUS["4090d"], 512 * 10**9)
 
 
 FOUR_BY_FOUR = Cluster(4, 4, GPUS["4090d"], 512 * 10**9)
-
-
-def saved_bytes_per_token(shape: ModelShape, seq: int = 128) -> float:
-    """Bytes a bf16 transformers LlamaDecoderLayer saves for its backward, per token, by saved-tensor hooks
-    (distinct storages; the layer's parameters, its input and the RoPE tables shared by all layers excluded)."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    from pipeline.model import llama_config
-
-    cfg = llama_config(shape)
-    layer = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16)
-    x = torch.randn(1, seq, shape.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    pos = torch.arange(seq)[None]
-    cos, sin = (t.to(torch.bfloat16) for t in LlamaRotaryEmbedding(cfg)(x, pos))
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {
-        t.untyped_storage().data_ptr() for t in (x, cos, sin)
-    }
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin))
-    return sum(seen.values()) / seq
-
-
-@pytest.mark.parametrize(
-    "shape",
-    [
-        ModelShape(hidden_size=256, num_layers=1, ffn_hidden_size=688, num_heads=4, num_kv_heads=2, vocab_size=500),
-        ModelShape(hidden_size=512, num_layers=1, ffn_hidden_size=1376, num_heads=8, num_kv_heads=8, vocab_size=500),
-        ModelShape(hidden_size=384, num_layers=1, ffn_hidden_size=1536, num_heads=6, num_kv_heads=2, vocab_size=500),
-    ],
-)
-def test_activation_coefficients_are_what_a_real_llama_layer_saves(shape: ModelShape) -> None:
-    measured = saved_bytes_per_token(shape)
-    assert layer_activation_bytes_per_token(shape) == pytest.approx(measured, rel=0.02)
 
 
 def test_the_trainers_chunked_loss_holds_one_chunk_of_logits() -> None:

@@ -163,14 +163,15 @@ def test_long_context_fits_by_sharing_each_sample(preset: str, seq_len: int, hos
 
 
 def test_sharing_a_sample_divides_its_activations_and_costs_an_all_to_all() -> None:
-    from pipeline.plan.memory import gpu_memory
+    from pipeline.plan.memory import gpu_memory, layer_backward_bytes_per_token
     from pipeline.plan.timing import sequence_all_to_all
 
     shape, seq = PRESETS["7b"], 32768
     one = Candidate(3, "cpu", "cpu", True, 1, 8, 1e8, 1e8, 3e8, 1e8)
     memory = {n: gpu_memory(shape, seq, SEED, replace(one, sequence_parallel=n), 2048) for n in (1, 2, 4)}
-    assert memory[2]["activations"] == pytest.approx(memory[1]["activations"] / 2)
-    assert memory[4]["activations"] == pytest.approx(memory[1]["activations"] / 4)
+    for n in (2, 4):  # a rank's share, and Ulysses' copies of the layer in its backward
+        copies = seq // n * (layer_backward_bytes_per_token(shape, n) - layer_backward_bytes_per_token(shape))
+        assert memory[n]["activations"] - copies == pytest.approx(memory[1]["activations"] / n)
     assert sequence_all_to_all(shape, seq, SEED, one) == (0.0, "")
     sent, link = sequence_all_to_all(shape, seq, SEED, replace(one, sequence_parallel=2))
     # q, k, v out and o back (4 x 4096 bf16 per token), 3 passes (recompute), 32 layers, half the tokens leave
@@ -191,13 +192,14 @@ def test_a_sequence_parallel_choice_round_trips_through_its_deepspeed_json() -> 
 
 
 def test_a_tiled_mlp_keeps_one_tiles_intermediates_and_pays_one_more_mlp_forward() -> None:
-    from pipeline.plan.memory import ACT_PER_F, activation_bytes
+    from pipeline.plan.memory import ACT_PER_F, BACKWARD_PER_F, activation_bytes
     from pipeline.plan.timing import Rates, step_time
 
     shape, seq = PRESETS["70b"], 32768
     whole = activation_bytes(shape, seq, 1, True)
     tiled = activation_bytes(shape, seq, 1, True, mlp_tiles=4)
-    assert whole["one_layer"] - tiled["one_layer"] == pytest.approx(seq * ACT_PER_F * shape.ffn_hidden_size * 3 / 4)
+    kept = ACT_PER_F + BACKWARD_PER_F  # a tile's intermediates and their gradients, not the whole sequence's
+    assert whole["one_layer"] - tiled["one_layer"] == pytest.approx(seq * kept * shape.ffn_hidden_size * 3 / 4)
     cand = Candidate(3, "cpu", "cpu", True, 1, 15, 1e8, 1e8, 3e8, 1e8)
     plain = step_time(shape, seq, SEED, cand, Stack(), Rates(), 0.72)["compute"]
     more = step_time(shape, seq, SEED, replace(cand, tiled_mlp=4), Stack(), Rates(), 0.72)["compute"]
@@ -366,3 +368,24 @@ def test_a_tiled_zero3_configuration_keeps_the_mlp_gathered_across_tiles_and_is_
     live_before = 2 * min(cand.max_live, shape.layer_params() + cand.prefetch_bucket)  # the gathered layer's part
     assert kept.gpu["ds_buffers"] - again.gpu["ds_buffers"] == pytest.approx(2 * matrices - live_before, rel=1e-6)
     assert _traffic(shape, 32768, c, old)[0] > _traffic(shape, 32768, c, e.candidate)[0]
+
+
+def test_zero2_buckets_shrink_only_where_one_sample_does_not_fit() -> None:
+    """DeepSpeed's 5e8 reduce bucket (4.5 bf16 copies: 4.19 GiB) is what ZeRO-1/2 runs with; where no micro-batch of
+    one sample fits with it, the search tries 1e8 (0.84 GiB), and nowhere else: at 128K the 7B's ZeRO-2 plans need
+    it, at 4K the choice keeps DeepSpeed's."""
+    from pipeline.plan.search import BUCKET_SMALL
+
+    for seq in (131072, 4096):
+        p = search(PRESETS["7b"], seq, RENTED, stack=TRAINER)
+        small = [e for e in p.ranked + p.rejected if e.candidate.stage in (1, 2)]
+        small = [e for e in small if e.candidate.reduce_bucket == BUCKET_SMALL]
+        assert small
+        for e in small:  # its twin with DeepSpeed's buckets fits not even one sample
+            big = replace(e.candidate, reduce_bucket=5e8, micro_batch_size=1)
+            assert not estimate(PRESETS["7b"], seq, RENTED, big, stack=TRAINER).fits
+        assert p.best is not None
+        if seq == 131072:
+            assert p.best.candidate.stage == 2 and p.best.candidate.reduce_bucket == BUCKET_SMALL
+        else:
+            assert p.best.candidate.reduce_bucket != BUCKET_SMALL or p.best.candidate.stage == 3

@@ -189,8 +189,8 @@ def auto_ds_config(
     # on the CPU every speed switch falls back to transformers' modules
     stack = Stack(whole_documents=whole_documents, varlen=varlen)
     if accelerator_name() == "cuda":
+        # packages as installed on this node: what it prices is what runs
         stack = trainer_stack(cfg.train.compile, cfg.train.kernels, cfg.train.fp8, whole_documents, varlen)
-        stack = replace(stack, kernels_here=True)  # Liger priced only where this node has it
         card = planning_card(
             torch.cuda.get_device_name(0),
             torch.cuda.get_device_properties(0).total_memory,
