@@ -24,6 +24,8 @@
                         config at 32K (the planner's layout: ZeRO-3 + CPU offload, MLP in 4 tiles, offloaded
                         checkpoints), capped: packed samples, then whole-document samples on SDPA's dense mask and
                         on the varlen path (FlashAttention-2 where flash_attn is installed; the run records the path)
+     7b_2layers_32k_liger   the 2-layer 7B slice at 32K under Liger's modules beside 7b_2layers_32k, with the
+                        allocator's live blocks at the peak: Liger's layer against the CPU count that prices it
      eval_7b_128k       a 2-layer 7B slice trained one step at 128K and saved, then one card's `pipeline evaluate`
                         at --batch-size 8 under the 23 GiB cap: the batch it chooses and whether it runs (sequence
                         parallelism needs two cards: this one-card run measures the rest)
@@ -276,6 +278,24 @@ def cases(smoke: bool) -> list[Case]:
                 ("_documents_dense", "dense", "whole documents on SDPA's (seq x seq) mask (planned: 3 GiB more)"),
                 ("_documents_varlen", "varlen", "whole documents on the varlen path (dense where flash_attn is not)"),
             )
+        ),
+        # The layer's activation terms as the planner counts them on the CPU (tests/unit/test_plan_memory_graphs.py):
+        # the 2-layer 7B slice at 32K beside 7b_2layers_32k (transformers' modules) under Liger's, with the
+        # allocator's history at the peak, to say what Liger's kernels hold that the CPU count of its contract
+        # prices 1.45x over at 4K (7b_2layers_offload_liger)
+        Case(
+            "7b_2layers_32k_liger",
+            "pipeline",
+            "7b",
+            32768,
+            1,
+            4,
+            layers=2,
+            timeout_s=150,
+            memory_at_peak=True,
+            note="Liger's layer at 32K beside 7b_2layers_32k, with the live blocks at the peak",
+            **offload,
+            **liger,
         ),
         Case(
             "eval_7b_128k",

@@ -51,6 +51,7 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
         "llama31_70b_2layers_32k",
         "llama31_70b_2layers_32k_documents_dense",
         "llama31_70b_2layers_32k_documents_varlen",
+        "7b_2layers_32k_liger",
         "eval_7b_128k",
     ]
     ran = {c["name"]: c for c in doc["cases"] if "same_cpu_path_as" not in c}
@@ -67,6 +68,7 @@ def test_gpu_bench_smoke_runs_every_case_and_keeps_every_log(tmp_path: Path) -> 
         "70b_4layers": "7b_2layers_offload",
         "70b_2layers_memory": "7b_2layers_offload",  # the allocator's history is recorded on a CUDA device only
         "7b_2layers_32k": "7b_2layers_offload",  # a smoke case's sequence is 128 tokens
+        "7b_2layers_32k_liger": "7b_2layers_offload",
         "7b_2layers_64k_tiled_actoffload": "7b_2layers_32k_tiled_actoffload",
     }
     for case in ran.values():
