@@ -970,7 +970,7 @@ def planned(
     from pipeline.model import loss_chunk_tokens
     from pipeline.plan.cluster import Cluster, trainer_stack
     from pipeline.plan.command import varlen_on_cluster
-    from pipeline.plan.ds_json import candidate_from_ds
+    from pipeline.plan.ds_json import layout_from_ds
     from pipeline.plan.estimate import estimate
     from pipeline.plan.facts import with_probe
     from pipeline.plan.gpus import capped
@@ -990,7 +990,7 @@ def planned(
     host = host or Host.here()
     ds = json.loads(ds_json(case, work).read_text())
     cand = replace(
-        candidate_from_ds(ds, case.micro_batch_size, 1, case.activation_checkpointing),
+        layout_from_ds(ds, case.micro_batch_size, 1, case.activation_checkpointing),
         tiled_mlp=case.tiled_mlp,
         moment_bytes=OPTIMIZERS[case.optimizer].moment_bytes,
     )

@@ -41,7 +41,7 @@ def load_partitioned(inputs: Inputs, env: Dist, ds: dict[str, Any]) -> Any:
     import deepspeed
 
     r = inputs.run
-    model = build_for(r.shape, ds, inputs.dataset.manifest["tokenizer"])
+    model = build_for(r.shape, ds, inputs.dataset.manifest["tokenizer"], stage=3)
     state = r.weights() if env.rank == 0 else {}
 
     def check() -> None:  # before any gather: a raise inside one would leave the other ranks waiting

@@ -23,6 +23,7 @@ from pipeline.train.runtime.ops import use_project_cache
 
 if TYPE_CHECKING:  # the heavy modules are imported where they are used: `pipeline --help` stays fast
     from pipeline.evaluate.inputs import EvalConfig
+    from pipeline.plan.cluster import Layout
     from pipeline.train.setup.config import PretrainConfig
 
 
@@ -62,7 +63,7 @@ def pretrain(
     if dry_run:
         click.echo(describe(prepared))
         return 0
-    build_ops_ahead(prepared.ds, world, per_node)
+    build_ops_ahead(prepared.layout, world, per_node)
     cmd = [*where.launcher(core_binding_args(prepared.ds, per_node)), str(PACKAGE / "pretrain.py")]
     cmd += ["--config", config_path]
     for s in sets:
@@ -102,13 +103,13 @@ def _quick_doctor(cfg: PretrainConfig, master_port: int | None) -> list[str]:
     return failed
 
 
-def build_ops_ahead(ds: dict[str, Any], world: int, per_node: int) -> None:
+def build_ops_ahead(layout: Layout, world: int, per_node: int) -> None:
     """The DeepSpeed ops this run loads and this environment has not built yet, built here before the launch
     (in parallel, with their times), instead of silently by every rank for a minute or more."""
     from pipeline.train.runtime.dist import accelerator_name
     from pipeline.train.runtime.ops import build, clear_stale_locks, is_built, needed
 
-    ops = needed(ds, accelerator_name(), per_node if world > 1 else 1)
+    ops = needed(layout, accelerator_name(), per_node if world > 1 else 1)
     clear_stale_locks(ops, lambda line: click.echo(line, err=True))  # built or not: the ranks load through the lock
     todo = [n for n in ops if not is_built(n)]
     if not todo:

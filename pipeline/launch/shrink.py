@@ -19,6 +19,7 @@ import click
 
 from pipeline.atomic import write_text
 from pipeline.errors import PipelineError
+from pipeline.plan.cluster import sequence_parallel_divides
 from pipeline.plan.hostfile import hostfile_hosts
 
 SURVIVORS = "hostfile.answering"
@@ -92,10 +93,10 @@ class Survivors:
         the run's own that splits it exactly; where none does, the global batch nearest the run's that the run's
         micro-batch splits (said: the steps then hold slightly more or fewer sequences)."""
         sp = self.sequence_parallel
-        if world % sp:
+        if found := sequence_parallel_divides(sp, world):
             raise PipelineError(
-                f"the {world} ranks of the hosts that answer are not a multiple of train.sequence_parallel {sp}: "
-                "not continuing on them. Bring the lost hosts back and run the same command"
+                f"the hosts that answer: {found[0]}; not continuing on them. Bring the lost hosts back and run the "
+                "same command"
             )
         replicas = world // sp
         micro = micro_batch_for(self.global_batch, self.micro_batch, replicas)

@@ -124,7 +124,7 @@ def measure(
     from pipeline.train.setup.prepare import prepare
 
     prepared = prepare(load(config, sets), num_gpus, num_gpus)
-    build_ops_ahead(prepared.ds, num_gpus, num_gpus)  # once here, not by every slice's ranks
+    build_ops_ahead(prepared.layout, num_gpus, num_gpus)  # once here, not by every slice's ranks
     full = prepared.shape.num_layers
     if len(set(layers)) < 2 or min(layers) < 1:
         raise PipelineError(f"--slice-layers {','.join(map(str, layers))}: give two or more different depths")

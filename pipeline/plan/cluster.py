@@ -106,7 +106,7 @@ class Stack:
         """What the resolved switches leave of the compute efficiency's knee (pipeline.plan.timing.efficiency)."""
         return self.switches.effect.knee_factor if self.switches else 1.0
 
-    def resolved(self, shape: ModelShape, cand: Candidate) -> Stack:
+    def resolved(self, shape: ModelShape, cand: Layout) -> Stack:
         """The stack one configuration of this trainer runs on a CUDA GPU: `compile` and `kernel_set` resolved as
         the trainer resolves them for its ZeRO stage and long-context parts (pipeline.model.kernels.gpu_switches),
         their measured effect in the fields the memory and time models read. Other stacks as they are."""
@@ -163,8 +163,34 @@ def trainer_stack(
     )
 
 
+def sequence_parallel_divides(size: int, world: int, seq_len: int | None = None) -> list[str]:
+    """The sequence-parallel size's rules against the world and the sample, written once (the search offers, the
+    trainer's batch arithmetic and a shrunk relaunch check these): a group of `size` ranks trains one sample, so it
+    divides the ranks, and each rank holds seq_len / size of its tokens (None: the sample is not in question)."""
+    found = []
+    if world % size:
+        fits = [n for n in range(size, 0, -1) if world % n == 0][0]
+        found.append(
+            f"train.sequence_parallel {size} does not divide the {world} ranks: a group of {size} ranks trains one "
+            f"sample; use --set train.sequence_parallel={fits}, or a world of a multiple of {size} ranks"
+        )
+    if seq_len is not None and seq_len % size:
+        found.append(
+            f"train.sequence_parallel {size} does not divide seq_len {seq_len}: each rank of a group holds "
+            f"seq_len / {size} tokens; shard with a --seq-len that is a multiple of {size}"
+        )
+    return found
+
+
 @dataclass(frozen=True, slots=True)
-class Candidate:
+class Layout:
+    """One run's layout: ZeRO stage, offloads, checkpointing and its offload, micro-batch, accumulation, buckets and
+    reuse distance, precision of master and states, ZenFlow, the optimizer's state bytes, the MLP's tiles and the
+    ranks sharing a sample. The search proposes Layouts, the planner prices one (pipeline.plan.estimate), the
+    trainer runs one (pipeline.train.setup.prepare.Prepared.layout) and a shrunk relaunch plans one for fewer hosts;
+    the DeepSpeed JSON is its edge format (pipeline.plan.ds_json: `layout_from_ds` reads one, `ds_config` writes
+    one)."""
+
     stage: int
     offload_optimizer: OffloadDevice
     offload_param: OffloadDevice
@@ -230,8 +256,8 @@ class Feature:
     configuration's label, and what it does to the numerics (`exact`: nothing; otherwise chosen only when the
     user opts in, `pipeline plan --opt-in NAME`, and shown beside the choice with its gain and `cost`)."""
 
-    used: Callable[[Candidate], bool]
-    label: Callable[[Candidate], str]
+    used: Callable[[Layout], bool]
+    label: Callable[[Layout], str]
     exact: bool
     cost: str
 

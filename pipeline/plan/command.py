@@ -145,7 +145,7 @@ def plan_model(
         json.dumps(p.to_dict() | {"cluster_facts": source}, indent=2) if req.as_json else plan_report.render(p, budget)
     )
     if req.write_ds_config and p.best is not None and not req.as_json:
-        b = p.best.candidate
+        b = p.best.layout
         echo(
             f"\nwrote {req.write_ds_config}; in the pretrain config set batch.micro_batch_size: "
             f"{b.micro_batch_size}, batch.global_batch_size: "

@@ -1,5 +1,5 @@
 """A configuration as DeepSpeed JSON and back: `plan --write-ds-config` writes the chosen one, and `plan --config`
-or a run reads what a DeepSpeed JSON describes into a Candidate to price it."""
+or a run reads what a DeepSpeed JSON describes into a Layout to price it."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from typing import Any
 from pipeline.atomic import write_json
 from pipeline.plan.cluster import (
     ZENFLOW_TOPK,
-    Candidate,
+    Layout,
     offload_devices,
 )
 from pipeline.plan.estimate import Estimate
 
 
-def candidate_from_ds(
+def layout_from_ds(
     ds: dict[str, Any],
     micro_batch_size: int,
     grad_accum: int,
@@ -23,7 +23,7 @@ def candidate_from_ds(
     moment_bytes: float = 8.0,
     sequence_parallel: int = 1,
     tiled_mlp: int = 0,
-) -> Candidate:
+) -> Layout:
     """The configuration a DeepSpeed JSON describes; fields it leaves out (or "auto") take DeepSpeed's defaults.
     `moment_bytes`: the optimizer's (pipeline.train.setup.optimizers), which the JSON does not say;
     `sequence_parallel`: the config's train.sequence_parallel (the JSON's sequence_parallel_size when it says);
@@ -38,7 +38,7 @@ def candidate_from_ds(
     stage = zero.get("stage", 0)
     zenflow = zero.get("zenflow") or {}
     interval = zenflow.get("update_interval", 0) if isinstance(zenflow, dict) else 0
-    return Candidate(
+    return Layout(
         int(stage) if isinstance(stage, int) else 0,
         offload.optimizer,
         offload.param,
@@ -64,9 +64,9 @@ def candidate_from_ds(
     )
 
 
-def ds_config(e: Estimate | Candidate, nvme_path: str = "/local_nvme") -> dict[str, Any]:
+def ds_config(e: Estimate | Layout, nvme_path: str = "/local_nvme") -> dict[str, Any]:
     """A DeepSpeed JSON for the chosen configuration; batch and precision fields stay "auto" for pretrain."""
-    cand = e if isinstance(e, Candidate) else e.candidate
+    cand = e if isinstance(e, Layout) else e.layout
     zero: dict[str, Any] = {
         "stage": cand.stage,
         "overlap_comm": True,

@@ -11,8 +11,8 @@ from typing import Any
 from pipeline.model import ModelShape
 from pipeline.model.kernels import FP8_PUBLISHED
 from pipeline.plan.cluster import (
-    Candidate,
     Cluster,
+    Layout,
     Stack,
 )
 from pipeline.plan.memory import GiB, checkpoint_bytes, gpu_memory, host_memory
@@ -23,7 +23,7 @@ HOST_RAM_LIMIT = 0.80  # refuse plans above 80% of a node's RAM (host OOM kills 
 
 @dataclass
 class Estimate:
-    candidate: Candidate
+    layout: Layout
     gpu: dict[str, float]
     host: dict[str, float]
     nvme_bytes: float
@@ -48,7 +48,7 @@ def _limits(
     nvme: float,
     ckpt: dict[str, float],
     c: Cluster,
-    cand: Candidate,
+    cand: Layout,
     keep_last: int,
 ) -> tuple[list[str], list[str]]:
     """(why the configuration does not fit: GPU memory, host RAM, NVMe, the checkpoint disk; what to know although
@@ -92,7 +92,7 @@ def estimate(
     shape: ModelShape,
     seq_len: int,
     c: Cluster,
-    cand: Candidate,
+    cand: Layout,
     mfu_assumed: float | None = None,
     loss_chunk_tokens: int | None = None,
     keep_last: int = 1,
@@ -151,7 +151,7 @@ PROBED = "measured on a node by `pipeline probe`"
 
 
 def assumptions(
-    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates, eff: float
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Layout, stack: Stack, rates: Rates, eff: float
 ) -> list[tuple[str, str, str]]:
     """What an estimate assumed, each with its source: given (--mfu), measured (--from-run) or fitted."""
     given = dict(rates.sources)
@@ -200,8 +200,8 @@ MFU_CONVENTION = "PaLM: 6N + 12*L*h*s FLOPs per token (as TinyLlama and torchtit
 
 def estimate_dict(e: Estimate) -> dict[str, Any]:
     return {
-        "config": asdict(e.candidate),
-        "label": e.candidate.label(),
+        "config": asdict(e.layout),
+        "label": e.layout.label(),
         "gpu_bytes": e.gpu,
         "peak_allocated": e.gpu["peak_allocated"],
         "reserved": e.gpu["reserved"],

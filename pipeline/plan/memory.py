@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from pipeline.model import ModelShape
-from pipeline.plan.cluster import ZENFLOW_TOPK, Candidate, Cluster, Stack
+from pipeline.plan.cluster import ZENFLOW_TOPK, Cluster, Layout, Stack
 
 GiB = 2**30
 CUDA_CONTEXT = int(0.8 * GiB)  # CUDA context, cuBLAS/NCCL workspaces: outside max_memory_allocated
@@ -216,7 +216,7 @@ def margin_bytes(card_gib: float) -> float:
     return max(MARGIN_MIN_BYTES, MARGIN_FRACTION * card_gib * GiB)
 
 
-def _model_states(cand: Candidate, psi: int, g: int) -> tuple[dict[str, float], float]:
+def _model_states(cand: Layout, psi: int, g: int) -> tuple[dict[str, float], float]:
     """Per-GPU model states (state_split, with bf16 master weights under ZeRO-3 and ZenFlow's GPU-side moments) and
     the gradients among them that exist only from the backward to the step (ZenFlow's selected columns)."""
     off_opt, off_par = cand.offload_optimizer != "none", cand.offload_param != "none"
@@ -232,7 +232,7 @@ def _model_states(cand: Candidate, psi: int, g: int) -> tuple[dict[str, float], 
 
 
 def _activations(
-    shape: ModelShape, seq_len: int, cand: Candidate, loss_chunk_tokens: int | None, stack: Stack
+    shape: ModelShape, seq_len: int, cand: Layout, loss_chunk_tokens: int | None, stack: Stack
 ) -> dict[str, float]:
     """activation_bytes of a rank's share of the tokens, with the loss the stack computes. Under sequence
     parallelism a rank holds seq_len / N tokens of each sample in every layer (attention too: after Ulysses'
@@ -278,7 +278,7 @@ def document_mask_bytes(
 
 
 def _engine_buffers(
-    shape: ModelShape, c: Cluster, cand: Candidate, stack: Stack, chunked_loss: bool, zenflow_grads: float
+    shape: ModelShape, c: Cluster, cand: Layout, stack: Stack, chunked_loss: bool, zenflow_grads: float
 ) -> tuple[float, float, float, float]:
     """(the engine's buffers, their reduce temporaries, the measured unexplained term, the gradients alive from
     the backward to the step). ZeRO-3: the gathered 16-bit parameters (the module in use and the prefetched ones,
@@ -305,7 +305,7 @@ def gpu_memory(
     shape: ModelShape,
     seq_len: int,
     c: Cluster,
-    cand: Candidate,
+    cand: Layout,
     loss_chunk_tokens: int | None,
     stack: Stack | None = None,
 ) -> dict[str, float]:
@@ -367,7 +367,7 @@ def pinned(nbytes: float, pieces: int = 1) -> float:
     return pieces * float(2 ** math.ceil(math.log2(piece)))
 
 
-def host_memory(shape: ModelShape, c: Cluster, cand: Candidate, seq_len: int = 0) -> dict[str, float]:
+def host_memory(shape: ModelShape, c: Cluster, cand: Layout, seq_len: int = 0) -> dict[str, float]:
     """Host RAM per node, buffer by buffer as DeepSpeed 0.19 allocates them per rank (ZeRO-3: one pinned
     gradient-accumulation buffer, pinned bf16 parameter partitions per param group, a pinned gradient buffer per
     optimizer sub-group; pageable master weights and Adam moments, fp32 unless the JSON asks for bf16; under

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pipeline
 from pipeline.model import PRESET_GEOMETRY, preset_note, resolve_shape
-from pipeline.plan.cluster import TRAINER, Candidate, Cluster
+from pipeline.plan.cluster import TRAINER, Cluster, Layout
 from pipeline.plan.estimate import FITTED, Estimate
 from pipeline.plan.facts import cluster_from_flags
 from pipeline.plan.memory import GiB
@@ -61,9 +61,9 @@ def render(p: Plan, token_budget: float | None = None) -> str:
             return sum(max(0.0, r - 1.0) for r in ratios)
 
         for e in sorted(p.rejected, key=overshoot):
-            if e.candidate.label() not in shown and len(shown) < 5:
-                shown.add(e.candidate.label())
-                lines.append(f"  {e.candidate.label():62s} {'; '.join(e.why_not)}")
+            if e.layout.label() not in shown and len(shown) < 5:
+                shown.add(e.layout.label())
+                lines.append(f"  {e.layout.label():62s} {'; '.join(e.why_not)}")
         lines.append("What would fit:")
         lines += [f"  - {a}" for a in p.advice]
         return "\n".join(lines)
@@ -75,13 +75,13 @@ def render(p: Plan, token_budget: float | None = None) -> str:
     if p.ranked[1:]:
         w = label_width(p.ranked[1:8])
         lines.append(f"\n{'runners-up':{w + 2}s} {'tok/s':>7s} {'GPU GiB':>8s} {'host GB':>8s}")
-        seen = {row_label(e.candidate)}
+        seen = {row_label(e.layout)}
         for r in p.ranked[1:]:
-            if row_label(r.candidate) in seen:
+            if row_label(r.layout) in seen:
                 continue
-            seen.add(row_label(r.candidate))
+            seen.add(row_label(r.layout))
             lines.append(
-                f"  {row_label(r.candidate):{w}s} {r.tokens_per_s:7,.0f} {r.gpu['reserved'] / GiB:8.1f} "
+                f"  {row_label(r.layout):{w}s} {r.tokens_per_s:7,.0f} {r.gpu['reserved'] / GiB:8.1f} "
                 f"{r.host['total'] / 1e9:8.0f}"
             )
             if len(seen) > 5:
@@ -90,17 +90,17 @@ def render(p: Plan, token_budget: float | None = None) -> str:
     best_of: dict[tuple, Estimate] = {}
     for r in p.rejected:
         key = (
-            r.candidate.stage,
-            r.candidate.offload_optimizer,
-            r.candidate.offload_param,
-            r.candidate.activation_checkpointing,
+            r.layout.stage,
+            r.layout.offload_optimizer,
+            r.layout.offload_param,
+            r.layout.activation_checkpointing,
         )
         if key not in best_of or r.gpu["reserved"] < best_of[key].gpu["reserved"]:
             best_of[key] = r
     rejected = sorted(best_of.values(), key=lambda r: r.gpu["reserved"])[:8]
     w = label_width(rejected)
     for r in rejected:
-        lines.append(f"  {row_label(r.candidate):{w}s} {'; '.join(r.why_not)}")
+        lines.append(f"  {row_label(r.layout):{w}s} {'; '.join(r.why_not)}")
     return "\n".join(lines)
 
 
@@ -111,7 +111,7 @@ def _verdict(e: Estimate) -> str:
 
 def label_width(rows: list[Estimate]) -> int:
     """The column the rows' labels fill: 74 characters, or the longest label (with the offload-feature names)."""
-    return max([74] + [len(row_label(r.candidate)) for r in rows])
+    return max([74] + [len(row_label(r.layout)) for r in rows])
 
 
 def range_line(c: Cluster, e: Estimate | None = None) -> str:
@@ -126,8 +126,8 @@ def range_line(c: Cluster, e: Estimate | None = None) -> str:
     )
     used = set()
     if e is not None:
-        used |= {"cpu_adam"} if e.candidate.offload_optimizer != "none" else set()
-        used |= {"param_fetch"} if e.candidate.offload_param != "none" else set()
+        used |= {"cpu_adam"} if e.layout.offload_optimizer != "none" else set()
+        used |= {"param_fetch"} if e.layout.offload_param != "none" else set()
     names = {"cpu_adam": "CPU Adam", "param_fetch": "the parameter fetch"}
     wide = [
         f"{names[k]} x{lo:g}-x{hi:g}" for k, (lo, hi) in ASSUMED_SPREAD.items() if k in used and k not in c.measured
@@ -153,7 +153,7 @@ def describe_estimate(p: Plan, e: Estimate, token_budget: float | None = None, t
 
 def _configuration_lines(p: Plan, e: Estimate, title: str) -> list[str]:
     """What the configuration is: its label and fit, the global batch, the long-context levers, its warnings."""
-    c, cand = p.cluster, e.candidate
+    c, cand = p.cluster, e.layout
     gb = cand.micro_batch_size * cand.grad_accum * c.world // cand.sequence_parallel
     unsaved = any(w.startswith("checkpoint disk") for w in e.warnings)
     lines = [
@@ -192,7 +192,7 @@ def _configuration_lines(p: Plan, e: Estimate, title: str) -> list[str]:
 def _kernels_line(p: Plan, e: Estimate) -> str:
     """Which modules the plan priced, and the kernel packages it took as installed on the nodes (and from where)."""
     assert p.stack is not None and p.stack.packages is not None
-    sw = p.stack.resolved(p.shape, e.candidate).switches
+    sw = p.stack.resolved(p.shape, e.layout).switches
     used = f"{sw.kernels} kernels" if sw and sw.kernels != "torch" else "transformers' modules"
     used += ", compiled" if sw and sw.compiled else ""
     if p.cluster.packages is None:
@@ -214,7 +214,7 @@ def _gpu_lines(p: Plan, e: Estimate) -> list[str]:
         "optimizer": "optimizer states",
         "working_layer": "gathered largest layer (ZeRO-3)",
         "ds_buffers": "DeepSpeed buckets",
-        "activations": "activations" + (" (checkpointed)" if e.candidate.activation_checkpointing else ""),
+        "activations": "activations" + (" (checkpointed)" if e.layout.activation_checkpointing else ""),
         "logits": "loss (logits, one chunk)" if e.gpu["logits"] else "loss",
         **({"document_mask": "documents' dense mask and bias"} if e.gpu.get("document_mask") else {}),
     }
@@ -245,7 +245,7 @@ def thin_note(p: Plan, e: Estimate) -> list[str]:
             return []
         return [
             f"  room: chosen for the {free:.2f} GiB it leaves after the margin at {p.seq_len:,} tokens; the fastest "
-            f"that fits, {fastest.candidate.label()}, leaves {free_gib(p.cluster, fastest):.2f} GiB at "
+            f"that fits, {fastest.layout.label()}, leaves {free_gib(p.cluster, fastest):.2f} GiB at "
             f"{fastest.tokens_per_s / e.tokens_per_s:.2f}x"
         ]
     roomy = next((r for r in p.ranked if free_gib(p.cluster, r) >= THIN_GIB), None)
@@ -256,7 +256,7 @@ def thin_note(p: Plan, e: Estimate) -> list[str]:
     if roomy is None:
         return [head + f"no configuration here leaves {THIN_GIB} GiB: one more node, or a shorter seq_len"]
     return [
-        head + f"{roomy.candidate.label()} leaves {free_gib(p.cluster, roomy):.2f} GiB at "
+        head + f"{roomy.layout.label()} leaves {free_gib(p.cluster, roomy):.2f} GiB at "
         f"{roomy.tokens_per_s:,.0f} tokens/s ({roomy.tokens_per_s / e.tokens_per_s:.2f}x)"
     ]
 
@@ -282,7 +282,7 @@ def _time_lines(p: Plan, e: Estimate, budget: float) -> list[str]:
     tlo, thi = e.tokens_per_s_range
     return [
         f"\nstep time {e.step_time_s:,.2f} s (range {lo:,.2f}-{hi:,.2f} s): compute {t['compute']:,.2f} s "
-        f"(at {t['efficiency']:.0%} of peak{', +1/3 recompute' if e.candidate.activation_checkpointing else ''}), "
+        f"(at {t['efficiency']:.0%} of peak{', +1/3 recompute' if e.layout.activation_checkpointing else ''}), "
         f"network {t['network']:,.2f} s, host copies {t['host_copies']:,.2f} s, parameter fetch "
         f"{t['param_fetch']:,.2f} s, optimizer {t['optimizer']:,.2f} s, collective latency "
         f"{t['collective_latency']:,.2f} s, "
@@ -318,7 +318,7 @@ def fits_table(rows: list[tuple[str, str, Plan]], token_budget: float = 1e9) -> 
         days = f"{token_budget / hi / 86400:.2f}-{token_budget / lo / 86400:.2f}"
         note = " (a safe save does not fit the disk)" if any("checkpoint disk" in w for w in e.warnings) else ""
         out.append(
-            f"| {preset} | {where} | {e.candidate.label()} | {lo:,.0f}-{hi:,.0f} | {days} | "
+            f"| {preset} | {where} | {e.layout.label()} | {lo:,.0f}-{hi:,.0f} | {days} | "
             f"{e.host['total'] / 1e9:,.0f} GB | {e.checkpoint['per_node'] / 1e9:,.0f} GB{note} |"
         )
     presets = sorted({preset for preset, _, _ in rows if preset in PRESET_GEOMETRY}, key=list(PRESET_GEOMETRY).index)
@@ -352,7 +352,7 @@ def reference_fits_table(
     return fits_table(rows, budget)
 
 
-def row_label(c: Candidate) -> str:
+def row_label(c: Layout) -> str:
     """A candidate in the runners-up and rejected lists: ZeRO-3's differ by their bucket set too."""
     return c.label() + (f", buckets {c.reduce_bucket:.0e}" if c.stage == 3 or c.reduce_bucket != 5e8 else "")
 
@@ -395,7 +395,7 @@ def long_context_table(flags: dict[str, str | None], global_batch_tokens: int, m
             continue
         lo, hi = e.tokens_per_s_range
         out.append(
-            f"| {label} | {where} | {e.candidate.label()} | {e.tokens_per_s:,.0f} ({lo:,.0f}-{hi:,.0f}) | "
+            f"| {label} | {where} | {e.layout.label()} | {e.tokens_per_s:,.0f} ({lo:,.0f}-{hi:,.0f}) | "
             f"{free_gib(p.cluster, e):.2f} GiB |"
         )
     return "\n".join(out)

@@ -33,10 +33,11 @@ from pipeline.model.varlen import attention_facts, sequence_parallel_attention_p
 from pipeline.plan.cluster import (
     FEATURES,
     OPT_IN,
-    Candidate,
     Cluster,
+    Layout,
     OffloadDevice,
     Stack,
+    sequence_parallel_divides,
 )
 from pipeline.plan.estimate import HOST_RAM_LIMIT, MFU_CONVENTION, Estimate, estimate, estimate_dict
 from pipeline.plan.memory import GiB, host_memory
@@ -68,7 +69,7 @@ def candidates(
     fixed_micro: int | None = None,
     sequence_sizes: tuple[int, ...] = (1,),
     optimizer: OptimizerFit | None = None,
-) -> list[Candidate]:
+) -> list[Layout]:
     """Every configuration tried: ZeRO stage and offload, checkpointing, micro-batch, buckets, DeepSpeed 0.19's
     offload features, and the sequence-parallel sizes given (`sequence_sizes`, pipeline.plan.search.search); only
     the stages and offloads `optimizer` runs under, its state bytes priced."""
@@ -96,7 +97,7 @@ def candidates(
                 buckets = BUCKETS_ZERO3 if stage == 3 else [(5e8, 5e7, 1e9)]
                 for rb, pb, ml in buckets:
                     sub = 1e8 if oo != "none" else 1e9
-                    base = Candidate(
+                    base = Layout(
                         stage,
                         oo,
                         op,
@@ -120,10 +121,10 @@ def mlp_tiles(local_seq_len: int, hidden_size: int) -> int:
     return -(-local_seq_len // hidden_size) if hidden_size else 1
 
 
-_KEY_FIELDS = tuple(f.name for f in fields(Candidate) if f.name not in ("micro_batch_size", "grad_accum"))
+_KEY_FIELDS = tuple(f.name for f in fields(Layout) if f.name not in ("micro_batch_size", "grad_accum"))
 
 
-def _key(cand: Candidate) -> tuple[Any, ...]:
+def _key(cand: Layout) -> tuple[Any, ...]:
     """A configuration but for its micro-batch (and the accumulation that follows from it). A tuple of the other
     fields: the search asks it of every estimate, and `replace` was a quarter of the planner's time."""
     return tuple(getattr(cand, name) for name in _KEY_FIELDS)
@@ -134,13 +135,13 @@ def too_long(ests: list[Estimate]) -> set[tuple[Any, ...]]:
     them as they stand."""
     smallest: dict[tuple[Any, ...], Estimate] = {}
     for e in ests:
-        k = _key(e.candidate)
-        if k not in smallest or e.candidate.micro_batch_size < smallest[k].candidate.micro_batch_size:
+        k = _key(e.layout)
+        if k not in smallest or e.layout.micro_batch_size < smallest[k].layout.micro_batch_size:
             smallest[k] = e
     return {k for k, e in smallest.items() if any(w.startswith("GPU memory") for w in e.why_not)}
 
 
-def tiled_where_needed(ests: list[Estimate], seq_len: int, shape: ModelShape) -> list[Candidate]:
+def tiled_where_needed(ests: list[Estimate], seq_len: int, shape: ModelShape) -> list[Layout]:
     """The tiled MLP where it is needed: for every configuration whose smallest micro-batch does not fit the GPU
     untiled (a long sequence's SwiGLU intermediates), each of its micro-batches again with the MLP in tiles. Where
     one sample fits untiled the tiled MLP is not offered: it has not been measured on a GPU, and a larger
@@ -150,7 +151,7 @@ def tiled_where_needed(ests: list[Estimate], seq_len: int, shape: ModelShape) ->
     short = too_long(ests)
     out = []
     for e in ests:
-        cand = e.candidate
+        cand = e.layout
         tiles = mlp_tiles(seq_len // cand.sequence_parallel, shape.hidden_size)
         if _key(cand) not in short or tiles < 2:
             continue
@@ -165,14 +166,14 @@ bucket: 4.19 GiB at 5e8, 0.84 at 1e8); without a collective's latency priced und
 one sample fits, or every choice would take it for the memory."""
 
 
-def smaller_buckets_where_needed(ests: list[Estimate]) -> list[Candidate]:
+def smaller_buckets_where_needed(ests: list[Estimate]) -> list[Layout]:
     """ZeRO-1/2 configurations whose smallest micro-batch does not fit the GPU, each micro-batch again with
     BUCKET_SMALL reduce buckets."""
     short = too_long(ests)
     return [
-        replace(e.candidate, reduce_bucket=BUCKET_SMALL)
+        replace(e.layout, reduce_bucket=BUCKET_SMALL)
         for e in ests
-        if e.candidate.stage in (1, 2) and e.candidate.reduce_bucket > BUCKET_SMALL and _key(e.candidate) in short
+        if e.layout.stage in (1, 2) and e.layout.reduce_bucket > BUCKET_SMALL and _key(e.layout) in short
     ]
 
 
@@ -197,11 +198,13 @@ def sequence_sizes(shape: ModelShape, seq_len: int, c: Cluster, stack: Stack | N
     return tuple(
         n
         for n in sizes
-        if n <= c.world and not c.world % n and not seq_len % n and not sequence_parallel_problems(shape, n)
+        if n <= c.world
+        and not sequence_parallel_divides(n, c.world, seq_len)
+        and not sequence_parallel_problems(shape, n)
     )
 
 
-def feature_variants(base: Candidate) -> list[Candidate]:
+def feature_variants(base: Layout) -> list[Layout]:
     """`base` and what DeepSpeed 0.19's offload features make of it (pipeline.plan.cluster.FEATURES): activation
     offload where activations are checkpointed; under CPU optimizer offload bf16 master weights (and states), and
     ZenFlow on ZeRO-1/2 (ZeRO-3 with ZenFlow does not run in DeepSpeed 0.19.8: pipeline.train.setup.ds_config), whose
@@ -248,22 +251,22 @@ class Plan:
         best, notes = self.best, []
         for name, (e, unfit) in self.by_feature.items():
             how = FEATURES[name].cost
-            if name in best.candidate.features():
-                without = [r for r in self.ranked if name not in r.candidate.features()]
+            if name in best.layout.features():
+                without = [r for r in self.ranked if name not in r.layout.features()]
                 gain = (
-                    f"{best.tokens_per_s / without[0].tokens_per_s - 1:+.0%} over {without[0].candidate.label()}"
+                    f"{best.tokens_per_s / without[0].tokens_per_s - 1:+.0%} over {without[0].layout.label()}"
                     if without
                     else "needed to fit"
                 )
                 notes.append(f"{name}: used, {gain} ({how})")
             elif e is None:
-                why = f" (closest: {unfit.candidate.label()}: {'; '.join(unfit.why_not)})" if unfit else ""
+                why = f" (closest: {unfit.layout.label()}: {'; '.join(unfit.why_not)})" if unfit else ""
                 notes.append(f"{name}: no configuration with it fits{why}")
             else:
                 lo, hi = e.tokens_per_s_range
                 ask = f"not chosen; --opt-in {name} allows it" if name in OPT_IN - self.opt_in else "not chosen"
                 notes.append(
-                    f"{name}: {ask}: {e.candidate.label()} at {e.tokens_per_s:,.0f} tokens/s ({lo:,.0f}-{hi:,.0f}), "
+                    f"{name}: {ask}: {e.layout.label()} at {e.tokens_per_s:,.0f} tokens/s ({lo:,.0f}-{hi:,.0f}), "
                     f"{e.tokens_per_s / best.tokens_per_s - 1:+.0%}; GPU {e.gpu['reserved'] / GiB:.1f} GiB, host "
                     f"{e.host['total'] / 1e9:.0f} GB ({how})"
                 )
@@ -342,7 +345,7 @@ def search(
     opt_in: frozenset[str] = frozenset(),
     fixed_sequence: int | None = None,
     optimizer: OptimizerFit | None = None,
-    refused: Callable[[Candidate], list[str]] | None = None,
+    refused: Callable[[Layout], list[str]] | None = None,
 ) -> Plan:
     """All candidate configurations, fitting ones ranked. `loss_chunk_tokens` -1: the trainer's default chunk.
     `fixed_micro`, `fixed_sequence`: a config's own micro-batch and sequence-parallel size (else every one).
@@ -353,14 +356,14 @@ def search(
     configurations are not tried."""
     chunk = trainer_loss_chunk(shape) if loss_chunk_tokens == -1 else loss_chunk_tokens
 
-    def price(cands: list[Candidate]) -> list[Estimate]:
+    def price(cands: list[Layout]) -> list[Estimate]:
         return [
             estimate(shape, seq_len, c, cand, mfu_assumed, chunk, stack=stack, rates=rates)
             for cand in cands
             if refused is None or not refused(cand)
         ]
 
-    def tried(sizes: tuple[int, ...]) -> list[Candidate]:
+    def tried(sizes: tuple[int, ...]) -> list[Layout]:
         return candidates(
             c, seq_len, global_batch_tokens, fixed_micro=fixed_micro, sequence_sizes=sizes, optimizer=optimizer
         )
@@ -372,13 +375,13 @@ def search(
         ests += price([cand for cand in tried(wider) if _key(replace(cand, sequence_parallel=1)) in short])
     ests += price(smaller_buckets_where_needed(ests))
     ests += price(tiled_where_needed(ests, seq_len, shape))
-    allowed = [e for e in ests if not (e.candidate.features() & OPT_IN) - opt_in]
+    allowed = [e for e in ests if not (e.layout.features() & OPT_IN) - opt_in]
     fitting = roomy_first(choose([e for e in allowed if e.fits]), seq_len, c)
     rejected = sorted((e for e in allowed if not e.fits), key=lambda e: -e.tokens_per_s)
     by_feature: dict[str, tuple[Estimate | None, Estimate | None]] = {}
     for name in FEATURES:  # the fastest configuration with each feature, the others as allowed
-        with_it = [e for e in ests if name in e.candidate.features()]
-        with_it = [e for e in with_it if not (e.candidate.features() & OPT_IN) - opt_in - {name}]
+        with_it = [e for e in ests if name in e.layout.features()]
+        with_it = [e for e in with_it if not (e.layout.features() & OPT_IN) - opt_in - {name}]
         fit = choose([e for e in with_it if e.fits])
         closest = min((e for e in with_it if not e.fits), key=lambda e: e.gpu["reserved"], default=None)
         by_feature[name] = (fit[0] if fit else None, closest)
@@ -390,7 +393,7 @@ def search(
                 0,
                 f"optim.name {optimizer.name} runs under ZeRO {', '.join(map(str, optimizer.zero_stages))}"
                 f"{'' if optimizer.offload else ' without offload'}, where nothing fits; optim.name adamw would: "
-                f"{adamw.best.candidate.label()}",
+                f"{adamw.best.layout.label()}",
             )
     return Plan(
         shape,
@@ -411,14 +414,14 @@ def search(
 def _advice(shape: ModelShape, seq_len: int, c: Cluster, gbt: int, mfu: float | None) -> list[str]:
     tips = []
     psi = shape.num_params()
-    offload = estimate(shape, seq_len, c, Candidate(3, "cpu", "cpu", True, 1, 1, *BUCKETS_ZERO3[0], 1e8), mfu)
+    offload = estimate(shape, seq_len, c, Layout(3, "cpu", "cpu", True, 1, 1, *BUCKETS_ZERO3[0], 1e8), mfu)
     if offload.host["total"] > HOST_RAM_LIMIT * c.cpu_mem_bytes:
         per_node_limit = HOST_RAM_LIMIT * c.cpu_mem_bytes
         nodes_needed = next(
             (
                 n
                 for n in range(c.nodes + 1, 1025)
-                if host_memory(shape, replace(c, nodes=n), offload.candidate)["total"] <= per_node_limit
+                if host_memory(shape, replace(c, nodes=n), offload.layout)["total"] <= per_node_limit
             ),
             1024,
         )

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pipeline.model import ModelShape
-from pipeline.plan.cluster import ZENFLOW_TOPK, Candidate, Cluster, Stack
+from pipeline.plan.cluster import ZENFLOW_TOPK, Cluster, Layout, Stack
 
 # ---- fitted to published runs (bench/plan_calibration.py) ------------------------------------------------------
 EFFICIENCY_KNEE_S = 2.0e-4
@@ -117,7 +117,7 @@ def efficiency(shape: ModelShape, tokens_micro: int, c: Cluster, knee_factor: fl
     return c.gpu.gemm_fraction * g / (g + EFFICIENCY_KNEE_S * knee_factor)
 
 
-def cpu_adam_rate(c: Cluster, cand: Candidate, stack: Stack) -> float:
+def cpu_adam_rate(c: Cluster, cand: Layout, stack: Stack) -> float:
     """Parameters per second CPU Adam updates on one node (all of its ranks together): measured on the node when
     `pipeline probe` ran there (fp32; the 16-bit kinds by the bytes they touch, the kernel being memory-bound),
     else from its cores and memory bandwidth."""
@@ -186,13 +186,13 @@ def _links(c: Cluster, rates: Rates, net_eff: float) -> tuple[float, float]:
     return node_pcie, coll_bw
 
 
-def fp8_pays(stack: Stack, c: Cluster, cand: Candidate) -> bool:
+def fp8_pays(stack: Stack, c: Cluster, cand: Layout) -> bool:
     """train.fp8 speeds this configuration: the card has FP8 tensor cores and the stage is one fp8 runs under."""
     return stack.fp8 and c.gpu.fp8 and cand.stage != 3
 
 
 def _compute(
-    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Layout, stack: Stack, rates: Rates
 ) -> tuple[float, float]:
     """(seconds of one micro-step's forward and backward at the compute efficiency, that efficiency). Under
     sequence parallelism a rank computes its seq_len / N tokens of each sample, and attention over the whole
@@ -232,7 +232,7 @@ def regathered(shape: ModelShape, max_reuse: float) -> float:
     return again / sum(modules)
 
 
-def _traffic(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate) -> tuple[float, float, float, float]:
+def _traffic(shape: ModelShape, seq_len: int, c: Cluster, cand: Layout) -> tuple[float, float, float, float]:
     """Bytes one GPU moves: (ZeRO-3's all-gathers of every parameter per micro-step, collective bytes per
     micro-step, collective bytes once per step, the larger direction of its host copies per micro-step)."""
     psi, g = shape.num_params(), c.world
@@ -267,7 +267,7 @@ def _traffic(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate) -> tu
     return gathers, net_micro, net_step, max(staged + acts, grad_out + staged + acts)
 
 
-def sequence_all_to_all(shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate) -> tuple[float, str]:
+def sequence_all_to_all(shape: ModelShape, seq_len: int, c: Cluster, cand: Layout) -> tuple[float, str]:
     """(bytes one GPU sends per micro-step in Ulysses' all-to-alls, the link that carries them). Each layer's
     attention sends q, k, v (h + 2 h_kv per token) out before it and the output (h) back after it, in the forward,
     again in the backward, and a third time when the layer is recomputed; of its tokens' bytes a rank keeps 1 / N.
@@ -284,7 +284,7 @@ def sequence_all_to_all(shape: ModelShape, seq_len: int, c: Cluster, cand: Candi
 
 
 def _optimizer(
-    shape: ModelShape, c: Cluster, cand: Candidate, stack: Stack, rates: Rates, node_pcie: float, micro_t: float
+    shape: ModelShape, c: Cluster, cand: Layout, stack: Stack, rates: Rates, node_pcie: float, micro_t: float
 ) -> float:
     """Seconds of the optimizer step: CPU Adam over the node's share (and its copies back, its NVMe traffic;
     ZenFlow's once per interval, behind the interval's micro-steps), or Adam on the GPU."""
@@ -304,7 +304,7 @@ def _optimizer(
 
 
 def step_time(
-    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates, net_eff: float
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Layout, stack: Stack, rates: Rates, net_eff: float
 ) -> dict[str, float]:
     """Seconds per optimizer step, by part (see the module's docstring)."""
     psi, g, gpn, f = shape.num_params(), c.world, c.gpus_per_node, rates.factor
@@ -350,7 +350,7 @@ def step_time(
 
 
 def step_time_range(
-    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, rates: Rates
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Layout, stack: Stack, rates: Rates
 ) -> tuple[dict[str, float], float, float]:
     """(the point estimate by part, the fast end, the slow end): every rate at RANGE's factors and the network
     over its efficiency range."""
@@ -385,7 +385,7 @@ class Measured:
 
 
 def rates_from_run(
-    shape: ModelShape, seq_len: int, c: Cluster, cand: Candidate, stack: Stack, got: Measured
+    shape: ModelShape, seq_len: int, c: Cluster, cand: Layout, stack: Stack, got: Measured
 ) -> tuple[Rates, list[str]]:
     """The rates that make the model reproduce a run's own step (`plan --from-run`), and notes on what could not
     be measured. CPU Adam from the optimizer step; then the compute efficiency (and, under parameter offload, the

@@ -15,12 +15,11 @@ from pipeline.errors import PipelineError
 from pipeline.model import ModelShape, build_model, kernels, pretraining_class, transformers_helper, varlen
 from pipeline.model.kernels import Fp8Choice
 from pipeline.model.varlen import NO_MASKS, DocumentAttention
-from pipeline.plan.cluster import offload_devices
+from pipeline.plan.cluster import Layout
 from pipeline.train.runtime import sequence
 from pipeline.train.runtime.dist import accelerator_name, on_rank0
 from pipeline.train.runtime.weights import init_weights, load_initial_weights
 from pipeline.train.setup.config import PretrainConfig
-from pipeline.train.setup.ds_config import zero_stage
 from pipeline.train.setup.optimizers import OPTIMIZERS
 
 
@@ -43,18 +42,19 @@ def default_dtype(dtype: torch.dtype) -> Any:
         torch.set_default_dtype(before)
 
 
-def build_for(shape: ModelShape, ds: dict[str, Any], tok: TokenizerInfo) -> Any:
+def build_for(shape: ModelShape, ds: dict[str, Any], tok: TokenizerInfo, stage: int) -> Any:
     """The model, weights not yet filled: under ZeRO-3 built inside `deepspeed.zero.Init`, so that each parameter
     is partitioned as it is created and no rank ever holds the whole model (training and distributed evaluation
     both build it here). Without ZeRO-3 every rank holds the whole model in host memory until DeepSpeed takes it,
     so it is built in the dtype DeepSpeed casts it to (bf16: half of fp32's bytes, 4 ranks of a 7B on one node
-    hold 54 GB instead of 108); the values are those of the fp32 build cast (pipeline.plan.memory.build_bytes)."""
+    hold 54 GB instead of 108); the values are those of the fp32 build cast (pipeline.plan.memory.build_bytes).
+    `stage`: the run's ZeRO stage (its Layout's), `ds` the JSON zero.Init and the dtype are read from."""
     pretraining_class(shape)  # imports transformers' model code now, not under zero.Init (see its docstring)
     transformers_helper("transformers.initialization", "no_init_weights")
     with contextlib.ExitStack() as stack:
-        if zero_stage(ds) != 3:  # RoPE's inv_freq stays fp32: transformers computes it as float
+        if stage != 3:  # RoPE's inv_freq stays fp32: transformers computes it as float
             stack.enter_context(default_dtype(training_dtype(ds)))
-        if zero_stage(ds) == 3:
+        if stage == 3:
             import deepspeed
 
             # As transformers' own zero.Init path does: keep RoPE's arange in fp32, then partition.
@@ -65,13 +65,13 @@ def build_for(shape: ModelShape, ds: dict[str, Any], tok: TokenizerInfo) -> Any:
         return build_model(shape, skip_init=True, **model_token_ids(tok))  # the caller fills every weight
 
 
-def activation_offload(ds: dict[str, Any], device: torch.device) -> Any | None:
+def activation_offload(layout: Layout, device: torch.device) -> Any | None:
     """DeepSpeed's offload of checkpointed layer inputs to pinned host memory (0.19.8's
     CheckpointHiddenStatesOffload, for transformers' checkpointed layers), when the DeepSpeed JSON asks for it with
     `activation_checkpointing.cpu_checkpointing`: one reusable context each micro-step's forward and backward run
     in (its `stats` count what moved). None when off. On the CPU accelerator it moves nothing (no streams, and
     the tensors are already in host memory)."""
-    if (ds.get("activation_checkpointing") or {}).get("cpu_checkpointing") is not True:
+    if not layout.offload_activations:
         return None
     from deepspeed.runtime.activation_checkpointing.offload_activations import (
         get_checkpoint_hidden_states_offloading_ctx_manager,
@@ -112,7 +112,7 @@ class Speed:
 
 def choose_speed(
     cfg: PretrainConfig,
-    ds: dict[str, Any],
+    layout: Layout,
     shape: ModelShape,
     micro_batch_size: int,
     seq_len: int,
@@ -122,14 +122,14 @@ def choose_speed(
     """train.compile, train.attention and train.kernels resolved here, and applied to the process (the SDPA
     priority, transformers' patched modules): call once on every rank, before the model is built. `documents`:
     the attention path chosen before launch (the model is built with it)."""
-    stage = zero_stage(ds)
-    long_context = cfg.train.sequence_parallel > 1 or cfg.train.tiled_mlp > 1
+    stage = layout.stage
+    long_context = layout.sequence_parallel > 1 or layout.tiled_mlp > 1
     compile_on, compile_note = kernels.choose_compile(cfg.train.compile, device.type, stage, long_context, os.environ)
     # Rank 0 times the backends, at the shape each rank's attention runs at, and every rank takes its choice:
     # timings within noise of each other would otherwise give ranks different kernels.
     attention = on_rank0(
         lambda: kernels.choose_attention(
-            cfg.train.attention, shape, micro_batch_size, seq_len, device, cfg.train.sequence_parallel
+            cfg.train.attention, shape, micro_batch_size, seq_len, device, layout.sequence_parallel
         )
     )
     kernel_set = kernels.choose_kernels(cfg.train.kernels, shape, device.type, zero3=stage == 3, compiled=compile_on)
@@ -142,16 +142,18 @@ def choose_speed(
 def build_training_model(
     shape: ModelShape,
     ds: dict[str, Any],
+    layout: Layout,
     cfg: PretrainConfig,
     tok: TokenizerInfo,
     rank: int,
     speed: Speed | None = None,
 ) -> torch.nn.Module:
     """The model with its initial weights (our deterministic init, or `model.init_from`), checkpointing set, and
-    the speed switches `speed` chose (None: the plain eager model)."""
-    stage3 = zero_stage(ds) == 3
+    the speed switches `speed` chose (None: the plain eager model); `layout` says the ZeRO stage, the tiles and
+    checkpointing, `ds` the dtype."""
+    stage3 = layout.stage == 3
     torch.manual_seed(cfg.train.seed)
-    model = build_for(shape, ds, tok)
+    model = build_for(shape, ds, tok, layout.stage)
     model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
     if speed is not None and speed.kernels.fused_loss:
         model.fused_loss = kernels.fused_linear_cross_entropy()
@@ -162,13 +164,13 @@ def build_training_model(
         init_weights(model, cfg.train.seed, rank, stage3, gpu)
     if speed is not None:
         varlen.use(model, speed.documents)  # before Ulysses wraps the model's attention (build_engine)
-    kernels.tile_mlp(model, cfg.train.tiled_mlp)  # before compiling: the compiled layer calls the tiled MLP
+    kernels.tile_mlp(model, layout.tiled_mlp)  # before compiling: the compiled layer calls the tiled MLP
     if speed is not None:
         kernels.apply_fp8(model, speed.fp8)
     if speed is not None and speed.compile:
         for layer in model.model.layers:
             layer.compile()  # in place: parameter names and checkpoints stay those of the eager model
-    if cfg.train.activation_checkpointing:
+    if layout.activation_checkpointing:
         # Non-reentrant: the reentrant variant breaks with ZeRO-3 (DeepSpeed PR #7780).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -177,6 +179,7 @@ def build_training_model(
 def build_engine(
     cfg: PretrainConfig,
     ds: dict[str, Any],
+    layout: Layout,
     shape: ModelShape,
     tok: TokenizerInfo,
     rank: int,
@@ -184,14 +187,14 @@ def build_engine(
 ) -> Any:
     import deepspeed
 
-    model = build_training_model(shape, ds, cfg, tok, rank, speed)
+    model = build_training_model(shape, ds, layout, cfg, tok, rank, speed)
     mpu = None
-    if (sp := cfg.train.sequence_parallel) > 1:
+    if (sp := layout.sequence_parallel) > 1:
         mpu = sequence.register(model, sp, ds["train_micro_batch_size_per_gpu"])
     groups = param_groups(model, cfg.optim.weight_decay)
     build = OPTIMIZERS[cfg.optim.name].build
     client_optimizer = build(groups, cfg.optim) if build else None
-    check_aio(ds)
+    check_aio(ds, layout)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=client_optimizer,
@@ -218,10 +221,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def check_aio(ds: dict[str, Any]) -> None:
-    """NVMe offload needs DeepSpeed's async_io op and a writable swap folder on this node."""
+def check_aio(ds: dict[str, Any], layout: Layout) -> None:
+    """NVMe offload (the layout's) needs DeepSpeed's async_io op and a writable swap folder (the JSON's) here."""
     zero = ds.get("zero_optimization", {})
-    if offload_devices(ds).nvme:
+    if "nvme" in (layout.offload_optimizer, layout.offload_param):
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
         if not AsyncIOBuilder().is_compatible():

@@ -16,7 +16,7 @@ from pipeline.model import ModelShape, loss_chunk_tokens
 from pipeline.model.families import model_shape
 from pipeline.plan.cluster import Cluster, Stack, trainer_stack
 from pipeline.plan.command import varlen_on_cluster
-from pipeline.plan.ds_json import candidate_from_ds
+from pipeline.plan.ds_json import layout_from_ds
 from pipeline.plan.estimate import Estimate, estimate
 from pipeline.plan.gpus import capped, lookup
 from pipeline.plan.search import Plan, search
@@ -127,7 +127,7 @@ def forecast_config(
             raise PipelineError("train.deepspeed_config auto: nothing fits this cluster; " + "; ".join(found.advice))
         yours = found.best
     else:
-        cand = candidate_from_ds(
+        cand = layout_from_ds(
             load_ds_config(cfg.train.deepspeed_config),
             bp.micro_batch_size,
             bp.grad_accum,
@@ -192,7 +192,7 @@ def run_rates(f: Forecast, got: RunMeasured, env: dict[str, Any]) -> tuple[Rates
         return None, ["a CPU run measures no GPU rates: plans keep the fitted ones"]
     label = f"run {Path(f.config).parent}, {got.steps} steps"
     m = Measured(got.step_time_s, got.optimizer_s, label)
-    return rates_from_run(f.shape, f.seq_len, f.cluster, f.yours.candidate, f.stack, m)
+    return rates_from_run(f.shape, f.seq_len, f.cluster, f.yours.layout, f.stack, m)
 
 
 def forecast_run(
@@ -252,7 +252,7 @@ def forecast_run(
     chunk = cfg.train.loss_chunk_tokens or loss_chunk_tokens(shape.vocab_size)
     moments = OPTIMIZERS[cfg.optim.name].moment_bytes
     checkpointing = cfg.train.activation_checkpointing
-    cand = candidate_from_ds(ds, bp.micro_batch_size, bp.grad_accum, checkpointing, moments, sp, cfg.train.tiled_mlp)
+    cand = layout_from_ds(ds, bp.micro_batch_size, bp.grad_accum, checkpointing, moments, sp, cfg.train.tiled_mlp)
     # whole documents on the attention path the run took (environment.json says since 2026-12-07)
     whole, varlen = whole_documents(cfg), (env.get("speed") or {}).get("attention_masks") == "varlen"
     stack = (

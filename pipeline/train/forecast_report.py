@@ -36,12 +36,12 @@ def render_config(f: Forecast, token_budget: float | None = None) -> str:
     )
     if best is None:
         lines.append("the search finds nothing that fits this cluster: " + "; ".join(f.search.advice))
-    elif best.candidate == e.candidate:
+    elif best.layout == e.layout:
         lines.append("the search would choose the same configuration")
     else:
         lines.append(
-            f"the search would choose: {best.candidate.label()} (buckets {best.candidate.reduce_bucket:.0e}/"
-            f"{best.candidate.prefetch_bucket:.0e}/{best.candidate.max_live:.0e}): "
+            f"the search would choose: {best.layout.label()} (buckets {best.layout.reduce_bucket:.0e}/"
+            f"{best.layout.prefetch_bucket:.0e}/{best.layout.max_live:.0e}): "
             f"{best.tokens_per_s:,.0f} tokens/s ({best.tokens_per_s / e.tokens_per_s:.2f}x yours), "
             f"{best.gpu['reserved'] / 2**30:.1f} GiB reserved; --write-ds-config writes it"
         )
@@ -71,7 +71,7 @@ def render_run(f: Forecast, got: RunMeasured, env: dict[str, Any]) -> str:
     c = comparison(f, got)
     lo, hi = f.yours.step_time_range_s
     lines = [
-        f"run {Path(f.config).parent}: {f.yours.candidate.label()}, {f.cluster.nodes} node(s) x "
+        f"run {Path(f.config).parent}: {f.yours.layout.label()}, {f.cluster.nodes} node(s) x "
         f"{f.cluster.gpus_per_node} {f.cluster.gpu.name}, seq {f.seq_len}, "
         f"{f.batch.tokens_per_step:,} tokens per step ({got.records} log lines)",
         "",
@@ -175,7 +175,7 @@ def rates_dict(rates: Rates | None) -> dict[str, Any] | None:
 
 def measured_rate_lines(f: Forecast, rates: Rates) -> list[tuple[str, str, str]]:
     """(figure, value, source) for the rates a run measured, as the plan with them reports them."""
-    e = estimate(f.shape, f.seq_len, f.cluster, f.yours.candidate, rates=rates, stack=f.stack)
+    e = estimate(f.shape, f.seq_len, f.cluster, f.yours.layout, rates=rates, stack=f.stack)
     given = dict(rates.sources)
     return [a for a in e.assumed if a[0] in given]
 

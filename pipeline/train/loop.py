@@ -21,7 +21,6 @@ import torch
 from pipeline.atomic import sealed_text, write_json, write_text
 from pipeline.data.loader import ShardedDataset, build_loader
 from pipeline.errors import EXIT_STOPPED
-from pipeline.plan.cluster import offload_devices
 from pipeline.train import faults
 from pipeline.train.checkpoint.checkpointer import Checkpointer
 from pipeline.train.engine import activation_offload, build_engine, choose_speed
@@ -62,7 +61,7 @@ def announced_op_builds(run: Run) -> Iterator[None]:
     builds them ahead on the launching node.)"""
     local = ranks_per_node(run.dist.world_size)
     accelerator = "cpu" if run.dist.device.type == "cpu" else "cuda"
-    todo = [n for n in ops.needed(run.ds, accelerator, local) if not ops.is_built(n)]
+    todo = [n for n in ops.needed(run.layout, accelerator, local) if not ops.is_built(n)]
     speak = bool(todo) and int(os.environ.get("LOCAL_RANK", "0")) == 0
     if speak:
         log.info(
@@ -172,16 +171,16 @@ class Trainer:
 
         run = self.run
         cfg, rank = run.cfg, run.dist.rank
-        if offload_devices(run.ds).optimizer != "none":
+        if run.layout.offload_optimizer != "none":
             share_cpu_cores(ranks_per_node(run.dist.world_size))
         self.watchdog = Watchdog(cfg.train.comm_timeout_minutes * 60, rank, run.run_dir / "logs" / "launch.log")
         self.checkpointer = Checkpointer(run, data_fingerprint=self.train_data.fingerprint, watchdog=self.watchdog)
         speed = choose_speed(
-            cfg, run.ds, run.shape, run.plan.micro_batch_size, run.plan.seq_len, run.dist.device, run.documents
+            cfg, run.layout, run.shape, run.plan.micro_batch_size, run.plan.seq_len, run.dist.device, run.documents
         )
         if rank == 0:
-            tiles = cfg.train.tiled_mlp
-            long_context = [run.plan.sequence_note] if run.plan.sequence_parallel > 1 else []
+            tiles = run.layout.tiled_mlp
+            long_context = [run.plan.sequence_note] if run.layout.sequence_parallel > 1 else []
             long_context += [f"tiled MLP: each layer's MLP in {tiles} tiles along the sequence"] if tiles > 1 else []
             if self.train_data.document_masks:
                 long_context += [
@@ -192,7 +191,7 @@ class Trainer:
                 log.info("%s", note)
         with announced_op_builds(run):
             self.engine, marker = self.checkpointer.resume(
-                lambda ds: build_engine(cfg, ds, run.shape, run.manifest["tokenizer"], rank, speed)
+                lambda ds: build_engine(cfg, ds, run.layout, run.shape, run.manifest["tokenizer"], rank, speed)
             )
         self.state = TrainState(marker["step"], marker["consumed_samples"], True) if marker else TrainState()
         if rank == 0 and self.checkpointer.branched_from is not None:
@@ -219,10 +218,10 @@ class Trainer:
             env["grad_accum_dtype"] = (run.ds.get("data_types") or {}).get("grad_accum_dtype") or "model dtype"
             env["ranks"] = ranks
             env["speed"] = speed.record()
-            env["long_context"] = {"sequence_parallel": run.plan.sequence_parallel, "tiled_mlp": cfg.train.tiled_mlp}
+            env["long_context"] = {"sequence_parallel": run.layout.sequence_parallel, "tiled_mlp": run.layout.tiled_mlp}
             write_json(run.run_dir / "environment.json", env)
         self.max_steps = max_steps_for(cfg, run.plan)
-        self.backward_scale = sequence_parallel_loss_factor(run.ds, run.plan.sequence_parallel)
+        self.backward_scale = sequence_parallel_loss_factor(run.layout.stage, run.layout.sequence_parallel)
         self.sink = MetricsSink(
             run.run_dir,
             rank=rank,
@@ -247,7 +246,7 @@ class Trainer:
             int(engine.skipped_steps),
             resumed_at=start if state.resumed else None,
         )
-        offload = activation_offload(run.ds, run.dist.device)
+        offload = activation_offload(run.layout, run.dist.device)
         self.watchdog.start()
         engine.train()
         loss = float("nan")

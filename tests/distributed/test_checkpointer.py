@@ -27,7 +27,7 @@ def _run(rank: int, world: int, config: str) -> Any:
 
     cfg = load(config)
     run = Run.on(prepare(cfg, world), Dist(rank, world, torch.device("cpu")))
-    return run, lambda ds: build_engine(cfg, ds, run.shape, run.manifest["tokenizer"], rank)
+    return run, lambda ds: build_engine(cfg, ds, run.layout, run.shape, run.manifest["tokenizer"], rank)
 
 
 def _save_damage_resume(rank: int, world: int, config: str) -> dict[str, Any]:

@@ -33,7 +33,9 @@ def _save_then_load_partitioned(rank: int, world: int, config: str) -> Any:
     run = Run.on(prepared, Dist(rank, world, torch.device("cpu")))
     run.run_dir.mkdir(parents=True, exist_ok=True)
     saver = Checkpointer(run, data_fingerprint="fp")
-    saver.resume(lambda ds: build_engine(cfg, ds, prepared.shape, prepared.manifest["tokenizer"], rank))
+    saver.resume(
+        lambda ds: build_engine(cfg, ds, prepared.layout, prepared.shape, prepared.manifest["tokenizer"], rank)
+    )
     saver.save(TrainState(3, 24))
     if rank == 0:
         write_text(run.run_dir / "config.yaml", dump(cfg))

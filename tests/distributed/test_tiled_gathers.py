@@ -40,7 +40,7 @@ def _gathered(rank: int, world: int, config: str, reuse: float, tiles: int) -> i
     zero = ds["zero_optimization"]
     zero.update(stage3_max_live_parameters=reuse, stage3_max_reuse_distance=reuse, stage3_prefetch_bucket_size=0)
     zero["stage3_param_persistence_threshold"] = 0  # every parameter partitioned, so every use is a gather
-    engine = build_engine(prepared.cfg, ds, prepared.shape, prepared.manifest["tokenizer"], rank)
+    engine = build_engine(prepared.cfg, ds, prepared.layout, prepared.shape, prepared.manifest["tokenizer"], rank)
     count = [0]
     name = "_PartitionedParameterCoordinator__all_gather_params"
     real = getattr(PartitionedParameterCoordinator, name)

@@ -35,7 +35,7 @@ def logits(config: str, tag: str, out: str, rank: int) -> None:
     cfg = load(config)
     p = prepare(cfg, int(os.environ["WORLD_SIZE"]))
     cfg, ds, shape, manifest = p.cfg, p.ds, p.shape, p.manifest
-    engine = build_engine(cfg, ds, shape, manifest["tokenizer"], rank)
+    engine = build_engine(cfg, ds, p.layout, shape, manifest["tokenizer"], rank)
     engine.load_checkpoint(cfg.run_dir, tag=tag, load_optimizer_states=False)
     engine.eval()
     ids = torch.from_numpy(ShardedDataset(cfg.data.path, "val")[0][:-1].astype("int64"))[None]

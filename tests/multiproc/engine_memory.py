@@ -47,7 +47,7 @@ def measure(config: str, sets: list[str], rank: int) -> dict:
     cfg = load(config, sets)
     p = prepare(cfg, int(os.environ["WORLD_SIZE"]))
     cfg, ds, shape, manifest = p.cfg, p.ds, p.shape, p.manifest
-    engine = build_engine(cfg, ds, shape, manifest["tokenizer"], rank)
+    engine = build_engine(cfg, ds, p.layout, shape, manifest["tokenizer"], rank)
     stage = ds["zero_optimization"]["stage"]
     zero = engine.optimizer
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]

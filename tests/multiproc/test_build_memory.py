@@ -25,10 +25,10 @@ preset, precision = sys.argv[1], sys.argv[2]
 shape = resolve_shape(preset, {}, 32000)
 ds = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": precision == "bf16"}}
 tok = {"eos_id": 2, "bos_id": 1, "pad_id": 3, "vocab_size": 32000}
-build_for(shape, ds, tok)  # the first build pays transformers' lazy imports; the one measured below does not
+build_for(shape, ds, tok, 2)  # the first build pays transformers' lazy imports; the one measured below does not
 import gc; gc.collect()
 before = psutil.Process().memory_info().rss
-model = build_for(shape, ds, tok)
+model = build_for(shape, ds, tok, 2)
 init_weights(model, 1234, 0, False)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 dtypes = sorted({str(p.dtype) for p in model.parameters()})

@@ -166,7 +166,7 @@ def gpu_run(tmp_path: Path, shards: Path) -> tuple[Path, forecast.Forecast, floa
     run_dir = tmp_path / "runs/7b"
     write_run(run_dir, shards, GPU_ENV, rows_at(1.0, 1.0))
     f, _, _ = forecast.forecast_run(str(run_dir), None, mfu=None)
-    c, cand = f.cluster, f.yours.candidate
+    c, cand = f.cluster, f.yours.layout
     fetch = 0.7 * offload_rate(c, Rates(), cand.pin_memory) / 1e9
     truth = Rates(efficiency_scale=0.7, offload_node_gbs=fetch, cpu_adam_params_per_s=1.5e9)
     t = step_time(f.shape, f.seq_len, c, cand, f.stack.resolved(f.shape, cand), truth, net_efficiency(c)[1])
@@ -235,7 +235,7 @@ def test_a_run_whose_step_is_set_by_its_network_does_not_pretend_to_measure_comp
         f.shape,
         f.seq_len,
         f.cluster,
-        f.yours.candidate,
+        f.yours.layout,
         Stack(),
         Rates(efficiency_scale=0.7),
         net_efficiency(f.cluster)[1],

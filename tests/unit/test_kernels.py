@@ -267,11 +267,11 @@ def test_kernels_are_priced_as_the_nodes_have_them(monkeypatch) -> None:
     facts or a probe say); `deepspeed_config: auto`, on the node that runs, against what that node has. Without
     liger-kernel: transformers' modules, which keep more activations (the plan then fits what will run)."""
     from pipeline.model import PRESETS
-    from pipeline.plan.cluster import _SWITCHES, Candidate, Cluster, Stack
+    from pipeline.plan.cluster import _SWITCHES, Cluster, Layout, Stack
     from pipeline.plan.gpus import GPUS
     from pipeline.plan.memory import gpu_memory
 
-    shape, cand = PRESETS["7b"], Candidate(3, "cpu", "cpu", True, 1, 1)
+    shape, cand = PRESETS["7b"], Layout(3, "cpu", "cpu", True, 1, 1)
     c = Cluster(1, 1, GPUS["4090d"], 120e9)
     for installed in (False, True):
         monkeypatch.setattr(kernels, "_installed", lambda package, ok=installed: ok)

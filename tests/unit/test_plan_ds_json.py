@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.model import PRESETS, ModelShape
-from pipeline.plan.cluster import Candidate, Cluster
+from pipeline.plan.cluster import Cluster, Layout
 from pipeline.plan.estimate import estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.train.setup.config import from_dict
@@ -56,10 +56,10 @@ def test_written_ds_config_is_accepted_by_pretrain(tmp_path: Path) -> None:
 
 
 def test_the_written_deepspeed_json_carries_the_features_and_reads_back() -> None:
-    from pipeline.plan.ds_json import candidate_from_ds, ds_config
+    from pipeline.plan.ds_json import ds_config, layout_from_ds
 
     cand = replace(
-        Candidate(2, "cpu", "none", True, 4, 1),
+        Layout(2, "cpu", "none", True, 4, 1),
         offload_activations=True,
         bf16_master=True,
         bf16_optimizer_states=True,
@@ -71,7 +71,7 @@ def test_the_written_deepspeed_json_carries_the_features_and_reads_back() -> Non
     assert ds["bf16"] == {"enabled": "auto", "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     assert ds["zero_optimization"]["zenflow"]["update_interval"] == 8
     assert ds["zero_optimization"]["zenflow"]["select_strategy"] == "step"
-    back = candidate_from_ds(ds, 4, 1, True)
+    back = layout_from_ds(ds, 4, 1, True)
     assert back.features() == cand.features() == {"activation-offload", "bf16-states", "zenflow"}
     assert back.zenflow_interval == 8
     # and our own validation takes it: ZeRO-2, CPU optimizer, one micro-step per step, integer intervals

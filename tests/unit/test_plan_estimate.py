@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.model import PRESETS, ModelShape
-from pipeline.plan.cluster import Candidate, Cluster
+from pipeline.plan.cluster import Cluster, Layout
 from pipeline.plan.estimate import estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.memory import (
@@ -28,7 +28,7 @@ H200_HOST = {"cpu_cores": 16, "cpu_mem_bw_gbs": 200.0}
 H200_24 = Cluster(1, 1, replace(GPUS["h200"], memory_gib=24.0), 137 * 10**9, **H200_HOST)  # type: ignore[arg-type]
 
 
-OFFLOAD_TUNED = Candidate(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
+OFFLOAD_TUNED = Layout(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
 
 
 ANCHORS = [
@@ -47,7 +47,7 @@ ANCHORS = [
         PRESETS["1b"],
         2048,
         Cluster(1, 1, GPUS["h200"], 137 * 10**9, **H200_HOST),  # type: ignore[arg-type]
-        Candidate(2, "none", "none", False, 8, 1),
+        Layout(2, "none", "none", False, 8, 1),
         0.355,
         49.8,
     ),
@@ -56,7 +56,7 @@ ANCHORS = [
 
 @pytest.mark.parametrize("case, shape, seq, cluster, cand, seconds, gib", ANCHORS, ids=[a[0] for a in ANCHORS])
 def test_h200_anchors_peak_allocated_within_15pct_and_step_time_within_25pct(
-    case: str, shape: ModelShape, seq: int, cluster: Cluster, cand: Candidate, seconds: float, gib: float
+    case: str, shape: ModelShape, seq: int, cluster: Cluster, cand: Layout, seconds: float, gib: float
 ) -> None:
     e = estimate(shape, seq, cluster, cand, loss_chunk_tokens=None)
     assert e.gpu["peak_allocated"] / 2**30 == pytest.approx(gib, rel=0.15)  # like with like: max_memory_allocated
@@ -67,7 +67,7 @@ def test_h200_anchors_peak_allocated_within_15pct_and_step_time_within_25pct(
 
 
 def test_default_zero3_buckets_are_predicted_not_to_fit_the_70b_slice() -> None:
-    default = Candidate(3, "cpu", "cpu", True, 1, 1)  # DeepSpeed's defaults: reduce 5e8, prefetch 5e7, max live 1e9
+    default = Layout(3, "cpu", "cpu", True, 1, 1)  # DeepSpeed's defaults: reduce 5e8, prefetch 5e7, max live 1e9
     e = estimate(replace(PRESETS["70b"], num_layers=2), 4096, H200_24, default, loss_chunk_tokens=None)
     # DeepSpeed's defaults ran out of a 24 GiB cap: the reserved memory alone is above it, not only the margin.
     assert not e.fits and "GPU memory" in e.why_not[0] and e.gpu["reserved"] - CUDA_CONTEXT > 24 * 2**30

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.model import PRESETS, ModelShape
-from pipeline.plan.cluster import Candidate, Cluster
+from pipeline.plan.cluster import Cluster, Layout
 from pipeline.plan.estimate import estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.memory import (
@@ -91,13 +91,13 @@ def test_pinned_buffers_round_up_to_powers_of_two() -> None:
 def test_host_ram_70b_refused_on_4x4_and_accepted_on_8x1() -> None:
     """ZeRO-3 offload of 70B: 465 GB per 512 GB node on 4 nodes x 4 cards (DeepSpeed's estimator: 466 + the
     processes), above the 80% limit; 225 GB per node on 8 x 1."""
-    offload = Candidate(3, "cpu", "cpu", True, 1, 61, 1e8, 1e8, 3e8, 1e8, grad_accum_dtype="bf16")
+    offload = Layout(3, "cpu", "cpu", True, 1, 61, 1e8, 1e8, 3e8, 1e8, grad_accum_dtype="bf16")
     e = estimate(PRESETS["70b"], 4096, FOUR_BY_FOUR, offload)
     assert e.host["total"] / 1e9 == pytest.approx(465, rel=0.03) and not e.fits
     assert any("host RAM 465 GB per node > 80% of 512 GB" in w for w in e.why_not)
     assert e.host["deepspeed_estimate"] / 1e9 == pytest.approx(466 + 24, rel=0.01)
     best = search(PRESETS["70b"], 4096, FOUR_BY_FOUR).best  # optimizer-only offload may still fit: within 80%
-    assert best is None or (best.candidate.offload_param == "none" and best.host["total"] <= 0.8 * 512e9)
+    assert best is None or (best.layout.offload_param == "none" and best.host["total"] <= 0.8 * 512e9)
     eight = estimate(PRESETS["70b"], 4096, SEED, replace(offload, grad_accum=122))
     assert eight.host["total"] / 1e9 == pytest.approx(225, rel=0.03) and eight.fits
 
@@ -106,7 +106,7 @@ def test_fp32_gradient_accumulation_is_counted_where_deepspeed_allocates_it() ->
     """ZeRO-3 offload: the pinned accumulation buffer doubles (70B on 8 x 1: 8.6B parameters a rank, 17.2 -> 34.4 GB,
     rounded by torch's pinned allocator to 32 -> 64 GiB). ZeRO-2/3 on the GPU: +2 B a partitioned parameter.
     ZeRO-1: DeepSpeed's BF16_Optimizer keeps a whole fp32 gradient (+4 B a parameter, less the partition)."""
-    offload = Candidate(3, "cpu", "cpu", True, 1, 122, 1e8, 1e8, 3e8, 1e8)
+    offload = Layout(3, "cpu", "cpu", True, 1, 122, 1e8, 1e8, 3e8, 1e8)
     assert offload.fp32_grad_accum and not replace(offload, grad_accum=1).fp32_grad_accum
     fp32 = estimate(PRESETS["70b"], 4096, SEED, offload).host["pinned"]
     bf16 = estimate(PRESETS["70b"], 4096, SEED, replace(offload, grad_accum_dtype="bf16")).host["pinned"]
@@ -145,7 +145,7 @@ def test_activation_offload_keeps_four_layer_inputs_on_the_gpu_and_pins_the_rest
     assert plain["layers"] - moved["layers"] == (shape.num_layers - ACT_OFFLOAD_KEPT) * layer_input
     assert moved["one_layer"] == plain["one_layer"]
     c = Cluster(8, 1, GPUS["4090d"], 512 * 10**9)
-    cand = Candidate(3, "cpu", "cpu", True, 4, 31, 1e8, 1e8, 3e8, 1e8)
+    cand = Layout(3, "cpu", "cpu", True, 4, 31, 1e8, 1e8, 3e8, 1e8)
     more = host_memory(shape, c, replace(cand, offload_activations=True), 4096)["pinned"]
     assert more - host_memory(shape, c, cand, 4096)["pinned"] == 79 * 2 ** math.ceil(math.log2(layer_input))
 
@@ -158,7 +158,7 @@ def test_bf16_master_weights_and_states_shrink_the_host_state() -> None:
 
     shape = PRESETS["7b"]
     c = Cluster(1, 1, GPUS["4090d"], 512 * 10**9)
-    cand = Candidate(3, "cpu", "cpu", True, 1, 8, 1e8, 1e8, 3e8, 1e8)
+    cand = Layout(3, "cpu", "cpu", True, 1, 8, 1e8, 1e8, 3e8, 1e8)
     fp32, master, states = (
         host_memory(shape, c, replace(cand, bf16_master=m, bf16_optimizer_states=s))["pageable"]
         for m, s in ((False, False), (True, False), (True, True))
@@ -182,7 +182,7 @@ def test_whole_documents_on_sdpas_dense_mask_are_priced_and_on_the_varlen_path_c
     for stack in (Stack(), Stack(whole_documents=True, varlen=True)):
         assert document_mask_bytes(shape, 32768, 1, True, stack) == (0.0, 0.0)
     c = Cluster(8, 1, GPUS["4090d"], 512e9)
-    cand = Candidate(3, "cpu", "cpu", True, 1, 15, 1e8, 1e8, 3e8, 1e8, offload_activations=True)
+    cand = Layout(3, "cpu", "cpu", True, 1, 15, 1e8, 1e8, 3e8, 1e8, offload_activations=True)
     plain = gpu_memory(shape, 32768, c, cand, 2048, Stack())
     masked = gpu_memory(shape, 32768, c, cand, 2048, dense)
     assert masked["document_mask"] == 3 * GiB and plain["document_mask"] == 0

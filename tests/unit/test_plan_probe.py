@@ -15,13 +15,13 @@ from click.testing import CliRunner
 from pipeline.cli import main
 from pipeline.errors import PipelineError
 from pipeline.model import PRESETS
-from pipeline.plan.cluster import Candidate
+from pipeline.plan.cluster import Layout
 from pipeline.plan.estimate import estimate
 from pipeline.plan.facts import CLUSTER_DEFAULTS, cluster_from_flags
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.timing import ADAM_BYTES, ASSUMED_SPREAD, MEASURED_SPREAD, RANGE
 
-OFFLOAD = Candidate(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
+OFFLOAD = Layout(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
 NO_FLAGS: dict[str, str | None] = {k: None for k in CLUSTER_DEFAULTS}
 
 

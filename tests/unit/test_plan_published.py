@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.model import ModelShape, families
-from pipeline.plan.cluster import Candidate, Cluster, Stack
+from pipeline.plan.cluster import Cluster, Layout, Stack
 from pipeline.plan.estimate import Estimate, estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.memory import GiB
@@ -72,25 +72,25 @@ MEGATRON_2020 = Stack(kernels="fused", attention="eager", bind_cores=False)
 HF_TRAINER = Stack(bind_cores=False)
 
 
-def lf_zero3(h: int, micro: int, ga: int) -> Candidate:
-    return Candidate(3, "cpu", "cpu", True, micro, ga, h * h, 0.9 * h * h, 1e9, 1e9, 1e9, "bf16", bf16_master=True)
+def lf_zero3(h: int, micro: int, ga: int) -> Layout:
+    return Layout(3, "cpu", "cpu", True, micro, ga, h * h, 0.9 * h * h, 1e9, 1e9, 1e9, "bf16", bf16_master=True)
 
 
-def lf_zero2(micro: int, ga: int) -> Candidate:
-    return Candidate(2, "cpu", "none", True, micro, ga, 5e8, 5e7, 1e9, 1e9, None, "bf16", bf16_master=True)
+def lf_zero2(micro: int, ga: int) -> Layout:
+    return Layout(2, "cpu", "none", True, micro, ga, 5e8, 5e7, 1e9, 1e9, None, "bf16", bf16_master=True)
 
 
-def hf_trainer(h: int, stage: int, opt: str = "none", param: str = "none", micro: int = 1) -> Candidate:
+def hf_trainer(h: int, stage: int, opt: str = "none", param: str = "none", micro: int = 1) -> Layout:
     """What Hugging Face's Trainer fills a DeepSpeed JSON's "auto" with (reduce h^2, prefetch 0.9 h^2; max live and
     reuse 1e9, sub-group 1e9 by DeepSpeed's defaults), offload into pageable memory (DeepSpeed's default of 2023;
     pin_memory became the default in 0.19.5). ZeRO-2's buckets stay DeepSpeed's 5e8."""
     reduce, prefetch = (h * h, 0.9 * h * h) if stage == 3 else (5e8, 5e7)
-    return Candidate(stage, opt, param, True, micro, 1, reduce, prefetch, 1e9, 1e9, 1e9, "bf16", pin_memory=False)  # type: ignore[arg-type]
+    return Layout(stage, opt, param, True, micro, 1, reduce, prefetch, 1e9, 1e9, 1e9, "bf16", pin_memory=False)  # type: ignore[arg-type]
 
 
-def fsdp(layer_params: int, micro: int, ga: int, checkpointing: bool) -> Candidate:
+def fsdp(layer_params: int, micro: int, ga: int, checkpointing: bool) -> Layout:
     """FSDP's full shard: one layer gathered at a time and the next prefetched, gradients reduce-scattered."""
-    return Candidate(
+    return Layout(
         3, "none", "none", checkpointing, micro, ga, layer_params, layer_params, 2 * layer_params, 1e9, 0.0, "fp32"
     )
 
@@ -103,7 +103,7 @@ class Row:
     shape: ModelShape
     seq_len: int
     cluster: Cluster
-    cand: Candidate
+    cand: Layout
     stack: Stack
     published: float
     unit: str  # tok/s (all GPUs) | tok/s/gpu | s/step | optimizer s/step
@@ -305,7 +305,7 @@ class Fit:
     shape: ModelShape
     seq_len: int
     cluster: Cluster
-    cand: Candidate
+    cand: Layout
     stack: Stack
     published: str
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.model import PRESETS, ModelShape
-from pipeline.plan.cluster import TRAINER, Candidate, Cluster, Stack
+from pipeline.plan.cluster import TRAINER, Cluster, Layout, Stack
 from pipeline.plan.estimate import estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.search import choose, search
@@ -37,8 +37,8 @@ def test_llama2_70b_fits_the_seed_cluster_below_the_compute_ceiling() -> None:
     assert p.best is not None
     # Without DeepSpeed 0.19's activation offload: micro 1 (micro 2 did fit until the plan carried the 1.37 GiB
     # the 70B slices held on the H200 beyond its terms), the network the larger part of each step.
-    plain = next(e for e in p.ranked if "activation-offload" not in e.candidate.features())
-    c = plain.candidate
+    plain = next(e for e in p.ranked if "activation-offload" not in e.layout.features())
+    c = plain.layout
     assert (c.stage, c.offload_optimizer, c.offload_param, c.activation_checkpointing) == (3, "cpu", "cpu", True)
     assert plain.ceiling_tokens_per_s == pytest.approx(2647, rel=0.01)  # 8 x 147.1 TF / 4.45e11 FLOP/token
     assert plain.tokens_per_s < 2647 and plain.mfu < 0.40
@@ -49,8 +49,8 @@ def test_llama2_70b_fits_the_seed_cluster_below_the_compute_ceiling() -> None:
     # With it the checkpointed layer inputs wait in host memory, micro 4 fits, and ZeRO-3's traffic per token
     # is a quarter: faster, by less than the 4x that quartering the network's part could give, below the ceiling.
     best = p.best
-    assert best.candidate.features() == {"activation-offload"} and best.candidate.micro_batch_size == 4
-    assert plain.candidate.micro_batch_size == 1
+    assert best.layout.features() == {"activation-offload"} and best.layout.micro_batch_size == 4
+    assert plain.layout.micro_batch_size == 1
     assert 1.5 < best.tokens_per_s / plain.tokens_per_s < 4.0
     assert best.tokens_per_s < 2647 * GPUS["4090d"].gemm_fraction and best.mfu < GPUS["4090d"].gemm_fraction
     assert best.gpu["reserved"] + best.gpu["margin"] <= 23.6 * 2**30
@@ -65,7 +65,7 @@ def test_refuses_70b_on_one_node_without_nvme_and_says_what_would_fit() -> None:
     # 1,104 GB of fp32 states; pinned buffers rounded to powers of two make 4 nodes of 512 GB fall short.
     assert "about 5 nodes of 512 GB" in text and "NVMe offload (ZeRO-Infinity) would fit" in text and "13b" in text
     with_nvme = search(PRESETS["70b"], 4096, Cluster(1, 1, GPUS["4090d"], 512 * 10**9, nvme_bytes=4 * 10**12))
-    assert with_nvme.best is not None and with_nvme.best.candidate.offload_optimizer == "nvme"
+    assert with_nvme.best is not None and with_nvme.best.layout.offload_optimizer == "nvme"
 
 
 def test_every_preset_gets_an_answer_for_the_seed_clusters() -> None:
@@ -82,29 +82,29 @@ def test_offload_features_the_choice_uses_and_the_ones_it_leaves_to_the_user() -
     free the host RAM that micro-batch 8 needs) and chosen only when the user opts in; ZenFlow's GPU-side states do
     not fit beside ZeRO-2's whole bf16 model on a 24 GB card, and the plan says so."""
     p = search(qwen_7b(), 4096, RENTED)
-    assert p.best is not None and p.best.candidate.stage == 3
-    assert not {"bf16-master", "bf16-states", "zenflow"} & p.best.candidate.features()
-    zero2 = [e for e in p.rejected if e.candidate.stage == 2 and not e.candidate.zenflow_interval]
+    assert p.best is not None and p.best.layout.stage == 3
+    assert not {"bf16-master", "bf16-states", "zenflow"} & p.best.layout.features()
+    zero2 = [e for e in p.rejected if e.layout.stage == 2 and not e.layout.zenflow_interval]
     assert zero2 and all(any(w.startswith("host RAM ") for w in e.why_not) for e in zero2)
     assert any("host RAM 100 GB per node > 80% of 120 GB" in e.why_not for e in zero2)
     notes = "\n".join(p.feature_notes())
     assert "bf16-states: not chosen; --opt-in bf16-states allows it" in notes
     assert "zenflow: no configuration with it fits (closest: ZeRO-2 + cpu offload (opt) + ckpt + ZenFlow" in notes
     option, _ = p.by_feature["bf16-states"]
-    assert option is not None and option.candidate.micro_batch_size == 8
+    assert option is not None and option.layout.micro_batch_size == 8
     assert (
         option.host["total"]
         < 0.8 * RENTED.cpu_mem_bytes
         < replace(
             option,
             host=estimate(
-                qwen_7b(), 4096, RENTED, replace(option.candidate, bf16_master=False, bf16_optimizer_states=False)
+                qwen_7b(), 4096, RENTED, replace(option.layout, bf16_master=False, bf16_optimizer_states=False)
             ).host,
         ).host["total"]
     )
     assert 1.2 < option.tokens_per_s / p.best.tokens_per_s < 2.0
     allowed = search(qwen_7b(), 4096, RENTED, opt_in=frozenset({"bf16-states"}))
-    assert allowed.best is not None and "bf16-states" in allowed.best.candidate.features()
+    assert allowed.best is not None and "bf16-states" in allowed.best.layout.features()
     assert allowed.best.tokens_per_s == pytest.approx(option.tokens_per_s)
     assert "bf16-states: used, +" in "\n".join(allowed.feature_notes())
 
@@ -147,15 +147,15 @@ def test_long_context_fits_by_sharing_each_sample(preset: str, seq_len: int, hos
     shape = PRESETS[preset]
     p = search(shape, seq_len, cluster)  # transformers' own modules (train.kernels torch)
     assert p.best is not None and p.best.fits
-    assert all(e.candidate.sequence_parallel > 1 or e.candidate.tiled_mlp > 1 for e in p.ranked)
-    sharing = [e for e in p.ranked if e.candidate.sequence_parallel > 1]
+    assert all(e.layout.sequence_parallel > 1 or e.layout.tiled_mlp > 1 for e in p.ranked)
+    sharing = [e for e in p.ranked if e.layout.sequence_parallel > 1]
     assert sharing and all(e.time["sequence_all_to_all"] > 0 for e in sharing)  # priced, never free
     for e in sharing:
-        sp = e.candidate.sequence_parallel
+        sp = e.layout.sequence_parallel
         assert cluster.world % sp == 0 and shape.num_heads % sp == 0 and e.tokens_per_s < e.ceiling_tokens_per_s
     # What `pipeline plan` prices: the trainer's switches as they resolve (Liger's kernels under ZeRO-3 keep half
     # of a layer's SwiGLU intermediates, measured on the H200's 7B slice), which may fit a whole sample untiled
-    best = search(shape, seq_len, cluster, stack=TRAINER).best.candidate
+    best = search(shape, seq_len, cluster, stack=TRAINER).best.layout
     out = CliRunner().invoke(main, ["plan", "--model", preset, "--seq-len", str(seq_len), "--hostfile", hostfile])
     assert out.exit_code == 0, out.output
     assert f"long context: sequence parallel {best.sequence_parallel} " in out.output or best.sequence_parallel == 1
@@ -167,7 +167,7 @@ def test_sharing_a_sample_divides_its_activations_and_costs_an_all_to_all() -> N
     from pipeline.plan.timing import sequence_all_to_all
 
     shape, seq = PRESETS["7b"], 32768
-    one = Candidate(3, "cpu", "cpu", True, 1, 8, 1e8, 1e8, 3e8, 1e8)
+    one = Layout(3, "cpu", "cpu", True, 1, 8, 1e8, 1e8, 3e8, 1e8)
     memory = {n: gpu_memory(shape, seq, SEED, replace(one, sequence_parallel=n), 2048) for n in (1, 2, 4)}
     for n in (2, 4):  # a rank's share, and Ulysses' copies of the layer in its backward
         copies = seq // n * (layer_backward_bytes_per_token(shape, n) - layer_backward_bytes_per_token(shape))
@@ -180,15 +180,15 @@ def test_sharing_a_sample_divides_its_activations_and_costs_an_all_to_all() -> N
 
 
 def test_a_sequence_parallel_choice_round_trips_through_its_deepspeed_json() -> None:
-    from pipeline.plan.ds_json import candidate_from_ds, ds_config
+    from pipeline.plan.ds_json import ds_config, layout_from_ds
 
     p = search(PRESETS["70b"], 32768, SEED, fixed_sequence=2)
     assert p.best is not None
     ds = ds_config(p.best)
     assert ds["sequence_parallel_size"] == 2
-    back = candidate_from_ds(ds, p.best.candidate.micro_batch_size, p.best.candidate.grad_accum, True)
+    back = layout_from_ds(ds, p.best.layout.micro_batch_size, p.best.layout.grad_accum, True)
     assert back.sequence_parallel == 2
-    assert search(PRESETS["70b"], 32768, SEED, fixed_sequence=2).best.candidate.sequence_parallel == 2  # type: ignore[union-attr]
+    assert search(PRESETS["70b"], 32768, SEED, fixed_sequence=2).best.layout.sequence_parallel == 2  # type: ignore[union-attr]
 
 
 def test_a_tiled_mlp_keeps_one_tiles_intermediates_and_pays_one_more_mlp_forward() -> None:
@@ -200,7 +200,7 @@ def test_a_tiled_mlp_keeps_one_tiles_intermediates_and_pays_one_more_mlp_forward
     tiled = activation_bytes(shape, seq, 1, True, mlp_tiles=4)
     kept = ACT_PER_F + BACKWARD_PER_F  # a tile's intermediates and their gradients, not the whole sequence's
     assert whole["one_layer"] - tiled["one_layer"] == pytest.approx(seq * kept * shape.ffn_hidden_size * 3 / 4)
-    cand = Candidate(3, "cpu", "cpu", True, 1, 15, 1e8, 1e8, 3e8, 1e8)
+    cand = Layout(3, "cpu", "cpu", True, 1, 15, 1e8, 1e8, 3e8, 1e8)
     plain = step_time(shape, seq, SEED, cand, Stack(), Rates(), 0.72)["compute"]
     more = step_time(shape, seq, SEED, replace(cand, tiled_mlp=4), Stack(), Rates(), 0.72)["compute"]
     extra = 15 * seq * 6 * shape.hidden_size * shape.ffn_hidden_size * shape.num_layers
@@ -208,7 +208,7 @@ def test_a_tiled_mlp_keeps_one_tiles_intermediates_and_pays_one_more_mlp_forward
         extra / (15 * seq * shape.flops_per_token(seq) * 4 / 3)
     )
     # offered only where one sample does not fit untiled: not at 4K, where a larger micro-batch would buy it
-    assert not any(e.candidate.tiled_mlp for e in search(PRESETS["7b"], 4096, SEED).ranked)
+    assert not any(e.layout.tiled_mlp for e in search(PRESETS["7b"], 4096, SEED).ranked)
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon"])
@@ -227,11 +227,11 @@ def test_the_search_proposes_only_what_the_runs_optimizer_accepts(name: str, mod
     entry = OPTIMIZERS[name]
     p = search(PRESETS[model], 2048, cluster, 2**19, optimizer=optimizer_fit(name))
     tried = p.ranked + p.rejected
-    assert tried and all(e.candidate.stage in entry.zero_stages for e in tried)
-    assert all(e.candidate.moment_bytes == entry.moment_bytes for e in tried)
-    assert entry.offload or all(e.candidate.offload_optimizer == "none" for e in tried)
+    assert tried and all(e.layout.stage in entry.zero_stages for e in tried)
+    assert all(e.layout.moment_bytes == entry.moment_bytes for e in tried)
+    assert entry.offload or all(e.layout.offload_optimizer == "none" for e in tried)
     if p.best is not None:
-        c = p.best.candidate
+        c = p.best.layout
         assert not entry.problems(name, c.stage, c.offload_optimizer != "none")
     else:
         assert name != "adamw" and p.advice[0].startswith(f"optim.name {name} runs under ZeRO ")
@@ -295,7 +295,7 @@ def test_deepspeed_config_auto_never_chooses_what_the_trainer_refuses(tmp_path: 
         path = tmp_path / f"{name}-{kernels}-{compiled}.yaml"
         path.write_text(yaml.safe_dump(raw))
         f = forecast.forecast_config(str(path), [], one_card, seq_len=2048, layers=None, vocab_size=32000, mfu=None)
-        cand = f.yours.candidate
+        cand = f.yours.layout
         cfg = from_dict(raw)
         cfg = replace(cfg, train=replace(cfg.train, activation_checkpointing=cand.activation_checkpointing))
         resolve(cfg, ds_config(cand), f.batch, accelerator="cuda")  # raises ConfigError on a refusal
@@ -310,8 +310,8 @@ def test_deepspeed_config_auto_never_chooses_what_the_trainer_refuses(tmp_path: 
 
     cfg = from_dict(raw | {"train": raw["train"] | {"compile": True}, "optim": raw["optim"] | {"name": "adamw"}})
     refused = trainer_refusals(cfg, f.batch, "cuda")
-    assert any("compile" in p for p in refused(Candidate(3, "cpu", "cpu", True, 4, 16)))
-    assert bool(refused(Candidate(0, "none", "none", False, 4, 16))) == (on_nonfinite == "skip")
+    assert any("compile" in p for p in refused(Layout(3, "cpu", "cpu", True, 4, 16)))
+    assert bool(refused(Layout(0, "none", "none", False, 4, 16))) == (on_nonfinite == "skip")
     assert seen_stages
 
 
@@ -354,20 +354,20 @@ def test_a_tiled_zero3_configuration_keeps_the_mlp_gathered_across_tiles_and_is_
     shape = shape_from_config(read_config("configs/hf/llama-3.1-70b.json"), "llama-3.1-70b")
     c = Cluster(8, 1, GPUS["4090d"], 512e9, network_gbps=100)
     p = search(shape, 32768, c, 4 * 2**20, stack=TRAINER)
-    tiled = [e for e in p.ranked + p.rejected if e.candidate.tiled_mlp > 1 and e.candidate.stage == 3]
+    tiled = [e for e in p.ranked + p.rejected if e.layout.tiled_mlp > 1 and e.layout.stage == 3]
     assert tiled
     matrices = mlp_reuse(shape)
     assert matrices == 3 * 8192 * 28672
     for e in tiled:
-        assert e.candidate.max_reuse >= matrices
+        assert e.layout.max_reuse >= matrices
         assert ds_config(e)["zero_optimization"]["stage3_max_reuse_distance"] >= matrices
     e = tiled[0]
-    old = replace(e.candidate, max_reuse=e.candidate.max_live)
-    kept, again = (estimate(shape, 32768, c, cand, stack=TRAINER) for cand in (e.candidate, old))
-    cand = e.candidate
+    old = replace(e.layout, max_reuse=e.layout.max_live)
+    kept, again = (estimate(shape, 32768, c, cand, stack=TRAINER) for cand in (e.layout, old))
+    cand = e.layout
     live_before = 2 * min(cand.max_live, shape.layer_params() + cand.prefetch_bucket)  # the gathered layer's part
     assert kept.gpu["ds_buffers"] - again.gpu["ds_buffers"] == pytest.approx(2 * matrices - live_before, rel=1e-6)
-    assert _traffic(shape, 32768, c, old)[0] > _traffic(shape, 32768, c, e.candidate)[0]
+    assert _traffic(shape, 32768, c, old)[0] > _traffic(shape, 32768, c, e.layout)[0]
 
 
 def test_zero2_buckets_shrink_only_where_one_sample_does_not_fit() -> None:
@@ -378,14 +378,14 @@ def test_zero2_buckets_shrink_only_where_one_sample_does_not_fit() -> None:
 
     for seq in (131072, 4096):
         p = search(PRESETS["7b"], seq, RENTED, stack=TRAINER)
-        small = [e for e in p.ranked + p.rejected if e.candidate.stage in (1, 2)]
-        small = [e for e in small if e.candidate.reduce_bucket == BUCKET_SMALL]
+        small = [e for e in p.ranked + p.rejected if e.layout.stage in (1, 2)]
+        small = [e for e in small if e.layout.reduce_bucket == BUCKET_SMALL]
         assert small
         for e in small:  # its twin with DeepSpeed's buckets fits not even one sample
-            big = replace(e.candidate, reduce_bucket=5e8, micro_batch_size=1)
+            big = replace(e.layout, reduce_bucket=5e8, micro_batch_size=1)
             assert not estimate(PRESETS["7b"], seq, RENTED, big, stack=TRAINER).fits
         assert p.best is not None
         if seq == 131072:
-            assert p.best.candidate.stage == 2 and p.best.candidate.reduce_bucket == BUCKET_SMALL
+            assert p.best.layout.stage == 2 and p.best.layout.reduce_bucket == BUCKET_SMALL
         else:
-            assert p.best.candidate.reduce_bucket != BUCKET_SMALL or p.best.candidate.stage == 3
+            assert p.best.layout.reduce_bucket != BUCKET_SMALL or p.best.layout.stage == 3

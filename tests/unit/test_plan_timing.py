@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.model import PRESETS, ModelShape
-from pipeline.plan.cluster import Candidate, Cluster, Stack
+from pipeline.plan.cluster import Cluster, Layout, Stack
 from pipeline.plan.estimate import estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.search import search
@@ -49,7 +49,7 @@ def test_no_throughput_above_the_physical_ceiling(preset: str, gpu: str, nodes: 
         assert 0 < e.mfu <= GPUS[gpu].gemm_fraction
         assert e.tokens_per_s_range[0] <= e.tokens_per_s <= e.tokens_per_s_range[1]
         assert e.tokens_per_s_range[1] <= e.ceiling_tokens_per_s + 1e-6
-        if e.candidate.offload_optimizer == e.candidate.offload_param == "none":  # a range, not a shrug; offload
+        if e.layout.offload_optimizer == e.layout.offload_param == "none":  # a range, not a shrug; offload
             assert e.tokens_per_s_range[1] / e.tokens_per_s_range[0] < 2.0  # rests on assumed host rates: wider
 
 
@@ -59,7 +59,7 @@ def test_zenflow_hides_cpu_adam_where_it_is_a_large_share_of_the_step() -> None:
     step and the gain is nothing; with 64K-token batches on a slow host it is most of the step."""
     shape = resolve_1b()
     slow_host = Cluster(1, 1, GPUS["4090d"], 128 * 10**9, cpu_mem_bw_gbs=20, cpu_cores=4)
-    plain = Candidate(2, "cpu", "none", True, 4, 8)
+    plain = Layout(2, "cpu", "none", True, 4, 8)
     zen = replace(plain, grad_accum=1, zenflow_interval=8)
     a, b = estimate(shape, 2048, slow_host, plain), estimate(shape, 2048, slow_host, zen)
     assert a.time["optimizer"] > 0.3 * a.step_time_s  # CPU Adam is a large share without it
@@ -67,7 +67,7 @@ def test_zenflow_hides_cpu_adam_where_it_is_a_large_share_of_the_step() -> None:
     assert per_update < a.step_time_s and b.time["optimizer"] < 0.1 * a.time["optimizer"]
     assert b.tokens_per_s / a.tokens_per_s == pytest.approx(a.step_time_s / per_update)
     assert b.gpu["optimizer"] > a.gpu["optimizer"]  # the top-k columns' moments live on the GPU
-    big = Candidate(2, "cpu", "none", True, 2, 61)
+    big = Layout(2, "cpu", "none", True, 2, 61)
     gain = estimate(shape, 4096, SEED, replace(big, grad_accum=1, zenflow_interval=61)).tokens_per_s
     assert gain / estimate(shape, 4096, SEED, big).tokens_per_s < 1.02
 
@@ -76,7 +76,7 @@ FOUR_BY_FOUR = Cluster(4, 4, GPUS["4090d"], 512 * 10**9)
 
 
 def test_network_is_charged_per_node_and_recompute_regathers() -> None:
-    cand = Candidate(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
+    cand = Layout(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
     sixteen = estimate(PRESETS["70b"], 4096, Cluster(16, 1, GPUS["4090d"], 512 * 10**9), cand).time["network"]
     p2p = replace(FOUR_BY_FOUR, gpu=replace(GPUS["4090d"], p2p=True))
     four = estimate(PRESETS["70b"], 4096, p2p, cand).time["network"]
@@ -108,7 +108,7 @@ def test_the_backward_gathers_again_what_its_reuse_distance_released() -> None:
 
 
 def test_pcie_of_a_nodes_cards_shares_one_host() -> None:
-    cand = Candidate(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
+    cand = Layout(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
     shared = estimate(PRESETS["7b"], 4096, FOUR_BY_FOUR, cand).time["host_copies"]
     alone = estimate(PRESETS["7b"], 4096, Cluster(16, 1, GPUS["4090d"], 512 * 10**9), cand).time["host_copies"]
     # Four cards' copies at once, through the node's share of host bandwidth (not 4 x 25 GB/s of PCIe).
@@ -119,7 +119,7 @@ def test_pcie_of_a_nodes_cards_shares_one_host() -> None:
 def test_cpu_adam_time_follows_the_nodes_cores_and_memory_bandwidth() -> None:
     """Offloaded Adam runs at the lower of cores x 0.3e9 parameters/s (memory-bound arrays) and the share of the
     node's memory bandwidth its streaming kernel sustains over the 40 bytes it touches per parameter."""
-    cand = Candidate(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
+    cand = Layout(3, "cpu", "cpu", True, 1, 1, 1e8, 1e8, 3e8, 1e8)
     big = Cluster(8, 1, GPUS["4090d"], 512 * 10**9, cpu_mem_bw_gbs=300, cpu_cores=128)  # hostfiles/8node
     rented = replace(big, cpu_mem_bw_gbs=50, cpu_cores=10)  # hostfiles/4node4gpu
     two_cores = replace(big, cpu_cores=2)
@@ -146,7 +146,7 @@ def test_the_per_bucket_collective_latency_is_the_slowest_hops() -> None:
     assert collective_latency(nvlink_node) == NVLINK_LATENCY_S < COLLECTIVE_LATENCY_S / 10
     assert collective_latency(replace(nvlink_node, nodes=2)) == COLLECTIVE_LATENCY_S
     assert collective_latency(Cluster(1, 4, GPUS["4090d"], 120 * 10**9)) == COLLECTIVE_LATENCY_S  # no P2P
-    cand = Candidate(3, "none", "none", True, 1, 4, 1e7, 1e7, 3e8, 1e9)  # small buckets: many collectives
+    cand = Layout(3, "none", "none", True, 1, 4, 1e7, 1e7, 3e8, 1e9)  # small buckets: many collectives
     one = estimate(PRESETS["7b"], 4096, nvlink_node, cand).time["collective_latency"]
     two = estimate(PRESETS["7b"], 4096, replace(nvlink_node, nodes=2), cand).time["collective_latency"]
     assert two == pytest.approx(one * COLLECTIVE_LATENCY_S / NVLINK_LATENCY_S)

@@ -145,11 +145,11 @@ def tiles_only_cap(prepared) -> float:  # noqa: ANN001
         optimizer=optimizer_fit(cfg.optim.name),
         stack=Stack(),
     )
-    untiled = [e for e in found.ranked + found.rejected if e.candidate.tiled_mlp <= 1]
+    untiled = [e for e in found.ranked + found.rejected if e.layout.tiled_mlp <= 1]
     tiles = planner.mlp_tiles(plan.seq_len, shape.hidden_size)
     least = min(e.gpu["reserved"] for e in untiled)
     tiled = min(
-        estimate(shape, plan.seq_len, c, replace(e.candidate, tiled_mlp=tiles), None, cfg.train.loss_chunk_tokens).gpu[
+        estimate(shape, plan.seq_len, c, replace(e.layout, tiled_mlp=tiles), None, cfg.train.loss_chunk_tokens).gpu[
             "reserved"
         ]
         for e in untiled
@@ -176,3 +176,49 @@ def test_auto_on_a_card_only_a_tiled_layout_fits_runs_the_tiles_it_priced(shards
     cap = tiles_only_cap(roomy)
     tight = prepare(from_dict({**raw, "train": {**raw["train"], "gpu_memory_cap_gib": cap}}), 2, local_size=2)
     assert tight.cfg.train.tiled_mlp == 4
+
+
+def test_below_the_preparation_the_run_reads_its_layout() -> None:
+    """The ZeRO stage, the offloads, checkpointing, sequence parallelism and the tiles are read from the config and
+    the DeepSpeed JSON once, into the run's Layout (`Prepared.layout`, the record the planner prices); the engine,
+    the loop, checkpoints and the runtime read them from it, so what runs is what was priced. Read from the source:
+    a new read of the config or the JSON below the preparation fails here."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "pipeline" / "train"
+    below = [root / f for f in ("engine.py", "loop.py", "step.py", "state.py", "faults.py", "main.py")]
+    below += [p for d in ("checkpoint", "parts", "runtime") for p in (root / d).glob("*.py")]
+    reads = re.compile(
+        r"train\.(sequence_parallel|tiled_mlp|activation_checkpointing)\b|zero_stage\(|offload_devices\("
+        r"|\[\"zero_optimization\"\]\[\"stage\"\]|get\(\"stage\""
+    )
+    found = [
+        f"{p.relative_to(root.parent.parent)}:{n}: {line.strip()}"
+        for p in below
+        for n, line in enumerate(p.read_text().splitlines(), start=1)
+        if reads.search(line)
+    ]
+    assert len(below) > 15 and not found, found
+
+
+def test_the_prepared_layout_is_what_the_config_and_its_json_say(tmp_path) -> None:
+    """prepare() reads the run's Layout through the planner's own reader: the JSON's stage and offloads, the
+    config's checkpointing, sequence-parallel size and tiles, the batch the world gives."""
+    import json
+
+    from pipeline.train.setup.config import from_dict
+    from pipeline.train.setup.prepare import run_layout
+
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+        "activation_checkpointing": {"cpu_checkpointing": True},
+    }
+    train = {"sequence_parallel": 2, "tiled_mlp": 4, "activation_checkpointing": True, "max_steps": 1}
+    cfg = from_dict({"batch": {"global_batch_size": 8}, "train": train})
+    layout = run_layout(cfg, json.loads(json.dumps(ds)))
+    assert (layout.stage, layout.offload_optimizer, layout.offload_param) == (3, "cpu", "none")
+    assert (layout.micro_batch_size, layout.grad_accum, layout.sequence_parallel, layout.tiled_mlp) == (2, 4, 2, 4)
+    assert layout.activation_checkpointing and layout.offload_activations

@@ -66,9 +66,8 @@ def test_heads_that_do_not_split_are_refused() -> None:
 
 
 def test_zero3_scales_the_loss_and_refuses_the_path_that_would_not() -> None:
-    zero3 = {"zero_optimization": {"stage": 3}}
-    assert sequence_parallel_loss_factor(zero3, 2) == 2.0 and sequence_parallel_loss_factor(zero3, 1) == 1.0
-    assert sequence_parallel_loss_factor({"zero_optimization": {"stage": 2}}, 4) == 1.0
+    assert sequence_parallel_loss_factor(3, 2) == 2.0 and sequence_parallel_loss_factor(3, 1) == 1.0
+    assert sequence_parallel_loss_factor(2, 4) == 1.0
     cfg = from_dict(
         {"batch": {"micro_batch_size": 1, "global_batch_size": 2}, "train": {"max_steps": 1, "sequence_parallel": 2}}
     )

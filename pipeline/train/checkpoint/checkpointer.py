@@ -22,7 +22,6 @@ from pipeline.train.checkpoint import files as ckpt
 from pipeline.train.checkpoint.resume import continue_from, resumable
 from pipeline.train.runtime.dist import on_rank0, ranks_per_node
 from pipeline.train.runtime.ds_workarounds import replay_adam_beta_powers
-from pipeline.train.setup.ds_config import zero_stage
 from pipeline.train.setup.prepare import Run
 from pipeline.train.setup.schedule import Schedule, max_steps_for
 from pipeline.train.setup.stages import stage_of_checkpoint
@@ -67,7 +66,7 @@ class Checkpointer:
             return self.engine, None
         tag, marker, folder = found
         load_tag, load_dir = tag, folder
-        if marker["world_size"] != run.dist.world_size and zero_stage(ds) > 0:
+        if marker["world_size"] != run.dist.world_size and run.layout.stage > 0:
             # Another world size: DeepSpeed's universal checkpoint re-partitions the optimizer states. Rank 0
             # converts once (kept beside the checkpoint for the next launch; a branch's in its own run_dir, so
             # the source run is only read); the engine loads it with load_universal.
@@ -182,7 +181,7 @@ class Checkpointer:
             "tokenizer_sha256": run.manifest["tokenizer"]["sha256"],
             "model_shape": run.shape.as_dict(),
             "world_size": run.dist.world_size,
-            "zero_stage": zero_stage(run.ds),
+            "zero_stage": run.layout.stage,
             "precision": run.cfg.train.precision,
             "optimizer": run.cfg.optim.name,
             "global_batch_size": run.plan.global_batch_size,

@@ -22,7 +22,6 @@ from pipeline.atomic import replacing_dir, seal_broken, sealed, sha256_file, tex
 from pipeline.errors import PipelineError
 from pipeline.plan.memory import checkpoint_bytes
 from pipeline.train import faults
-from pipeline.train.setup.ds_config import zero_stage
 from pipeline.train.setup.optimizers import OPTIMIZERS
 
 if TYPE_CHECKING:
@@ -383,6 +382,6 @@ def checkpoint_size(prepared: Prepared, world_size: int, ranks_per_node: int) ->
     module_bytes = 4 if prepared.cfg.train.precision == "fp32" else 2
     state_bytes = 4 + OPTIMIZERS[prepared.cfg.optim.name].moment_bytes
     sizes = checkpoint_bytes(
-        prepared.shape, zero_stage(prepared.ds), world_size, ranks_per_node, module_bytes, state_bytes
+        prepared.shape, prepared.layout.stage, world_size, ranks_per_node, module_bytes, state_bytes
     )
     return sizes["per_node"]

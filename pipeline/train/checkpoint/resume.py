@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 from pipeline.errors import PipelineError
 from pipeline.train.checkpoint import files as ckpt
 from pipeline.train.checkpoint.files import Marker
-from pipeline.train.setup.ds_config import zero_stage
 from pipeline.train.setup.optimizers import OPTIMIZERS
 from pipeline.train.setup.prepare import Prepared
 from pipeline.train.setup.schedule import Schedule, first_changed_step, learning_rate, max_steps_for
@@ -162,15 +161,13 @@ def continuation_problems(
 ) -> list[str]:
     """Why this config cannot continue `marker`'s checkpoint (`resume_problems`); the data's fingerprint is that
     of the shards the checkpoint's last update trained on under this config's data stages, unless given."""
-    from pipeline.plan.cluster import offload_devices
-
     return resume_problems(
         marker,
         data_fingerprint=data_fingerprint or fingerprint_at(prepared.cfg.data, marker["step"]),
         model_shape=prepared.shape.as_dict(),
         world_size=world,
-        zero_stage=zero_stage(prepared.ds),
-        nvme_optimizer=offload_devices(prepared.ds).optimizer == "nvme",
+        zero_stage=prepared.layout.stage,
+        nvme_optimizer=prepared.layout.offload_optimizer == "nvme",
         optimizer=prepared.cfg.optim.name,
         seq_len=prepared.plan.seq_len,
         precision=prepared.cfg.train.precision,

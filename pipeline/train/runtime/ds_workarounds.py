@@ -71,7 +71,7 @@ def replay_adam_beta_powers(optimizer: Any, device: torch.device) -> int:
     return steps
 
 
-def sequence_parallel_loss_factor(ds: dict[str, Any], sequence_parallel: int) -> float:
+def sequence_parallel_loss_factor(stage: int, sequence_parallel: int) -> float:
     """What a rank's loss is multiplied by before its backward under sequence parallelism, so that every ZeRO stage
     applies the update one rank holding the whole sequence would. ZeRO 0-2 divide the gradients they sum over all
     ranks by world / sequence_parallel (the data-parallel replicas), which is right: a group's ranks each hold the
@@ -81,7 +81,6 @@ def sequence_parallel_loss_factor(ds: dict[str, Any], sequence_parallel: int) ->
     exactly half of one rank's, and Adam's epsilon turned that into losses 4e-4 apart after 10 steps
     (tests/multiproc/test_sequence_parallel.py). The loss is scaled here to compensate; its other path (reduce_scatter
     off) divides correctly only for buckets that fit, so it is refused with sequence parallelism."""
-    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
     return float(sequence_parallel) if sequence_parallel > 1 and stage == 3 else 1.0
 
 

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pipeline.plan.cluster import offload_devices
+from pipeline.plan.cluster import Layout
 
 BUILDERS = {
     "fused_adam": "FusedAdamBuilder",
@@ -87,11 +87,10 @@ def is_built(name: str) -> bool:
     return (extensions_dir() / name / f"{name}.so").is_file()
 
 
-def needed(ds: dict[str, Any], accelerator: str, world_size: int = 1) -> list[str]:
-    """The ops a run of this DeepSpeed config loads on `accelerator`."""
-    offload = offload_devices(ds)
-    ops = ["cpu_adam"] if offload.optimizer != "none" else ["fused_adam"]
-    if offload.nvme:
+def needed(layout: Layout, accelerator: str, world_size: int = 1) -> list[str]:
+    """The ops a run of this layout loads on `accelerator`."""
+    ops = ["cpu_adam"] if layout.offload_optimizer != "none" else ["fused_adam"]
+    if "nvme" in (layout.offload_optimizer, layout.offload_param):
         ops.append("async_io")
     if accelerator == "cpu" and world_size > 1:
         ops.append("deepspeed_shm_comm")  # DeepSpeed's CPU all-reduce between the ranks of one machine

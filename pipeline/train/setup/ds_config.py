@@ -9,7 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError
-from pipeline.plan.cluster import fp32_grad_accumulation, offload_devices  # offload_devices: the doctor's too
+from pipeline.plan.cluster import (  # offload_devices: the doctor's too
+    fp32_grad_accumulation,
+    offload_devices,
+    sequence_parallel_divides,
+)
 from pipeline.train.setup.config import PretrainConfig
 from pipeline.train.setup.optimizers import OPTIMIZERS
 
@@ -44,21 +48,8 @@ def batch_plan(cfg: PretrainConfig, world_size: int, seq_len: int) -> BatchPlan:
     data-parallel size is world / N, and the global batch must split into micro-batches over it."""
     b = cfg.batch
     sp = cfg.train.sequence_parallel
-    if world_size % sp:
-        fits = [n for n in range(sp, 0, -1) if world_size % n == 0][0]
-        raise ConfigError(
-            [
-                f"train.sequence_parallel {sp} does not divide the {world_size} ranks: a group of {sp} ranks trains "
-                f"one sample; use --set train.sequence_parallel={fits}, or a world of a multiple of {sp} ranks"
-            ]
-        )
-    if seq_len % sp:
-        raise ConfigError(
-            [
-                f"train.sequence_parallel {sp} does not divide seq_len {seq_len}: each rank of a group holds "
-                f"seq_len / {sp} tokens; shard with a --seq-len that is a multiple of {sp}"
-            ]
-        )
+    if found := sequence_parallel_divides(sp, world_size, seq_len):
+        raise ConfigError(found)
     replicas = world_size // sp
     if b.global_batch_tokens is not None:
         if b.global_batch_tokens % seq_len:

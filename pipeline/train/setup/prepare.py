@@ -23,6 +23,8 @@ from pipeline.model.varlen import (
     choose_documents,
     sequence_parallel_attention_problems,
 )
+from pipeline.plan.cluster import Layout
+from pipeline.plan.ds_json import layout_from_ds
 from pipeline.plan.gpus import GPU, capped, lookup
 from pipeline.train.runtime.dist import Dist, accelerator_name, host_ram_bytes, ranks_per_node
 from pipeline.train.runtime.ds_workarounds import deepspeed_version_problems
@@ -37,8 +39,10 @@ from pipeline.train.setup.stages import stage_problems
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Prepared:
     """A checked run: its config (with the planner's choices filled in), the resolved DeepSpeed JSON, the batch
-    arithmetic for this world size, the model's shape, the shards' manifest and how attention keeps documents
-    apart and windows honoured."""
+    arithmetic for this world size, the model's shape, the shards' manifest, how attention keeps documents apart
+    and windows honoured, and the run's `layout`: the record the planner prices (pipeline.plan.cluster.Layout),
+    read from the config and the JSON once, here. Everything below the preparation reads the ZeRO stage, the
+    offloads, checkpointing, sequence parallelism and the tiles from it, not from the config or the JSON."""
 
     cfg: PretrainConfig
     ds: dict[str, Any]
@@ -46,6 +50,7 @@ class Prepared:
     shape: ModelShape
     manifest: ShardManifest
     documents: DocumentAttention
+    layout: Layout
 
     @property
     def run_dir(self) -> Path:
@@ -113,7 +118,22 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
     else:
         raw, source = load_ds_config(cfg.train.deepspeed_config), cfg.train.deepspeed_config
     ds = resolve(cfg, raw, plan, accelerator=accelerator_name(), source=source, num_params=shape.num_params())
-    return Prepared(cfg=cfg, ds=ds, plan=plan, shape=shape, manifest=manifest, documents=documents)
+    layout = run_layout(cfg, ds)
+    return Prepared(cfg=cfg, ds=ds, plan=plan, shape=shape, manifest=manifest, documents=documents, layout=layout)
+
+
+def run_layout(cfg: PretrainConfig, ds: dict[str, Any]) -> Layout:
+    """The Layout a config and its resolved DeepSpeed JSON describe (the JSON read by the planner's own
+    `layout_from_ds`, the fields it has no place for from the config): what the planner prices for this run."""
+    return layout_from_ds(
+        ds,
+        int(ds["train_micro_batch_size_per_gpu"]),
+        int(ds["gradient_accumulation_steps"]),
+        cfg.train.activation_checkpointing,
+        OPTIMIZERS[cfg.optim.name].moment_bytes,
+        cfg.train.sequence_parallel,
+        cfg.train.tiled_mlp,
+    )
 
 
 def trainer_refusals(cfg: PretrainConfig, plan: BatchPlan, accelerator: str) -> Callable[[Any], list[str]]:
@@ -216,5 +236,5 @@ def auto_ds_config(
             "train.deepspeed_config auto: nothing fits this machine; see `pipeline plan` for what would: "
             + "; ".join(result.advice)
         )
-    best = result.best.candidate
+    best = result.best.layout
     return ds_config(result.best), best.activation_checkpointing, best.tiled_mlp
