@@ -4,11 +4,14 @@ command's user errors into one line. pipeline/cli.py declares the commands."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -18,16 +21,49 @@ from pipeline.errors import PipelineError, os_error_in
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `docker stop`, a scheduler's time limit) raised where Ctrl-C raises KeyboardInterrupt, so
+    that every command's cleanup (temporary files removed, worker pools stopped, locks released) runs for both."""
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """While a command runs, SIGTERM raises Terminated in the process that runs it. A worker forked meanwhile
+    (pools, executors) inherits the handler: there it dies as SIGTERM asks, without a traceback of its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def on_term(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """User errors become one line on stderr and exit code 2; no traceback."""
+    """User errors become one line on stderr and exit code 2; no traceback. SIGTERM and Ctrl-C stop a command
+    alike: its cleanup runs, one line says so, exit 143 or 130."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with terminate_as_interrupt():
+                return fn(*args, **kwargs)
         except PipelineError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except Terminated:
+            click.echo("terminated (SIGTERM); no partial outputs were left under final names", err=True)
+            sys.exit(143)
         except KeyboardInterrupt:
             click.echo("interrupted; no partial outputs were left under final names", err=True)
             sys.exit(130)

@@ -49,6 +49,8 @@ class Report:
     removed: dict[str, dict[str, Any]] = field(default_factory=dict)
     """reason -> {documents, bytes, examples: [{id, text}]}"""
     seconds: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    """What looks wrong with a result that is legal (`warnings_of`): said beside the summary and kept here."""
 
     def summary(self, out: Path) -> list[str]:
         def share(n: int) -> str:
@@ -63,6 +65,7 @@ class Report:
             lines.append(f"  removed {r['documents']:>9,} ({share(r['documents'])}) {reason}")
         if self.bad_records:
             lines.append(f"  {self.bad_records:,} records could not be read (see report.json: bad_record)")
+        lines += [f"warning: {w}" for w in self.warnings]
         lines.append(
             f"report: {out / 'report.json'} (examples per reason; every removed document in {out / 'removed'})"
         )
@@ -99,16 +102,59 @@ def curate(inputs: list[str], output: str, opts: CurateOptions, echo: Any = prin
         if report.documents_in == 0:
             raise PipelineError(f"{', '.join(inputs)}: no readable document (bad records: {report.bad_records})")
         if report.documents_kept == 0:
+            said = [w for w in warnings_of(report) if "13-gram" in w]
             raise PipelineError(
                 f"every one of the {report.documents_in:,} documents was removed ({', '.join(report.removed)}); "
-                "turn off the step that took them (--no-quality, --no-near, ...) or lower its bar"
+                + (
+                    said[0]
+                    if said
+                    else "turn off the step that took them (--no-quality, --no-near, ...) or lower its bar"
+                )
             )
         for scratch in SCRATCH:
             shutil.rmtree(work / scratch, ignore_errors=True)
+        report.warnings = warnings_of(report)
         write_json(work / "report.json", asdict(report))
     for line in report.summary(out):
         echo(line)
     return report
+
+
+KEPT_TOO_FEW, CONTAMINATED_TOO_MANY = 0.10, 0.20
+"""Below this share kept, or above this share found in the eval set, a curate result is more likely a mistake
+than the corpus (a template-heavy scrape, the wrong step for this text, the training data given as the eval set)."""
+TURN_OFF = {
+    "gopher_repetition": "--no-quality",
+    "gopher_quality": "--no-quality",
+    "c4_quality": "--no-quality",
+    "fineweb_quality": "--no-quality",
+    "exact_duplicate": "--no-exact",
+    "near_duplicate": "--no-near (or a higher --near-threshold)",
+}
+
+
+def warnings_of(report: Report) -> list[str]:
+    """What looks wrong with a legal result: almost everything removed by one step, or most of the corpus found in
+    the eval set; each naming the step, its share and the way to look and to change it."""
+    out = []
+    n = report.documents_in
+    if n == 0:
+        return out
+    contaminated = report.removed.get("contaminated", {}).get("documents", 0)
+    if contaminated / n > CONTAMINATED_TOO_MANY:
+        out.append(
+            f"{contaminated / n:.0%} of the documents share a 13-gram with --decontaminate's files: check that they "
+            "are your evaluation set and not the training data itself (or a copy of it)"
+        )
+    if report.documents_kept / n < KEPT_TOO_FEW and report.removed:
+        reason, r = max(report.removed.items(), key=lambda kv: kv[1]["documents"])
+        step = reason.split(":")[0]
+        how = f"; if it took what you meant to keep, {TURN_OFF[step]}" if step in TURN_OFF else ""
+        out.append(
+            f"only {report.documents_kept / n:.1%} of the documents were kept; {reason} removed {r['documents']:,} "
+            f"({r['documents'] / n:.0%}): see its examples in report.json{how}"
+        )
+    return out
 
 
 def read_documents(folder: Path) -> Iterator[dict[str, Any]]:

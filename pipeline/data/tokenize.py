@@ -226,20 +226,25 @@ def _run(cfg: TokenizeConfig) -> TokenizeResult:
     stats = [FileStats(str(s.path), s.kind) for s in sources]
     sink = ErrorSink(cfg.on_error)
     progress = Progress(sum(_input_size(s) for s in sources), "tokenize", cfg.progress)
-    bin_tmp = tmp_path_for(prefix.with_name(prefix.name + ".bin"))
-    idx_tmp = tmp_path_for(prefix.with_name(prefix.name + ".idx"))
-    writer = IndexedWriter(bin_tmp, dtype, count_ids=tok.vocab_size if trained else 0)
+    rules = safe_rules(tok.encode)
+    cut_stats: Counter = Counter()
+    pool = None
+    # the temporary files and the writer once made: a stop at any point from here removes what they hold
+    temps: list[Path] = []
+    made: list[IndexedWriter] = []
 
     def consume(i: int, nbytes: int, lengths: np.ndarray, lasts: np.ndarray, flat: np.ndarray) -> None:
-        docs = writer.add_pieces(lengths, lasts, flat)
+        docs = made[0].add_pieces(lengths, lasts, flat)
         stats[i].documents += docs
         stats[i].tokens += len(flat)
         progress.update(nbytes, docs=docs, tok=len(flat))
 
-    rules = safe_rules(tok.encode)
-    cut_stats: Counter = Counter()
-    pool = None
     try:
+        for name in (".bin", ".idx"):
+            temps.append(tmp_path_for(prefix.with_name(prefix.name + name)))
+        bin_tmp, idx_tmp = temps
+        made.append(IndexedWriter(bin_tmp, dtype, count_ids=tok.vocab_size if trained else 0))
+        writer = made[0]
         if cfg.workers > 1:
             pool = mp.get_context("spawn").Pool(cfg.workers, initializer=worker_init, initargs=(str(tok_path),))
         encode_all(chunks(sources, cfg, stats, sink, rules, cut_stats), tok, eos_id, dtype, pool, cfg.workers, consume)
@@ -250,9 +255,10 @@ def _run(cfg: TokenizeConfig) -> TokenizeResult:
         os.replace(bin_tmp, prefix.with_name(prefix.name + ".bin"))
         os.replace(idx_tmp, prefix.with_name(prefix.name + ".idx"))
     except BaseException:
-        writer.abort()
-        bin_tmp.unlink(missing_ok=True)
-        idx_tmp.unlink(missing_ok=True)
+        if made:
+            made[0].abort()
+        for leftover in (*temps, *(t.with_name(t.name + ".lengths") for t in temps)):
+            leftover.unlink(missing_ok=True)
         if pool is not None:
             pool.terminate()
         raise

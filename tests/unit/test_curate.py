@@ -128,3 +128,42 @@ def test_an_output_folder_that_is_not_a_curate_output_is_refused(tmp_path: Path)
     r = curate(str(tmp_path / "c.jsonl"), "--output", str(tmp_path / "mine"))
     assert r.exit_code == 2 and "not a curate output" in r.output
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_result_more_likely_a_mistake_than_the_corpus_is_said() -> None:
+    """Legal results that are usually mistakes get a warning naming the step, its share and the way out: nearly
+    everything removed by one step (a template-heavy scrape under the quality rules), or much of the corpus found in
+    the eval set (the training data given as --decontaminate); a plain result gets none."""
+    from pipeline.data.curate import Report, warnings_of
+
+    def report(kept: int, removed: dict[str, int]) -> Report:
+        r = Report(["in.jsonl"], {}, documents_in=kept + sum(removed.values()), documents_kept=kept)
+        r.removed = {k: {"documents": v, "bytes": 0, "examples": []} for k, v in removed.items()}
+        return r
+
+    (line,) = warnings_of(report(1, {"gopher_repetition: dup_para_frac": 2000, "exact_duplicate": 31}))
+    assert line.startswith("only 0.0% of the documents were kept; gopher_repetition: dup_para_frac removed 2,000")
+    assert "--no-quality" in line and "report.json" in line
+    (line,) = warnings_of(report(5, {"contaminated": 195}))[:1]
+    assert line.startswith("98% of the documents share a 13-gram with --decontaminate's files")
+    assert warnings_of(report(900, {"exact_duplicate": 60, "contaminated": 3})) == []
+
+
+@pytest.mark.slow
+def test_decontaminating_against_the_training_data_itself_is_said(tmp_path: Path) -> None:
+    """The training file given as the eval set: refused with the likely cause when it removes everything; a half
+    of it given: kept, with a warning."""
+    b = bench()
+    corpus = tmp_path / "corpus.jsonl"
+    b.synthetic_corpus(corpus, 40, ())
+    lines = corpus.read_text().splitlines()
+    half = tmp_path / "half.jsonl"
+    half.write_text("\n".join(lines[: len(lines) // 2]) + "\n")
+    args = ["--no-near", "--no-exact", "--no-quality"]
+    r = curate(str(corpus), "--output", str(tmp_path / "all"), "--decontaminate", str(corpus), *args)
+    assert r.exit_code == 2 and "share a 13-gram with --decontaminate's files" in r.output, r.output
+    r = curate(str(corpus), "--output", str(tmp_path / "out"), "--decontaminate", str(half), *args)
+    assert r.exit_code == 0, r.output
+    assert "% of the documents share a 13-gram with --decontaminate's files" in r.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["warnings"] and "13-gram" in report["warnings"][0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +173,37 @@ def test_killed_run_leaves_no_final_outputs(tmp_path: Path, tokenized: Path) -> 
     assert not (tmp_path / "out.bin").exists() and not (tmp_path / "out.idx").exists()
     assert not (tmp_path / "out.manifest.json").exists()
     # a rerun completes and replaces nothing half-written
+    tokenize_with(tmp_path / "out", [str(big)], tokenizer_model(tokenized))
+    assert IndexedReader(tmp_path / "out").tokens.size > 0
+
+
+@pytest.mark.slow  # a tokenize process stopped by SIGTERM midway: seconds of interpreter start
+def test_sigterm_stops_as_ctrl_c_does_and_leaves_nothing_behind(tmp_path: Path, tokenized: Path) -> None:
+    """`kill`, `docker stop` or a scheduler's time limit: the same cleanup as Ctrl-C (temporary files, the output's
+    lock, the worker pool), one line, exit 143; nothing beside the input is left, and a rerun completes."""
+    big = tmp_path / "big.jsonl"
+    big.write_text(CORPUS.read_text() * 200)
+    args = [
+        "tokenize",
+        str(big),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--tokenizer",
+        str(tokenizer_model(tokenized)),
+    ]
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], stderr=subprocess.PIPE, text=True)
+    import time
+
+    t0 = time.time()
+    while not list(tmp_path.glob(".out.bin.*")) and proc.poll() is None and time.time() - t0 < 60:
+        time.sleep(0.05)
+    assert proc.poll() is None, "tokenize ended before it could be stopped: give it more text"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "terminated (SIGTERM); no partial outputs were left under final names" in err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
     tokenize_with(tmp_path / "out", [str(big)], tokenizer_model(tokenized))
     assert IndexedReader(tmp_path / "out").tokens.size > 0
 
