@@ -136,7 +136,7 @@ TURN_OFF = {
 def warnings_of(report: Report) -> list[str]:
     """What looks wrong with a legal result: almost everything removed by one step, or most of the corpus found in
     the eval set; each naming the step, its share and the way to look and to change it."""
-    out = []
+    out: list[str] = []
     n = report.documents_in
     if n == 0:
         return out
