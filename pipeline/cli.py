@@ -29,6 +29,7 @@ from pipeline.options import (
     WHERE,
     Decorator,
     config_option,
+    given_on_command_line,
     group,
     length_mix,
     opt,
@@ -222,6 +223,11 @@ def shard(sources: tuple[str, ...], inspect_dir: str | None, model_dir: str | No
     if model_dir:
         check_model_tokenizer(model_dir, [prefix for prefix, _ in parsed])
     if options["whole_documents"]:
+        if options["cross_document"] and given_on_command_line("cross_document"):
+            raise PipelineError(
+                "--whole-documents and --cross-document: whole documents never cross a sample's end, which "
+                "--cross-document asks for; drop one of them"
+            )
         options["cross_document"] = False
     result = shard_stage.run(ShardConfig(sources=parsed, weights_given=given, **options))
     if result.skipped:
@@ -250,7 +256,8 @@ def shard(sources: tuple[str, ...], inspect_dir: str | None, model_dir: str | No
     default=None,
     help="With --hostfile: when hosts stop answering ssh, go on with the hosts that do if there are at least this "
     "many and the plan for them fits (same global batch, resumed through the universal checkpoint); a host that "
-    "answers again is taken back at the next launch. Without it a lost host stops the run, naming it.",
+    "answers again is taken back at the next launch; needs --max-restarts. Without it a lost host stops the run, "
+    "naming it.",
 )
 @click.option(
     "--skip-doctor",

@@ -49,6 +49,12 @@ def terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def given_on_command_line(name: str) -> bool:
+    """Whether the running command's option `name` was given, not left at its default."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source is not None and source != click.core.ParameterSource.DEFAULT
+
+
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """User errors become one line on stderr and exit code 2; no traceback. SIGTERM and Ctrl-C stop a command
     alike: its cleanup runs, one line says so, exit 143 or 130."""

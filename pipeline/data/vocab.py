@@ -26,7 +26,7 @@ from typing import Any
 
 from pipeline.atomic import replacing_dir, write_json
 from pipeline.data.readers import read_records, resolve_inputs
-from pipeline.data.tokenizer import train_sentencepiece
+from pipeline.data.tokenizer import RARE, train_sentencepiece
 from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
@@ -66,15 +66,42 @@ class VocabResult:
     added: int
     bytes_per_token_before: float
     bytes_per_token_after: float
+    notes: tuple[str, ...] = ()
 
     @property
     def summary(self) -> str:
         gain = self.bytes_per_token_after / self.bytes_per_token_before
-        return (
-            f"wrote {self.output}: {self.added:,} tokens added; held-out text at {self.bytes_per_token_before:.2f} "
-            f"bytes per token before, {self.bytes_per_token_after:.2f} after ({gain:.2f}x as many bytes per token); "
-            f"continue it with model.init_from: {self.output}, and tokenize with --tokenizer {self.output}"
+        return "\n".join(
+            [
+                f"wrote {self.output}: {self.added:,} tokens added; held-out text at {self.bytes_per_token_before:.2f}"
+                f" bytes per token before, {self.bytes_per_token_after:.2f} after ({gain:.2f}x as many bytes per "
+                f"token); continue it with model.init_from: {self.output}, and tokenize with --tokenizer {self.output}",
+                *(f"note: {n}" for n in self.notes),
+            ]
         )
+
+
+def rare_added(tok: Any, docs: list[str], first_id: int, added: int, asked: int) -> list[str]:
+    """A note when most of the added tokens occur fewer than RARE times in the sampled documents (a --new-tokens of
+    100,000 on a few hundred documents): their embedding rows would barely train, as tokenize says of a
+    --vocab-size the text does not support."""
+    import numpy as np
+
+    if not added:
+        return []
+    counts = np.zeros(added, dtype=np.int64)
+    for d in docs:
+        ids = np.asarray(tok.encode(d, add_special_tokens=False), dtype=np.int64)
+        new = ids[(ids >= first_id) & (ids < first_id + added)] - first_id
+        counts += np.bincount(new, minlength=added)[:added]
+    rare = int((counts < RARE).sum())
+    if rare <= added // 2:
+        return []
+    return [
+        f"--new-tokens {asked:,}: {rare:,} of the {added:,} added tokens occur fewer than {RARE} times in the "
+        f"{len(docs):,} documents sampled, so their embedding rows will barely train; a smaller --new-tokens (or "
+        "more text) suits this corpus"
+    ]
 
 
 def _documents(cfg: VocabConfig) -> tuple[list[str], list[str]]:
@@ -227,4 +254,5 @@ def extend_vocabulary(cfg: VocabConfig) -> VocabResult:
                 "pieces": pieces,
             },
         )
-    return VocabResult(output, len(pieces), before, after)
+    notes = rare_added(tok, train, old_len, len(pieces), cfg.new_tokens)
+    return VocabResult(output, len(pieces), before, after, tuple(notes))

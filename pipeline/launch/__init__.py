@@ -51,6 +51,11 @@ def pretrain(
     hosts = [h for h, _ in hostfile_hosts(where.hostfile)] if where.hostfile else None
     if min_nodes is not None and hosts and not 1 <= min_nodes <= len(hosts):
         raise PipelineError(f"--min-nodes {min_nodes}: {where.hostfile} has {len(hosts)} host(s); give 1 to that many")
+    if min_nodes is not None and max_restarts == 0:
+        raise PipelineError(
+            f"--min-nodes {min_nodes} acts when a failed launch is relaunched, and --max-restarts is 0: the first lost "
+            "host would end the run. Add --max-restarts N (e.g. --max-restarts 3)"
+        )
     where.check_local_gpus()
     where = where.resolved()
     world, per_node = where.world_size()
@@ -60,6 +65,15 @@ def pretrain(
     # One error for every problem: the run folder free, shards whole, the checkpoint it continues, disk, the doctor.
     for note in before_launch(prepared, world, per_node, more=[] if skip_doctor else failed):
         click.echo(note, err=True)
+    if min_nodes is not None and hosts and (sp := prepared.layout.sequence_parallel) > 1:
+        kept = [n for n in range(min_nodes, len(hosts) + 1) if not (n * per_node) % sp]
+        if len(kept) < len(hosts) - min_nodes + 1:
+            click.echo(
+                f"note: with train.sequence_parallel {sp} a relaunch goes on with "
+                f"{', '.join(map(str, kept)) or 'no number'} of the {len(hosts)} hosts (a group of {sp} ranks shares "
+                "each sample); with another number of hosts answering it stops, naming them",
+                err=True,
+            )
     if dry_run:
         click.echo(describe(prepared))
         return 0

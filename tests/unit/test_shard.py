@@ -305,6 +305,19 @@ def test_whole_documents_need_documents_that_end_with_eos(tokenized: Path, tmp_p
         shard_into([(tmp_path / "plain", 1.0)], tmp_path / "o", seq_len=64, cross_document=False, whole_documents=True)
 
 
+def test_whole_documents_with_an_explicit_cross_document_is_refused(tokenized: Path, tmp_path: Path) -> None:
+    """Two flags that ask for opposite samples: refused in one line before anything is written (the default of
+    --cross-document stays implied off by --whole-documents)."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    args = ["shard", str(tokenized), "--output", str(tmp_path / "o"), "--seq-len", "64", "--whole-documents"]
+    r = CliRunner().invoke(main, [*args, "--cross-document"])
+    assert r.exit_code == 2 and "--whole-documents and --cross-document" in r.output, r.output
+    assert not (tmp_path / "o").exists()
+
+
 def test_shard_counts_held_out_documents_that_are_near_duplicates_of_training_ones(
     tokenized: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -200,3 +200,27 @@ def test_the_supervisor_relaunches_on_the_hosts_that_answer(
     with pytest.raises(PipelineError, match="1 of 3 hosts answer ssh"):
         run_with_restarts(cmd, 1, tmp_path / "run", ["node0", "node1", "node2"], s)
     assert not launches.exists()
+
+
+def test_min_nodes_without_restarts_is_refused_and_what_sharing_a_sample_allows_is_said(
+    shards: Path, tmp_path: Path
+) -> None:
+    """--min-nodes acts on a relaunch: without --max-restarts the first lost host would end the run, so the pair is
+    refused in one line; with sequence parallelism a relaunch goes on only with host counts whose ranks the groups
+    divide, and the launch says which before anything runs."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    cfg = launch.write_config(
+        tmp_path / "c.yaml", run_dir=tmp_path / "run", shards=shards, ds_config="zero2.json", micro=1, global_batch=8
+    )
+    hosts = hostfile(tmp_path / "hosts", ["node0", "node1", "node2", "node3"])
+    args = ["pretrain", "--config", str(cfg), "--hostfile", hosts, "--dry-run", "--min-nodes", "2"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "--max-restarts is 0: the first lost host would end the run" in r.output, r.output
+    r = CliRunner().invoke(main, [*args, "--max-restarts", "3", "--set", "train.sequence_parallel=2"])
+    assert r.exit_code == 0, r.output
+    assert "with train.sequence_parallel 2 a relaunch goes on with 2, 4 of the 4 hosts" in r.output
+    r = CliRunner().invoke(main, [*args, "--max-restarts", "3"])
+    assert r.exit_code == 0 and "relaunch goes on with" not in r.output, r.output

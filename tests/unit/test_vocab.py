@@ -89,3 +89,19 @@ def test_bad_inputs_are_one_line(model_dirs: dict[str, Path], tmp_path: Path, ar
     result = CliRunner().invoke(main, ["extend-vocab", *(a.format(**fill) for a in args)])
     assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output, result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_more_new_tokens_than_the_text_supports_is_said(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """--new-tokens far above what a small corpus supports: done (legal), with a note that most added rows would
+    barely train, as tokenize says of a large --vocab-size; a supported count gets no note."""
+    corpus = thai_corpus(tmp_path / "thai.jsonl", docs=60)
+    src = str(model_dirs["llama"])
+    many = extend_vocabulary(
+        VocabConfig(model_dir=src, inputs=(str(corpus),), output=str(tmp_path / "m"), new_tokens=5000)
+    )
+    assert many.added > 200 and "note: --new-tokens 5,000: " in many.summary
+    assert "added tokens occur fewer than 10 times" in many.summary
+    few = extend_vocabulary(
+        VocabConfig(model_dir=src, inputs=(str(corpus),), output=str(tmp_path / "f"), new_tokens=20)
+    )
+    assert few.added == 20 and "note:" not in few.summary
