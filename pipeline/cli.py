@@ -344,7 +344,8 @@ def evaluate(launched: bool, **options: Any) -> None:
     "--gguf",
     multiple=True,
     type=click.Choice(["f16", "q8_0"]),
-    help="Also write OUTPUT/NAME-TYPE.gguf for llama.cpp and Ollama (repeatable; sentencepiece tokenizers).",
+    help="Also write OUTPUT/NAME-TYPE.gguf for llama.cpp and Ollama (repeatable; a sentencepiece tokenizer.model, or "
+    "a byte-level BPE tokenizer.json as Llama 3's and Qwen2's; checked before the export starts).",
 )
 def export(
     checkpoint: str,
@@ -358,22 +359,18 @@ def export(
     """Export a checkpoint (or the mean of several, --average) to a Hugging Face model folder (safetensors,
     config, tokenizer), and with --gguf to GGUF files llama.cpp runs."""
     from pipeline.evaluate.export import export as export_checkpoint
+    from pipeline.evaluate.export import gguf_name
 
-    if gguf:
-        from pipeline.evaluate.to_gguf import check_gguf
-
-        check_gguf()  # before the export's minutes: the package is there
-    out = export_checkpoint(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_size, average=average, data=data)
+    out = export_checkpoint(
+        checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_size, average=average, data=data, gguf=gguf
+    )
     if average:
         checkpoint = f"the mean of {average} of {checkpoint}"
     click.echo(
         f"exported {checkpoint} to {out} ({dtype}); load it with "
         f"AutoModelForCausalLM.from_pretrained('{out}') and AutoTokenizer.from_pretrained('{out}')"
     )
-    for kind in gguf:
-        from pipeline.evaluate.to_gguf import write_gguf
-
-        path = write_gguf(out, out / f"{out.name}-{kind}.gguf", kind)
+    for path in (out / gguf_name(out, kind) for kind in gguf):
         click.echo(f"wrote {path} ({path.stat().st_size / 1e6:,.1f} MB): llama-cli -m {path}")
 
 

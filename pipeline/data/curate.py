@@ -100,7 +100,16 @@ def curate(inputs: list[str], output: str, opts: CurateOptions, echo: Any = prin
             pass  # counted below: nothing read, or everything removed
         _count(work, report)
         if report.documents_in == 0:
-            raise PipelineError(f"{', '.join(inputs)}: no readable document (bad records: {report.bad_records})")
+            first = report.removed.get("bad_record", {}).get("examples", [])[:1]
+            why = f"; first: {first[0]['id']}: {first[0].get('error')}" if first else ""
+            key = (
+                f" (--text-key {opts.text_key} names the field of the inputs and of --decontaminate's files alike)"
+                if opts.decontaminate and opts.text_key != "text"
+                else ""
+            )
+            raise PipelineError(
+                f"{', '.join(inputs)}: no readable document (bad records: {report.bad_records}){why}{key}"
+            )
         if report.documents_kept == 0:
             said = [w for w in warnings_of(report) if "13-gram" in w]
             raise PipelineError(

@@ -28,6 +28,7 @@ from pipeline.atomic import replacing_dir, write_json
 from pipeline.data.readers import read_records, resolve_inputs
 from pipeline.data.tokenizer import RARE, train_sentencepiece
 from pipeline.errors import PipelineError
+from pipeline.model.families import model_folder_problems
 
 log = logging.getLogger(__name__)
 EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
@@ -210,6 +211,8 @@ def extend_vocabulary(cfg: VocabConfig) -> VocabResult:
     model_dir, output = Path(cfg.model_dir), Path(cfg.output)
     if not (model_dir / "config.json").is_file():
         raise PipelineError(f"{model_dir}: no config.json; give a downloaded Hugging Face model folder")
+    if found := model_folder_problems(model_dir, "MODEL_DIR", weights=True, tokenizer=True):
+        raise PipelineError("; ".join(found))
     if output.resolve() == model_dir.resolve():
         raise PipelineError(f"--output {output}: the model folder itself; give a new folder")
     if output.exists() and any(output.iterdir()) and not (output / RESULT).exists():

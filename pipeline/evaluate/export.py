@@ -76,8 +76,11 @@ def write_hf_model(
     dtype: str = "bf16",
     tok_ids: dict[str, Any] | None = None,
     max_shard_bytes: int = 2 * 10**9,
+    gguf: tuple[str, ...] = (),
 ) -> Path:
-    """Stream `tensors` into safetensors shards in a temporary folder beside `output`, then rename it into place."""
+    """Stream `tensors` into safetensors shards in a temporary folder beside `output`, with the GGUF files of
+    `gguf` (OUTPUT/NAME-KIND.gguf) converted from it there, then rename it into place: an earlier output is
+    replaced whole (weights and GGUF files together), never half."""
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     output = Path(output)
@@ -92,7 +95,17 @@ def write_hf_model(
         elif tokenizer is not None:
             hf_tokenizer(tokenizer).save_pretrained(work)
             shutil.copyfile(tokenizer, work / "tokenizer.model")
+        if gguf:
+            from pipeline.evaluate.to_gguf import write_gguf
+
+            for kind in gguf:
+                write_gguf(work, work / gguf_name(output, kind), kind)
     return output
+
+
+def gguf_name(output: Path, kind: str) -> str:
+    """The GGUF file of `kind` in an export folder: NAME-KIND.gguf."""
+    return f"{Path(output).name}-{kind}.gguf"
 
 
 def _write_weights(tensors: Iterator[tuple[str, torch.Tensor]], work: Path, dtype: torch.dtype, max_bytes: int) -> None:
@@ -180,11 +193,18 @@ def export(
     max_shard_bytes: int = 2 * 10**9,
     average: str | None = None,
     data: str | None = None,
+    gguf: tuple[str, ...] = (),
 ) -> Path:
     """RUN_DIR[/TAG] -> a Hugging Face folder that AutoModelForCausalLM / AutoTokenizer load offline; with
     `average` (last:N or tags), the mean of those checkpoints' weights, streamed one tensor at a time. `data`: the
-    run's shards where they are now (default: its data.path), for the tokenizer and its special tokens."""
+    run's shards where they are now (default: its data.path), for the tokenizer and its special tokens. `gguf`:
+    the GGUF files (f16, q8_0) written into the folder too, their package and tokenizer checked before any
+    weight is read."""
     check_export_target(Path(output))
+    if gguf:
+        from pipeline.evaluate.to_gguf import check_gguf
+
+        check_gguf()
     r = open_run(checkpoint, average)
     data_dir = Path(data) if data else r.path(r.config["data"]["path"])
     tok_path: Path | None = None
@@ -198,6 +218,11 @@ def export(
             f"{data_dir}: the run's shards are not there (moved?), and the tokenizer and its special tokens are read "
             "from their manifest: pass --data DIR with the shards where they are now"
         )
+    if gguf:
+        from pipeline.evaluate.to_gguf import tokenizer_problem
+
+        if problem := tokenizer_problem(tok_path):
+            raise PipelineError(problem)
     return write_hf_model(
         ((name, materialize(value)) for name, value in r.weights().items()),
         r.shape,
@@ -206,4 +231,5 @@ def export(
         dtype=dtype,
         tok_ids=tok_ids,
         max_shard_bytes=max_shard_bytes,
+        gguf=gguf,
     )

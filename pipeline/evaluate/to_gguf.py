@@ -90,6 +90,36 @@ def rope_factors(hf_dir: Path, theta: float) -> np.ndarray:
     return (plain / scaled.double()).float().numpy()
 
 
+def _bpe_problem(doc: dict[str, Any], file: Path) -> str | None:
+    """Why a tokenizer.json is not one this conversion carries (None: a byte-level BPE with a known pre-tokenizer)."""
+    model = doc.get("model") or {}
+    decoder = (doc.get("decoder") or {}).get("type")
+    if model.get("type") != "BPE" or model.get("byte_fallback") or decoder != "ByteLevel":
+        return (
+            f"--gguf: {file} is not a byte-level BPE tokenizer (model {model.get('type')}, decoder {decoder}) and "
+            "the run has no sentencepiece tokenizer.model; convert the export with llama.cpp's convert_hf_to_gguf.py"
+        )
+    if not PRE_TOKENIZERS.get(_split_expression(doc.get("pre_tokenizer")), ""):
+        return (
+            f"--gguf: {file}: its pre-tokenizer is none that this conversion names for llama.cpp (Llama 3's, "
+            "Qwen2's, GPT-2's); convert the export with llama.cpp's convert_hf_to_gguf.py, which knows more"
+        )
+    return None
+
+
+def tokenizer_problem(tokenizer: Path | None) -> str | None:
+    """Why --gguf cannot carry the run's tokenizer (a sentencepiece model file, or a Hugging Face tokenizer
+    folder), None when it can: asked before the export's minutes, so nothing is written for a refusal."""
+    if tokenizer is None:
+        return "--gguf: the run's shards name no tokenizer to carry into the GGUF file"
+    if tokenizer.is_file() or (tokenizer / "tokenizer.model").is_file():
+        return None
+    file = tokenizer / "tokenizer.json"
+    if not file.is_file():
+        return f"--gguf: {tokenizer} has neither a sentencepiece tokenizer.model nor a tokenizer.json"
+    return _bpe_problem(json.loads(file.read_text()), file)
+
+
 def check_gguf() -> None:
     try:
         import gguf  # noqa: F401
@@ -215,21 +245,9 @@ def _bpe_vocabulary(writer: Any, gguf: Any, hf_dir: Path, rows: int) -> int:
     file = hf_dir / "tokenizer.json"
     doc = json.loads(file.read_text())
     model = doc.get("model") or {}
-    if (
-        model.get("type") != "BPE"
-        or model.get("byte_fallback")
-        or (doc.get("decoder") or {}).get("type") != "ByteLevel"
-    ):
-        raise PipelineError(
-            f"--gguf: {file} is not a byte-level BPE tokenizer (model {model.get('type')}, decoder "
-            f"{(doc.get('decoder') or {}).get('type')}); convert this export with llama.cpp's convert_hf_to_gguf.py"
-        )
-    pre = PRE_TOKENIZERS.get(_split_expression(doc.get("pre_tokenizer")), "")
-    if not pre:
-        raise PipelineError(
-            f"--gguf: {file}: its pre-tokenizer is none that this conversion names for llama.cpp (Llama 3's, "
-            "Qwen2's, GPT-2's); convert this export with llama.cpp's convert_hf_to_gguf.py, which knows more"
-        )
+    if problem := _bpe_problem(doc, file):
+        raise PipelineError(problem)
+    pre = PRE_TOKENIZERS[_split_expression(doc.get("pre_tokenizer"))]
     ids: dict[int, tuple[str, Any]] = {i: (t, gguf.TokenType.NORMAL) for t, i in model["vocab"].items()}
     for added in doc.get("added_tokens") or []:
         kind = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED

@@ -58,6 +58,44 @@ def config_path(path: str | Path) -> Path | None:
     return None
 
 
+TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""One of these makes a folder's tokenizer, in any of its forms (fast, sentencepiece, byte-level BPE's vocab)."""
+
+
+def model_folder_problems(folder: str | Path, field: str, *, weights: bool, tokenizer: bool) -> list[str]:
+    """What a Hugging Face model folder lacks for a command that reads its `weights` and/or its `tokenizer`,
+    checked against the folder's own safetensors index before anything is read or written: no weights at all,
+    an index naming files that are not there, no tokenizer files. Each line names `field` (the option or config
+    field that gave the folder) and what to do."""
+    path = Path(folder)
+    if not path.is_dir():
+        return []  # a file (init_from's single safetensors) or a missing path: the caller's own check says it
+    found = []
+    if weights:
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                named = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                named = []
+                found.append(f"{field} {path}: {index.name} is not a safetensors index (no weight_map)")
+            missing = [n for n in named if not (path / n).is_file()]
+            if missing:
+                found.append(
+                    f"{field} {path}: its {index.name} names {len(missing)} file(s) not in the folder ("
+                    f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): the download is incomplete; "
+                    "fetch the folder again"
+                )
+        elif not any(path.glob("*.safetensors")):
+            found.append(f"{field} {path}: no .safetensors weights in the folder; give a downloaded Hugging Face model")
+    if tokenizer and not any((path / f).is_file() for f in TOKENIZER_CORE):
+        found.append(
+            f"{field} {path}: no tokenizer files ({', '.join(TOKENIZER_CORE)}); copy the model's tokenizer into the "
+            "folder, or download the model whole"
+        )
+    return found
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     file = config_path(path)
     if file is None:

@@ -66,8 +66,8 @@ def _stamp(dataset: Any) -> dict[str, Any]:
 
 
 def init_weights_problem(init_from: str | None) -> str | None:
-    """`model.init_from` that the trainer could not load: a folder without .safetensors files, or one whose
-    headers do not read."""
+    """`model.init_from` that the trainer could not load: a folder without .safetensors files, one whose index names
+    files it lacks (an interrupted download), or one whose headers do not read."""
     if not init_from:
         return None
     src = Path(init_from)
@@ -81,6 +81,10 @@ def init_weights_problem(init_from: str | None) -> str | None:
         )
     from safetensors import safe_open
 
+    from pipeline.model.families import model_folder_problems
+
+    if found := model_folder_problems(src, "model.init_from", weights=True, tokenizer=False):
+        return found[0]
     for f in files:
         try:
             with safe_open(str(f), "pt") as sf:

@@ -103,7 +103,8 @@ def test_decontamination_removes_what_shares_a_13_gram_with_an_eval_file_and_kee
         (lambda d: d / "c.jsonl", ["--permutations", "1"], "--permutations 1: at least 2"),
         (lambda d: d / "missing.jsonl", [], "missing.jsonl: no such file or directory"),
         (lambda d: d / "short.jsonl", [], "every one of the 1 documents was removed (gopher_"),
-        (lambda d: d / "bad.jsonl", [], "bad.jsonl: no readable document (bad records: 2)"),
+        (lambda d: d / "bad.jsonl", [], "bad.jsonl: no readable document (bad records: 2); first: "),
+        (lambda d: d / "c.jsonl", ["--text-key", "context"], "missing field 'context' (the record has text; set --"),
         (lambda d: d / "broken.jsonl.gz", [], "broken.jsonl.gz: cannot read"),
     ],
 )

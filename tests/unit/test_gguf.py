@@ -230,3 +230,55 @@ def test_a_pre_tokenizer_llama_cpp_is_not_told_of_here_is_refused_naming_the_way
     with pytest.raises(PipelineError, match="its pre-tokenizer is none that this conversion names for llama.cpp"):
         write_gguf(model, tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_tokenizer_the_conversion_cannot_carry_is_refused_before_the_export(tokenized: Path, tmp_path: Path) -> None:
+    """Asked before a weight is read (`tokenizer_problem`, what `pipeline export --gguf` checks first): a
+    sentencepiece model is carried, a byte-level BPE tokenizer.json too; a Metaspace one (Llama 2's tokenizer.json
+    without its tokenizer.model) is refused naming the way out."""
+    from pipeline.evaluate.to_gguf import tokenizer_problem
+    from tests.hf_families import write_tokenizer
+
+    assert tokenizer_problem(tokenizer_model(tokenized)) is None
+    folder = write_tokenizer(tmp_path / "bpe")  # GPT-2's split
+    assert tokenizer_problem(folder) is None
+    doc = json.loads((folder / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json.dumps(doc | {"decoder": {"type": "Metaspace"}}))
+    problem = tokenizer_problem(folder)
+    assert problem and "is not a byte-level BPE tokenizer (model BPE, decoder Metaspace)" in problem
+    assert "convert_hf_to_gguf.py" in problem
+    assert "neither a sentencepiece tokenizer.model nor a tokenizer.json" in str(tokenizer_problem(tmp_path))
+
+
+def test_an_interrupted_re_export_leaves_the_earlier_one_whole(
+    tokenized: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GGUF files are written in the export's temporary folder, which replaces the earlier export whole: a
+    Ctrl-C (or SIGTERM) while the second GGUF is written leaves the earlier folder as it was, its GGUF files with
+    it, and nothing beside it."""
+    import pipeline.evaluate.to_gguf as to_gguf
+    from pipeline.evaluate.export import gguf_name, write_hf_model
+    from pipeline.model import build_model
+    from pipeline.model.families import model_shape
+
+    shape = model_shape("tiny", {}, None, 600, 1024, {}, None)
+    tok = tokenizer_model(tokenized)
+    out = tmp_path / "export"
+    torch.manual_seed(0)
+    write_hf_model(iter(build_model(shape).state_dict().items()), shape, tok, out, gguf=("f16", "q8_0"))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert gguf_name(out, "q8_0") in before and gguf_name(out, "f16") in before
+    real, calls = to_gguf.write_gguf, []
+
+    def second_interrupted(hf_dir: Path, path: Path, kind: str = "f16") -> Path:
+        calls.append(kind)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(hf_dir, path, kind)
+
+    monkeypatch.setattr(to_gguf, "write_gguf", second_interrupted)
+    torch.manual_seed(1)
+    with pytest.raises(KeyboardInterrupt):
+        write_hf_model(iter(build_model(shape).state_dict().items()), shape, tok, out, gguf=("f16", "q8_0"))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]

@@ -105,3 +105,40 @@ def test_more_new_tokens_than_the_text_supports_is_said(model_dirs: dict[str, Pa
         VocabConfig(model_dir=src, inputs=(str(corpus),), output=str(tmp_path / "f"), new_tokens=20)
     )
     assert few.added == 20 and "note:" not in few.summary
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        ("tokenizer", "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json)"),
+        ("weights", "no .safetensors weights in the folder"),
+        ("shard", "names 1 file(s) not in the folder (model-00002-of-00005.safetensors): the download is incomplete"),
+    ],
+)
+def test_a_model_folder_is_checked_against_itself_before_anything_is_done(
+    model_dirs: dict[str, Path], tmp_path: Path, damage: str, says: str
+) -> None:
+    """A folder without its tokenizer, without weights, or whose safetensors index names a file it lacks (an
+    interrupted download): one line naming the folder and what it lacks, before a tokenizer is trained or anything
+    written; model.init_from is checked the same way before launch."""
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(model_dirs["llama"], folder)
+    if damage == "tokenizer":
+        for f in folder.glob("tokenizer*"):
+            f.unlink()
+    elif damage == "weights":
+        for f in folder.glob("*.safetensors*"):
+            f.unlink()
+    else:  # the tiny model is saved in 5 shards with their index: one of them never arrived
+        (folder / "model-00002-of-00005.safetensors").unlink()
+    corpus = thai_corpus(tmp_path / "thai.jsonl", docs=30)
+    r = CliRunner().invoke(main, ["extend-vocab", str(folder), str(corpus), "--output", str(tmp_path / "o")])
+    assert r.exit_code == 2 and says in r.output and "pieces added" not in r.output, r.output
+    assert not (tmp_path / "o").exists()
+    if damage == "shard":  # what pretrain checks of model.init_from before launch
+        from pipeline.train.preflight import init_weights_problem
+
+        line = init_weights_problem(str(folder))
+        assert line and line.startswith(f"model.init_from {folder}: ") and says in line
