@@ -55,7 +55,16 @@ def test_resume_refuses_other_data_shape_or_zero_world() -> None:
     newer = {**same, "model_shape": {**SHAPE, "rope": None}}
     assert resume_problems(marker(), **newer) == []  # type: ignore[arg-type]
     yarn = {**same, "model_shape": {**SHAPE, "rope": {"rope_type": "yarn"}}}
-    assert resume_problems(marker(), **yarn) == ["model rope {'rope_type': 'yarn'} vs the checkpoint's None"]  # type: ignore[arg-type]
+    assert resume_problems(marker(), **yarn) == ["model rope {'rope_type': 'yarn'}, not in the checkpoint's"]  # type: ignore[arg-type]
+    # nested configs by the dotted path of each differing field, not two whole dicts (newcomer trial 4, #53)
+    hf = {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}, "vocab_size": 128256}
+    saved = marker() | {"model_shape": {**SHAPE, "hf_config": hf}}
+    extended = {**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    (said,) = resume_problems(saved, **{**same, "model_shape": {**SHAPE, "hf_config": extended}})  # type: ignore[arg-type]
+    assert said == (
+        "model hf_config.rope_scaling.rope_type yarn vs the checkpoint's llama3, "
+        "hf_config.rope_scaling.factor 4.0 vs the checkpoint's 8.0"
+    )
     assert "optimizer is on NVMe" in resume_problems(marker(), **{**same, "world_size": 4, "nvme_optimizer": True})[-1]  # type: ignore[arg-type]
 
 
@@ -117,3 +126,47 @@ def test_a_changed_precision_or_optimizer_is_refused_by_name(field: str, saved: 
     assert len(problems) == 1 and problems[0].startswith(f"{name} {now} vs the checkpoint's {saved}: "), problems
     # a checkpoint from before the field was recorded: not refused on it
     assert resume_problems(marker(), **same, **{field: now}) == []  # type: ignore[arg-type]
+
+
+def test_a_branch_that_cannot_continue_says_so_as_a_branch_and_names_an_early_stage(
+    shards, tokenized, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """A branch whose data stage begins before the checkpoint it branches from (newcomer trial 4, #59, #60): the
+    refusal says it is a branch, names checkpoint.branch_from, and names the stage and its step as the cause; no
+    'use a new run_dir' (it is new already). A resume of the run's own checkpoint keeps its wording."""
+    from pipeline.data import shard as shard_stage
+    from pipeline.data.config import ShardConfig
+    from pipeline.data.manifest import read_shard_manifest
+    from pipeline.train.checkpoint.resume import continue_from
+    from pipeline.train.setup.config import load
+    from pipeline.train.setup.prepare import prepare
+    from tests.multiproc import launch
+
+    other = tmp_path / "other-shards"  # the same text shuffled with another seed: other shards
+    shard_stage.run(
+        ShardConfig(
+            sources=((str(tokenized), 1.0),), output=str(other), seq_len=64, split=(80.0, 10.0, 10.0), seed=7,
+            progress=False,
+        )
+    )  # fmt: skip
+    stage = f"data: {{path: {shards}, num_workers: 1, stages: {{3: {other}}}}}"
+    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=tmp_path / "branch", shards=shards, ds_config="zero1.json")
+    cfg.write_text(cfg.read_text().replace(f"data: {{path: {shards}, num_workers: 1, verify: true}}", stage))
+    prepared = prepare(load(str(cfg)), 1)
+    saved = marker(
+        step=8,
+        data_fingerprint=read_shard_manifest(shards)["fingerprint"],
+        seq_len=prepared.plan.seq_len,
+        model_shape=prepared.shape.as_dict(),
+        world_size=1,
+        zero_stage=1,
+    )
+    source = tmp_path / "stable"
+    with pytest.raises(PipelineError) as e:
+        continue_from(prepared, 1, "step00000008", saved, folder=source)
+    said = str(e.value)
+    assert said.startswith(f"cannot branch from {source}/step00000008 (checkpoint.branch_from): ")
+    assert f"data.stages starts {other} at step 3, before the checkpoint's step 8" in said
+    assert "A branch continues its source's checkpoint under this config" in said and "new run_dir" not in said
+    with pytest.raises(PipelineError, match="cannot resume .*Use a new run_dir to start fresh"):
+        continue_from(prepared, 1, "step00000008", saved)

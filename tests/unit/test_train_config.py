@@ -122,8 +122,17 @@ def test_deepspeed_auto_fields_are_filled_and_conflicts_refused() -> None:
     assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
     raw = load_ds_config(ROOT / "ds_configs/zero1.json")
     raw["train_batch_size"] = 32
-    with pytest.raises(ConfigError, match="train_batch_size is 32 in the DeepSpeed config but 16"):
+    with pytest.raises(ConfigError, match="train_batch_size is 32 in the DeepSpeed config but 16") as e:
         resolve(cfg, raw, plan, accelerator="cpu")
+    assert "or set batch.global_batch_size to agree (32)" in str(e.value)
+    # a JSON the planner wrote for sequence parallelism 2, with the config left at 1 (newcomer trial 4, #51): both
+    # ways out named, and no table of supported combinations (none is in question)
+    raw = load_ds_config(ROOT / "ds_configs/zero1.json") | {"sequence_parallel_size": 2}
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, raw, plan, accelerator="cpu")
+    said = str(e.value)
+    assert "sequence_parallel_size is 2 in the DeepSpeed config but 1 from our config (train.sequence_parallel)" in said
+    assert "or set train.sequence_parallel to agree (2)" in said and "supported combinations" not in said
 
 
 @pytest.mark.parametrize(

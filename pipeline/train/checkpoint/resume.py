@@ -91,13 +91,7 @@ def resume_problems(
     # a field added since the checkpoint was written (e.g. `rope`) is absent there: unset (None) here is the same
     theirs = {k: None for k, v in model_shape.items() if v is None} | marker["model_shape"]
     if theirs != model_shape:
-        diff = [
-            f"{k} {model_shape.get(k)} vs the checkpoint's {theirs.get(k)}"
-            for k in model_shape
-            if model_shape.get(k) != theirs.get(k)
-        ]
-        diff += [f"{k}: the checkpoint's {theirs[k]}, not in this model" for k in theirs if k not in model_shape]
-        problems.append("model " + ", ".join(diff))
+        problems.append("model " + ", ".join(differences(model_shape, theirs)))
     if marker["world_size"] != world_size and nvme_optimizer:
         problems.append(
             f"world size {world_size} differs from the checkpoint's {marker['world_size']} and the "
@@ -111,6 +105,23 @@ def resume_problems(
             "from them with model.init_from (the optimizer states start afresh)"
         )
     return problems
+
+
+def differences(ours: Any, theirs: Any, path: str = "") -> list[str]:
+    """Each field where two nested configs differ, by its dotted path (a model's `hf_config.rope_scaling.rope_type
+    yarn vs the checkpoint's llama3`), not the two whole dicts."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        out = []
+        for k in list(ours) + [k for k in theirs if k not in ours]:
+            name = f"{path}.{k}" if path else str(k)
+            if k not in theirs:
+                out.append(f"{name} {ours[k]}, not in the checkpoint's")
+            elif k not in ours:
+                out.append(f"{name}: the checkpoint's {theirs[k]}, not in this model")
+            elif ours[k] != theirs[k]:
+                out += differences(ours[k], theirs[k], name)
+        return out
+    return [f"{path} {ours} vs the checkpoint's {theirs}"] if ours != theirs else []
 
 
 class Found(NamedTuple):
@@ -188,11 +199,26 @@ def continue_from(
     changed (None when nothing changed)."""
     layout = ckpt.saved_zero_layout(folder or prepared.run_dir, tag, marker)
     if cannot := continuation_problems(prepared, world, marker, data_fingerprint, layout):
+        early = {int(s): p for s, p in prepared.cfg.data.stages.items() if int(s) < int(marker["step"])}
+        if early and any(c.startswith("data.path holds other shards") for c in cannot):
+            s = min(early)
+            cannot.append(
+                f"data.stages starts {early[s]} at step {s}, before the checkpoint's step {marker['step']}: a stage "
+                f"begins after the step a run continues from (continue from step {s} or earlier, or move the stage "
+                "past the checkpoint)"
+            )
+        branching = folder is not None and folder.resolve() != prepared.run_dir.resolve()
         raise PipelineError(
-            f"cannot resume {folder or prepared.run_dir}/{tag}: "
+            (f"cannot branch from {folder}/{tag} (checkpoint.branch_from): " if branching else "")
+            + ("" if branching else f"cannot resume {prepared.run_dir}/{tag}: ")
             + "; ".join(cannot)
-            + ". Use a new run_dir to start fresh "
-            "(to carry these weights onto new data or another shape: pipeline export, then model.init_from)"
+            + (
+                ". A branch continues its source's checkpoint under this config: make the config agree on those"
+                if branching
+                else ". Use a new run_dir to start fresh, or checkpoint.branch_from to continue it elsewhere with "
+                "this config where it agrees"
+            )
+            + " (to carry these weights onto new data or another shape: pipeline export, then model.init_from)"
         )
     notes = [n for n in (batch_note(prepared, marker), schedule_note(prepared, marker)) if n]
     return "\n".join(notes) or None

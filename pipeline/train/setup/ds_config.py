@@ -103,11 +103,26 @@ SUPPORTED_MATRIX = f"""supported combinations:
   pipeline parallelism: not supported (ZeRO-2/3 cannot be combined with it)"""
 
 
+OURS = {
+    "train_micro_batch_size_per_gpu": "batch.micro_batch_size",
+    "gradient_accumulation_steps": "batch.global_batch_size / (micro-batch x data-parallel ranks)",
+    "train_batch_size": "batch.global_batch_size",
+    "gradient_clipping": "optim.grad_clip",
+    "sequence_parallel_size": "train.sequence_parallel",
+}
+"""The config field each DeepSpeed JSON field filled from ours comes from: a disagreement names both ways out."""
+
+
 def _filled(value: Any, ours: Any, name: str, problems: list[str]) -> Any:
     if value == "auto" or value is None:
         return ours
     if value != ours:
-        problems.append(f'{name} is {value} in the DeepSpeed config but {ours} from our config; set it to "auto"')
+        field = OURS.get(name)
+        other = f", or set {field} to agree ({value})" if field and "/" not in field else ""
+        problems.append(
+            f"{name} is {value} in the DeepSpeed config but {ours} from our config ({field or 'the config'}); "
+            f'set it to "auto"{other}'
+        )
     return value
 
 
@@ -126,10 +141,9 @@ def resolve(
     p: list[str] = []
     _fill_batch_and_precision(ds, cfg, plan, p)
     _fill_optimizer(ds, cfg, p)
-    p += unsupported(ds, cfg, accelerator)
-    p += offload_feature_problems(ds, cfg, plan)
-    if p:
-        raise ConfigError(p, source, footer=SUPPORTED_MATRIX)
+    combinations = unsupported(ds, cfg, accelerator) + offload_feature_problems(ds, cfg, plan)
+    if p or combinations:  # the table of what runs together, only where a combination is refused
+        raise ConfigError(p + combinations, source, footer=SUPPORTED_MATRIX if combinations else "")
     explicit = (ds.get("data_types") or {}).get("grad_accum_dtype")
     if cfg.train.precision != "fp32" and fp32_grad_accumulation(zero_stage(ds), plan.grad_accum, explicit):
         ds.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
