@@ -28,6 +28,7 @@ from pipeline.options import (
     TEXT_KEY,
     WHERE,
     Decorator,
+    SequenceLength,
     config_option,
     given_on_command_line,
     group,
@@ -178,7 +179,11 @@ def extend_vocab(**options: Any) -> None:
 @command()
 @click.argument("sources", nargs=-1, type=PATH)
 @click.option("--output", type=PATH, help="Folder for the shards and manifest.json.")
-@opt("--seq-len", help="Tokens per sample (each stores seq_len + 1 for the labels).", type=click.IntRange(8, 2**20))
+@opt(
+    "--seq-len",
+    help="Tokens per sample, e.g. 4096 or 32k (each stores seq_len + 1 for the labels).",
+    type=SequenceLength(8, 2**20),
+)
 @opt("--split", default="98,1,1", help="train,val,test ratios, by document.", callback=ratios)
 @SEED
 @opt("--num-shards", help="Shards per split (default: by --shard-size).", type=click.IntRange(1))
@@ -463,7 +468,11 @@ def doctor(config: str | None, sets: tuple[str, ...], master_port: int | None, *
 )
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="Override the preset's layer count.")
 @opt("--vocab-size", default=32000, type=click.IntRange(1))
-@opt("--seq-len", help="Tokens per sample [default: 4096; with --config, the shards' seq_len].", type=click.IntRange(1))
+@opt(
+    "--seq-len",
+    help="Tokens per sample, e.g. 4096 or 32k [default: 4096; with --config, the shards' seq_len].",
+    type=SequenceLength(),
+)
 @HOSTFILE
 @opt("--nodes", default=1, type=click.IntRange(1))
 @opt("--gpus-per-node", default=1, type=click.IntRange(1))
@@ -528,7 +537,7 @@ def plan(**options: Any) -> None:
 @HOSTFILE
 @opt("--out", type=PATH, help="Write the rates here [default: HOSTFILE.probe.json beside --hostfile, else probe.json].")
 @opt("--model", help="With a GPU, also its bf16 GEMM rate at this model's shapes (a preset or a HF folder).")
-@opt("--seq-len", default=4096, type=click.IntRange(1))
+@opt("--seq-len", default=4096, type=SequenceLength(), help="Tokens per sample, e.g. 4096 or 32k.")
 @opt("--micro-batch-size", default=1, type=click.IntRange(1))
 @config_option(
     required=False,

@@ -174,6 +174,29 @@ def output_prefix(ctx: click.Context, param: click.Parameter, value: str | None)
     return value
 
 
+class SequenceLength(click.ParamType):
+    """A --seq-len: tokens, as 4096 or with a suffix in powers of two (32k, 128K), within [low, high]."""
+
+    name = "tokens"
+
+    def __init__(self, low: int = 1, high: int = 2**24) -> None:
+        self.low, self.high = low, high
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        from pipeline.units import parse_length
+
+        if isinstance(value, int):
+            n = value
+        else:
+            try:
+                n = parse_length(str(value).strip())
+            except ValueError:
+                self.fail(f"{value!r} is not a length in tokens: give e.g. 4096, 32k or 128K", param, ctx)
+        if not self.low <= n <= self.high:
+            self.fail(f"{value} ({n:,} tokens) is not in {self.low:,} to {self.high:,}", param, ctx)
+        return n
+
+
 def length_mix(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[tuple[int, float], ...]:
     """`pipeline shard --length-mix 8k:2,32k:4` as ((8192, 2.0), (32768, 4.0))."""
     from pipeline.units import parse_length_mix

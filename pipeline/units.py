@@ -74,6 +74,13 @@ def parse_count(text: str, what: str = "tokens") -> float:
         raise ValueError(f"'{text}': expected a number of {what} such as 1B, 100bn, 500M or 4M") from None
 
 
+def parse_length(text: str) -> int:
+    """A sequence length in tokens: 4096, or with a k/K/M suffix in powers of two (32k = 32,768 and 128K =
+    131,072, as sequence lengths are counted); ValueError when it is neither."""
+    scale = {"k": 1024, "m": 1024**2}.get(text[-1:].lower(), 1)
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
 def parse_length_mix(spec: str | None) -> tuple[tuple[int, float], ...]:
     """`--length-mix 8192:2,32768:4` as ((8192, 2.0), (32768, 4.0)); lengths take k/K/M suffixes (8k = 8192,
     token counts are powers of two as seq_len is); ValueError naming the part that is not LENGTH:WEIGHT."""
@@ -84,9 +91,8 @@ def parse_length_mix(spec: str | None) -> tuple[tuple[int, float], ...]:
         length, sep, weight = part.strip().partition(":")
         if not sep:
             raise ValueError(f"--length-mix {spec}: '{part}' has no weight; give LENGTH:WEIGHT, e.g. {part}:2")
-        scale = {"k": 1024, "m": 1024**2}.get(length[-1:].lower(), 1)
         try:
-            out.append((int(length[:-1] if scale > 1 else length) * scale, float(weight)))
+            out.append((parse_length(length), float(weight)))
         except ValueError:
             raise ValueError(
                 f"--length-mix {spec}: '{part}' is not LENGTH:WEIGHT (a token count and a weight), e.g. 8192:2 or 8k:2"

@@ -85,6 +85,12 @@ def curate(inputs: list[str], output: str, opts: CurateOptions, echo: Any = prin
     except ImportError as e:
         raise PipelineError(f"pipeline curate needs {e.name}: {NEEDED}") from None
     out = Path(output)
+    for given in map(Path, inputs):
+        if given.is_dir() and out.resolve().is_relative_to(given.resolve()):
+            raise PipelineError(
+                f"--output {out} is inside the input folder {given}: a second run would read its own output "
+                "(documents and removed ones) as input; put the output beside the input folder"
+            )
     if out.exists() and not (out / "report.json").exists() and any(out.iterdir()):
         raise PipelineError(f"--output {out}: a folder that is not a curate output; name an empty or new folder")
     report = Report([str(s.path) for s in sources], asdict(opts) | {"decontaminate": list(opts.decontaminate)})

@@ -27,7 +27,7 @@ from typing import Any
 from pipeline.atomic import replacing_dir, write_json
 from pipeline.data.readers import read_records, resolve_inputs
 from pipeline.data.tokenizer import RARE, train_sentencepiece
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, writing_into
 from pipeline.model.families import model_folder_problems
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def extend_vocabulary(cfg: VocabConfig) -> VocabResult:
     after = _bytes_per_token(tok, held)
     rows = max(int(config["vocab_size"]), len(tok))
     log.info("extend-vocab: %d pieces added; embedding rows %d -> %d", len(pieces), config["vocab_size"], rows)
-    with replacing_dir(output) as work:
+    with writing_into(output), replacing_dir(output) as work:  # a disk error names the output
         _write_weights(model_dir, work, min(old_len, int(config["vocab_size"])), rows, cfg.seed)
         (work / "config.json").write_text(json.dumps({**config, "vocab_size": rows}, indent=2))
         if (model_dir / "generation_config.json").is_file():

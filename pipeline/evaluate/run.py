@@ -218,9 +218,11 @@ def _tokens(n: int) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
+    averaged = result.get("averaged") or []
     rows = [
         ("checkpoint", result["checkpoint"]),
-        ("step", f"{result['step']:,}"),
+        *([("weights", f"the mean of {len(averaged)} checkpoints: {', '.join(averaged)}")] if averaged else []),
+        ("step", f"{result['step']:,}" + (" (the newest averaged)" if averaged else "")),
         ("consumed tokens", f"{result['consumed_tokens']:,}"),
         ("split", result["split"]),
         ("tokens evaluated", f"{result['tokens']:,}"),

@@ -172,7 +172,8 @@ def test_average_names_the_newest_or_the_listed_checkpoints_oldest_first(tmp_pat
 @pytest.mark.parametrize(
     "spec, says",
     [
-        ("last:5", r"--average last:5: .* holds step00000010, step00000020"),
+        ("last:5", r"--average last:5: .* holds step00000010, step00000020 \(the run has saved 2 so far\)"),
+        ("runs/stable/step00000008,20", r"runs/stable/step00000008 is a path; --average names .*copy its folder"),
         ("last:1", "N of 2 or more"),
         ("last:x", "N of 2 or more"),
         ("10,50", r"no complete checkpoint step00000050; .* holds step00000010"),
@@ -186,3 +187,18 @@ def test_an_average_of_checkpoints_that_are_not_there_is_refused_naming_what_is(
         _save(tmp_path, s)
     with pytest.raises(PipelineError, match=says):
         ckpt.average_tags(tmp_path, spec)
+
+
+def test_a_branch_short_of_checkpoints_to_average_says_why(tmp_path: Path) -> None:
+    """A fresh branch holds only its own saves (newcomer trial 4, #68): --average last:3 says so and where the
+    branch point is, instead of blaming keep_last; a run that pruned says keep_last."""
+    from pipeline.atomic import write_text
+
+    for s in (10, 12):
+        _save(tmp_path, s)
+    write_text(tmp_path / "config.yaml", "checkpoint: {branch_from: runs/stable/step00000008, keep_last: 10}\n")
+    with pytest.raises(PipelineError, match="a branch holds only the checkpoints it saved itself; its branch point"):
+        ckpt.average_tags(tmp_path, "last:3")
+    write_text(tmp_path / "config.yaml", "checkpoint: {keep_last: 2}\n")
+    with pytest.raises(PipelineError, match="checkpoint.keep_last 2 prunes older ones"):
+        ckpt.average_tags(tmp_path, "last:3")

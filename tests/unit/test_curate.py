@@ -168,3 +168,13 @@ def test_decontaminating_against_the_training_data_itself_is_said(tmp_path: Path
     assert "% of the documents share a 13-gram with --decontaminate's files" in r.output
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["warnings"] and "13-gram" in report["warnings"][0]
+
+
+def test_an_output_inside_the_input_folder_is_refused_before_the_first_run(tmp_path: Path) -> None:
+    """The first run would succeed and the second read its own output and removed/ as input (newcomer trial 4,
+    #10): refused from the first, naming both folders."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "c.jsonl").write_text(json.dumps({"text": "Some words here."}) + "\n")
+    r = curate(str(tmp_path / "in"), "--output", str(tmp_path / "in" / "curated"))
+    assert r.exit_code == 2 and f"is inside the input folder {tmp_path / 'in'}" in r.output, r.output
+    assert not (tmp_path / "in" / "curated").exists()

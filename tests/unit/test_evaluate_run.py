@@ -49,3 +49,7 @@ def test_the_loss_by_position_adds_up_to_the_loss(shards: Path) -> None:
     assert position_buckets(32768) == [4096 * k for k in range(9)] and position_buckets(3) == [0, 1, 2, 3]
     result = {**got, "checkpoint": "c", "step": 1, "consumed_tokens": 1, "split": "val", "samples_generated": []}
     assert "loss by position   0-8: " in table({**result, "output": "x.json"})
+    # the mean of checkpoints is said in the table, not only in the JSON and the file name (newcomer trial 4, #73)
+    assert "weights" not in table({**result, "output": "x.json"})
+    mean = table({**result, "output": "x.json", "averaged": ["step00000010", "step00000012"]})
+    assert "the mean of 2 checkpoints: step00000010, step00000012" in mean and "1 (the newest averaged)" in mean

@@ -75,3 +75,19 @@ def test_curate_into_a_full_disk_is_one_line_and_leaves_nothing(mount: Mount) ->
     r = CliRunner().invoke(main, ["curate", str(CORPUS), "--output", str(out), "--no-quality", "--workers", "1"])
     one_line_refusal(r, out, "No space left on device (ENOSPC): the disk is full")
     assert "Logging error" not in r.output and not out.exists()
+
+
+def test_extend_vocab_into_a_full_disk_names_its_output(mount: Mount, tmp_path: Path) -> None:
+    """safetensors' writer says only 'No space left on device' (newcomer trial 4, #39): the output is named."""
+    import json
+
+    from tests.hf_families import write_model, write_tokenizer
+
+    model = write_model("llama", tmp_path / "m", write_tokenizer(tmp_path / "tok"))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"ก ข ค ฆ {i} ง จ ฉ ช ซ ฌ"}) + "\n" for i in range(40)))
+    disk = mount("64k")
+    out = disk / "extended"
+    r = CliRunner().invoke(main, ["extend-vocab", str(model), str(corpus), "--output", str(out), "--new-tokens", "20"])
+    one_line_refusal(r, out, "No space left on device (ENOSPC): the disk is full")
+    assert not out.exists()

@@ -35,3 +35,15 @@ def test_a_rounded_global_batch_is_said() -> None:
     assert (
         r.exit_code == 0 and "3,100,000 tokens per step were asked for; whole micro-batches on 8 GPUs give" in r.output
     )
+
+
+def test_a_sequence_length_takes_the_suffixes_sequence_lengths_are_said_in() -> None:
+    """--seq-len 32k is 32,768 tokens (powers of two, as --length-mix and every long-context text says them), in
+    plan and shard alike; a length that is none is one line naming the forms."""
+    plans = [CliRunner().invoke(main, ["plan", "--model", "7b", "--seq-len", s, "--json"]) for s in ("32k", "32768")]
+    assert all(r.exit_code == 0 for r in plans)
+    assert plans[0].output == plans[1].output
+    r = CliRunner().invoke(main, ["plan", "--model", "7b", "--seq-len", "32x"])
+    assert r.exit_code == 2 and "'32x' is not a length in tokens: give e.g. 4096, 32k or 128K" in r.output
+    r = CliRunner().invoke(main, ["shard", "x", "--output", "o", "--seq-len", "2M"])
+    assert r.exit_code == 2 and "2M (2,097,152 tokens) is not in 8 to 1,048,576" in r.output

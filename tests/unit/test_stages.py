@@ -73,3 +73,12 @@ def test_a_branch_from_a_checkpoint_that_is_not_there_is_one_line(tmp_path: Path
     (tmp_path / "cooldown").mkdir()
     with pytest.raises(PipelineError, match=says):
         resumable(tmp_path / "cooldown", "auto", False, str(tmp_path / where))
+
+
+def test_a_branch_with_a_resume_tag_names_the_conflict(tmp_path: Path) -> None:
+    """checkpoint.resume TAG beside branch_from on a branch's first launch (newcomer trial 4, #62): the two fields
+    named together, and which one says where a branch starts."""
+    _checkpoint(tmp_path / "stable", 10)
+    (tmp_path / "cooldown").mkdir()
+    with pytest.raises(PipelineError, match="checkpoint.resume step00000010 with checkpoint.branch_from .*leave "):
+        resumable(tmp_path / "cooldown", "step00000010", False, str(tmp_path / "stable"))

@@ -18,6 +18,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
+import yaml
+
 from pipeline.atomic import replacing_dir, seal_broken, sealed, sha256_file, text_seal_broken, write_json, write_text
 from pipeline.errors import PipelineError
 from pipeline.plan.memory import checkpoint_bytes
@@ -324,10 +326,15 @@ def average_tags(run_dir: Path, spec: str) -> list[str]:
         if n < 2:
             raise PipelineError(f"--average {spec}: expected last:N with N of 2 or more, e.g. last:3")
         if n > len(tags):
-            raise PipelineError(f"--average {spec}: {held} (checkpoint.keep_last prunes older ones)")
+            raise PipelineError(f"--average {spec}: {held} ({_why_few(run_dir, len(tags))})")
         return sorted(tags[-n:], key=lambda t: marker_step(run_dir, t))
     chosen = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if "/" in part:
+            raise PipelineError(
+                f"--average {spec}: {part} is a path; --average names {run_dir}'s own checkpoints (tags or steps). To "
+                f"average in another run's checkpoint (a branch point), copy its folder into {run_dir} first"
+            )
         tag = tag_for(int(part)) if part.isdigit() else part
         if tag not in tags:
             raise PipelineError(f"--average {spec}: no complete checkpoint {tag}; {held}")
@@ -335,6 +342,25 @@ def average_tags(run_dir: Path, spec: str) -> list[str]:
     if len(set(chosen)) < 2:
         raise PipelineError(f"--average {spec}: name two or more different checkpoints, or last:N")
     return sorted(set(chosen), key=lambda t: marker_step(run_dir, t))
+
+
+def _why_few(run_dir: Path, held: int) -> str:
+    """Why a run holds fewer checkpoints than asked: a branch's branch point stays in its source, keep_last pruned
+    older ones, or the run has saved only these."""
+    try:
+        config = yaml.safe_load(run_config_text(run_dir)) or {}
+    except (OSError, PipelineError, yaml.YAMLError):
+        config = {}
+    section = config.get("checkpoint") or {}
+    if section.get("branch_from"):
+        return (
+            f"a branch holds only the checkpoints it saved itself; its branch point stays in "
+            f"{section['branch_from']}: average fewer, wait for more saves, or copy the branch point's folder in"
+        )
+    keep = section.get("keep_last")
+    if isinstance(keep, int) and keep <= held:
+        return f"checkpoint.keep_last {keep} prunes older ones"
+    return f"the run has saved {held} so far"
 
 
 def writable_problem(run_dir: Path) -> str | None:

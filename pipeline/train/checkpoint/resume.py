@@ -139,6 +139,12 @@ def resumable(run_dir: Path, policy: str, verify: bool, branch_from: str | None 
     damaged, with a warning each) and its marker; when run_dir holds none, `branch_from`'s checkpoint; None when
     it starts fresh."""
     tags = ckpt.complete_tags(run_dir)
+    if not tags and branch_from and policy not in ("auto", "never"):
+        raise PipelineError(
+            f"checkpoint.resume {policy} with checkpoint.branch_from {branch_from}: a branch's first launch continues "
+            f"branch_from's checkpoint, and {run_dir} holds none of its own yet to resume; name the checkpoint to "
+            "branch from in branch_from (RUN_DIR/stepNNNNNNNN) and leave checkpoint.resume auto"
+        )
     if not tags and branch_from and policy == "auto":
         source, source_tag = ckpt.resolve_checkpoint(branch_from)
         if problem := ckpt.damage(source, source_tag, verify):
