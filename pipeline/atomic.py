@@ -136,11 +136,24 @@ def replacing_dir(target: Path) -> Iterator[Path]:
     work.mkdir()
     try:
         yield work
+        plain_modes(work)
         if target.exists():
             shutil.rmtree(target)
         os.replace(work, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def plain_modes(folder: Path) -> None:
+    """Every file and folder under `folder` with the permissions a plain `open` and `mkdir` give (0666 and 0777
+    less the umask): libraries that write owner-only files (safetensors' writer: 0600) would otherwise leave an
+    output the group on a shared mount cannot read."""
+    mask = umask()
+    for root, dirs, files in os.walk(folder):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o666 & ~mask)
 
 
 def file_in_the_way(path: Path) -> Path | None:

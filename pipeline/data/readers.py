@@ -188,7 +188,13 @@ def _jsonl(
             try:
                 obj = json.loads(s)
             except json.JSONDecodeError as e:
-                yield Record(n, None, f"malformed JSON ({e.msg} at column {e.colno})", "malformed_json", len(line))
+                yield Record(
+                    n,
+                    None,
+                    f"malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})",
+                    "malformed_json",
+                    len(line),
+                )
                 continue
             record = _check_text(
                 n,

@@ -282,13 +282,19 @@ def _check_splits(cfg: ShardConfig, readers: list[IndexedReader], split_stats: d
                 f"{split_stats[split]['tokens_in']:,}",
             )
         elif 0 < samples < FEW_HELD_OUT:
+            total = sum(cfg.split)
+            held = [2 * x for x in cfg.split[1:]]
+            larger = ",".join(f"{x:g}" for x in (total - sum(held), *held)) if sum(held) < total else None
             log.warning(
                 "warning: the %s split has only %d samples (%d documents): its loss will move with which documents "
-                "fell there more than with the model; give it a larger --split share (e.g. 90,5,5) on a corpus "
-                "this small",
+                "fell there more than with the model; %s",
                 split,
                 samples,
                 split_stats[split]["documents"],
+                f"give it a larger --split share than {','.join(f'{x:g}' for x in cfg.split)} (e.g. {larger}) on a "
+                "corpus this small"
+                if larger
+                else "shard more text: the held-out shares cannot grow further",
             )
 
 

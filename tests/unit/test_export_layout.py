@@ -6,6 +6,7 @@ in safetensors shards with an index that covers every tensor, and a config.json 
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,10 @@ def test_the_shards_and_their_index_cover_every_tensor_by_its_hugging_face_name(
         with safe_open(str(s), "pt") as f:
             held.update(dict.fromkeys(f.keys(), s.name))
     assert held == index["weight_map"]
+    # readable by the group on a shared mount, as a plain open() makes files (safetensors' writer makes 0600)
+    assert all(p.stat().st_mode & stat.S_IRGRP for p in out.iterdir()), [
+        (p.name, oct(p.stat().st_mode)) for p in out.iterdir()
+    ]
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert set(held) == set(model.state_dict())

@@ -128,7 +128,13 @@ def test_a_held_out_split_too_small_to_compare_checkpoints_is_said(
         res = shard_into([(tokenized, 1.0)], tmp_path / "s", seq_len=512, split=(98.0, 1.0, 1.0))
     val = res.manifest["splits"]["val"]["samples"]
     assert 0 < val < 32 and f"the val split has only {val} samples" in caplog.text
-    assert "larger --split share (e.g. 90,5,5)" in caplog.text
+    assert "larger --split share than 98,1,1 (e.g. 96,2,2)" in caplog.text
+    # already 90,5,5 (newcomer trial 4): the suggestion is larger than what was given, never the same
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        shard_into([(tokenized, 1.0)], tmp_path / "t", seq_len=2048, split=(90.0, 5.0, 5.0))
+    assert "e.g. 90,5,5" not in caplog.text
+    assert "larger --split share than 90,5,5 (e.g. 80,10,10)" in caplog.text or "split has 0 samples" in caplog.text
 
 
 def test_split_ratios_may_be_written_as_percentages(tokenized: Path, tmp_path: Path) -> None:

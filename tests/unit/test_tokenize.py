@@ -26,6 +26,7 @@ BAD = [
     (b'{"text": 42}\n', "field 'text' is int, not a string"),
     (b'{"text": "bad \xff byte"}\n', "invalid UTF-8"),
     (b'{"text": "   "}\n', "empty document"),
+    (b'{"text": "a\tb\x01"}\n', "malformed JSON (Invalid control character at column 12)"),
 ]
 
 
@@ -53,9 +54,9 @@ def test_bad_records_are_skipped_counted_and_listed(tmp_path: Path, tokenized: P
     f.write_bytes(b"".join(line for line, _ in BAD))
     res = tokenize_with(tmp_path / "out", [str(f)], tokenizer_model(tokenized))
     t = res.manifest["totals"]
-    assert t["documents"] == 1 and t["skipped"] == 5
+    assert t["documents"] == 1 and t["skipped"] == 6
     assert t["skipped_by_reason"] == {
-        "malformed_json": 1,
+        "malformed_json": 2,
         "missing_field": 1,
         "not_a_string": 1,
         "invalid_utf8": 1,
@@ -64,7 +65,7 @@ def test_bad_records_are_skipped_counted_and_listed(tmp_path: Path, tokenized: P
     for n, (_, msg) in enumerate(BAD, start=1):
         if msg:
             assert any(e.startswith(f"{f}:{n}: {msg}") for e in res.manifest["errors"]), msg
-    assert "skipped 5 records" in res.summary and "iconv -f cp1252 -t utf-8" in res.summary
+    assert "skipped 6 records" in res.summary and "iconv -f cp1252 -t utf-8" in res.summary
 
 
 @pytest.mark.parametrize("n", range(2, len(BAD) + 1))
