@@ -188,8 +188,7 @@ def _count(work: Path, report: Report) -> None:
     removed: dict[str, dict[str, Any]] = {}
     for folder in sorted((work / "removed").glob("*")) if (work / "removed").exists() else []:
         for doc in read_documents(folder):
-            meta = doc.get("metadata") or {}
-            why = meta.get("filter_reason")
+            why = (doc.get("removed") or {}).get("why")
             reason = folder.name + (f": {why}" if why and why != folder.name else "")
             r = removed.setdefault(reason, {"documents": 0, "bytes": 0, "examples": []})
             r["documents"] += 1

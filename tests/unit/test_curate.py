@@ -75,6 +75,15 @@ def test_decontamination_removes_what_shares_a_13_gram_with_an_eval_file_and_kee
     assert report["removed"]["contaminated"]["documents"] == 1
     kept = records(tmp_path / "out" / "documents")
     assert leaked["id"] not in {k["id"] for k in kept} and len(kept) == len(rows) - 1
+    # the removed one in the shape of a kept one, with what removed it: putting it back is a copy
+    (gone,) = records(tmp_path / "out" / "removed" / "contaminated")
+    assert gone["id"] == leaked["id"] and gone["removed"]["by"] == "contaminated", (gone["id"], gone["removed"])
+    # with the eval file and the 13-gram it shares, under `removed`, not among the record's own fields
+    shared = gone["removed"]["contaminated_ngram"].split()
+    assert len(shared) == 13 and " ".join(shared) in " ".join(words[40:60]).lower().replace(".", "")
+    assert gone["removed"]["contaminated_task"].endswith("eval.jsonl")
+    assert " ".join(gone["text"].split()) == " ".join(leaked["text"].split())
+    assert set(kept[0]) | {"removed"} == set(gone)
     # each record's own fields come through at the top level, with where it came from
     first = kept[0]
     assert {"text", "id", "url", "source", "line"} <= set(first) and first["source"] == str(corpus)
@@ -178,3 +187,73 @@ def test_an_output_inside_the_input_folder_is_refused_before_the_first_run(tmp_p
     r = curate(str(tmp_path / "in"), "--output", str(tmp_path / "in" / "curated"))
     assert r.exit_code == 2 and f"is inside the input folder {tmp_path / 'in'}" in r.output, r.output
     assert not (tmp_path / "in" / "curated").exists()
+
+
+def test_the_bounded_signature_is_datatroves_and_spans_its_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The near-duplicate signature computed a block of text at a time is datatrove's own for every document:
+    short ones (one block) and long ones cut into many blocks, whose word n-grams across a block's end are each
+    hashed once."""
+    pytest.importorskip("datatrove")
+    import random
+
+    from datatrove.pipeline.dedup import MinhashConfig, MinhashDedupSignature
+
+    import pipeline.data.curate_stages as stages
+
+    config = MinhashConfig(n_grams=5, num_buckets=4, hashes_per_bucket=8, seed=3)
+    theirs = MinhashDedupSignature("/tmp/unused-theirs", config=config)
+    ours = stages.bounded_signature("/tmp/unused-ours", config)
+    rng = random.Random(0)
+    words = [
+        rng.choice(["law", "court", "shall", "may", "the", "of", "Article", "12", "and", "party"]) for _ in range(3000)
+    ]
+    texts = [
+        "A short one, of a few words only.",
+        "Two words",
+        " ".join(words),
+        " ".join(words[:700]) + ".\n\n" + " ".join(words[700:]),
+    ]
+    monkeypatch.setattr(stages, "BLOCK_CHARS", 97)  # long texts in dozens of blocks
+    monkeypatch.setattr(stages, "SHINGLE_ROWS", 50)
+    for text in texts:
+        mine, real = ours.get_shingles(text), theirs.get_shingles(text)
+        assert sorted(mine.ravel().tolist()) == sorted(real.ravel().tolist()), text[:40]
+        if real.size:
+            assert ours.get_signature(mine) == theirs.get_signature(real)
+
+
+@pytest.mark.slow  # curate in subprocesses on one long document at two sizes, their peak memory measured
+def test_curating_one_long_document_holds_memory_bounded_by_a_block(tmp_path: Path) -> None:
+    """One document of 12 MB costs the near-duplicate step no more than one of 3 MB does, within 200 MB (datatrove's
+    own signature held 6.1 GB for 20 MB, 13.2 GB for 40 MB: every n-gram hashed against every permutation at once)."""
+    import random
+    import resource
+    import subprocess
+    import sys
+
+    rng = random.Random(0)
+    vocabulary = ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
+
+    def document(folder: Path, chars: int) -> Path:
+        folder.mkdir()
+        with (folder / "law.txt").open("w") as f:
+            written = 0
+            while written < chars:
+                line = " ".join(rng.choice(vocabulary) for _ in range(rng.randint(8, 20))) + ". "
+                written += f.write(line)
+        return folder
+
+    def peak_mb(folder: Path) -> float:
+        code = (
+            "import resource, sys; from pipeline.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(max(resource.getrusage(r).ru_maxrss for r in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))"
+        )
+        args = ["curate", str(folder), "--output", str(folder) + "-out", "--no-quality", "--no-exact", "--workers", "1"]
+        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(out.stdout.strip().splitlines()[-1]) / 1024
+
+    small, large = peak_mb(document(tmp_path / "s", 3_000_000)), peak_mb(document(tmp_path / "l", 12_000_000))
+    assert large - small < 200, f"peak RSS grew from {small:.0f} MB to {large:.0f} MB with 4x the document"
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
