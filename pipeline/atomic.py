@@ -126,14 +126,29 @@ def writing_to(where: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def replacing_dir(target: Path) -> Iterator[Path]:
+def replacing_dir(target: Path, writer: str = "another `pipeline` command") -> Iterator[Path]:
     """A temporary folder `.NAME.tmp` beside `target` for the caller to fill; when the block ends without an error
-    it replaces `target` whole, else it is removed. One left by a killed process is cleared at the next start."""
+    it replaces `target` whole, else it is removed. One left by a killed process is cleared at the next start.
+    The output is held by one live writer for the block (OneWriter on `.NAME.lock`): a second is refused naming
+    the holder (`writer`: what it is, for the message), instead of clearing the first's temporary folder."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+
+    def busy(who: dict[str, Any] | None) -> str:
+        return (
+            f"{target}: {writer} is writing it{held_by(who)}; two at once would leave only one's output. Wait for "
+            "it to end, or write elsewhere"
+        )
+
+    lock = OneWriter(target.parent / f".{target.name}.lock", busy, remove=True)
+    lock.acquire()  # a read-only or full disk: the OSError, which the command says in one line with the path
     work = target.parent / f".{target.name}.tmp"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    try:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+    except BaseException:
+        lock.release()
+        raise
     try:
         yield work
         plain_modes(work)
@@ -142,6 +157,7 @@ def replacing_dir(target: Path) -> Iterator[Path]:
         os.replace(work, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        lock.release()
 
 
 def plain_modes(folder: Path) -> None:

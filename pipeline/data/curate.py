@@ -95,7 +95,7 @@ def curate(inputs: list[str], output: str, opts: CurateOptions, echo: Any = prin
         raise PipelineError(f"--output {out}: a folder that is not a curate output; name an empty or new folder")
     report = Report([str(s.path) for s in sources], asdict(opts) | {"decontaminate": list(opts.decontaminate)})
     quiet_datatrove()
-    with writing_into(out), replacing_dir(out) as work:  # written whole, replacing a previous output; none on error
+    with writing_into(out), replacing_dir(out, "another `pipeline curate`") as work:  # whole, or none on error
         try:
             for name, run in stages(sources, evals, work, opts):
                 t0 = time.perf_counter()

@@ -237,7 +237,7 @@ def extend_vocabulary(cfg: VocabConfig) -> VocabResult:
     after = _bytes_per_token(tok, held)
     rows = max(int(config["vocab_size"]), len(tok))
     log.info("extend-vocab: %d pieces added; embedding rows %d -> %d", len(pieces), config["vocab_size"], rows)
-    with writing_into(output), replacing_dir(output) as work:  # a disk error names the output
+    with writing_into(output), replacing_dir(output, "another `pipeline extend-vocab`") as work:
         _write_weights(model_dir, work, min(old_len, int(config["vocab_size"])), rows, cfg.seed)
         (work / "config.json").write_text(json.dumps({**config, "vocab_size": rows}, indent=2))
         if (model_dir / "generation_config.json").is_file():

@@ -85,7 +85,7 @@ def write_hf_model(
         raise PipelineError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     output = Path(output)
     check_export_target(output)
-    with writing_into(output), replacing_dir(output) as work:
+    with writing_into(output), replacing_dir(output, "another `pipeline export`") as work:
         _write_weights(tensors, work, DTYPES[dtype], max_shard_bytes)
         _write_config(shape, tok_ids or model_token_ids(None), dtype, work)
         if tokenizer is not None and tokenizer.is_dir():  # a Hugging Face tokenizer: its own files, as they are

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import CORPUS, tokenizer_model
 from tests.multiproc import launch
 
@@ -62,3 +64,39 @@ def test_two_tokenize_into_one_prefix_and_two_shard_into_one_folder(tmp_path: Pa
     first = caught_writing([PIPELINE, "shard", *args], tmp_path / ".shards.lock")
     refused_then_first_finishes(first, [PIPELINE, "shard", *args], "another `pipeline shard` is writing it")
     assert (shards / "manifest.json").exists()
+
+
+def test_every_folder_written_whole_has_one_live_writer(tmp_path: Path) -> None:
+    """curate, extend-vocab and export write their output through one temporary folder beside it, which a second
+    writer at once used to clear under the first (newcomer trial 4): the second is refused in one line naming
+    the holder, and the first's folder is untouched. Here the first holds the output's lock as a live command does."""
+    import json
+
+    from click.testing import CliRunner
+
+    from pipeline.atomic import OneWriter, replacing_dir
+    from pipeline.cli import main
+    from pipeline.errors import PipelineError
+    from tests.hf_families import write_model, write_tokenizer
+
+    model = write_model("llama", tmp_path / "m", write_tokenizer(tmp_path / "tok"))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"ก ข ค ฆ {i} ง จ ฉ ช ซ ฌ"}) + "\n" for i in range(40)))
+    commands = {
+        "curate": ["curate", str(CORPUS), "--no-quality", "--output"],
+        "extend-vocab": ["extend-vocab", str(model), str(corpus), "--new-tokens", "20", "--output"],
+    }
+    for name, args in commands.items():
+        out = tmp_path / f"out-{name}"
+        with OneWriter(tmp_path / f".{out.name}.lock", lambda who: "held"):
+            r = CliRunner().invoke(main, [*args, str(out)])
+        assert r.exit_code == 2, r.output
+        assert f"another `pipeline {name}` is writing it (pid {os.getpid()} on " in r.output, r.output
+        assert not out.exists() and not (tmp_path / f".{out.name}.tmp").exists()
+    out = tmp_path / "export"  # pipeline export's writer: the same folder discipline
+    with OneWriter(tmp_path / ".export.lock", lambda who: "held"), pytest.raises(PipelineError, match="is writing it"):
+        with replacing_dir(out, "another `pipeline export`"):
+            pass
+    with replacing_dir(out) as work:  # the lock released: the next writer goes ahead
+        (work / "x").write_text("x")
+    assert (out / "x").read_text() == "x" and not (tmp_path / ".export.lock").exists()
