@@ -61,9 +61,40 @@ def cluster_from_flags(
     values, source = node_facts(hostfile, flags, given)
     cluster = _cluster(nodes, gpus_per_node, values)
     if probe := probe_path(hostfile, flags, values):
+        if hostfile and (stranger := probe_host_outside(probe, hostfile)):
+            if not flags.get("probe"):  # found beside the hostfile, not asked for: not this cluster's figures
+                note = (
+                    f"not used: {probe} was measured on {stranger}, which is not a host of {hostfile}; run "
+                    "`pipeline probe --hostfile` on one of its nodes (or give --probe FILE to use it anyway)"
+                )
+                return cluster, f"{source}\n{note}" if source else note
+            given_note = f" ({stranger} is not a host of {hostfile}: used because --probe names it)"
+        else:
+            given_note = ""
         cluster, note = with_probe(cluster, probe, given)
+        note += given_note
         source = f"{source}\n{note}" if source else note
     return cluster, source
+
+
+def probe_host_outside(probe: Path, hostfile: str) -> str | None:
+    """The host a probe was measured on when it is none of the hostfile's (by short name; localhost is this
+    machine), else None. A probe that does not say its host is taken as the cluster's."""
+    import json
+    import socket
+
+    from pipeline.plan.hostfile import hostfile_hosts
+
+    try:
+        host = json.loads(probe.read_text()).get("host")
+    except (OSError, ValueError, AttributeError):
+        return None  # `measured` says what is wrong with the file
+    if not isinstance(host, str):
+        return None
+    short = {h.split(".")[0].lower() for h, _ in hostfile_hosts(hostfile)}
+    if short & {"localhost", "127"}:
+        short.add(socket.gethostname().split(".")[0].lower())
+    return None if host.split(".")[0].lower() in short else host
 
 
 def probe_in_use(hostfile: str | None, flags: dict[str, str | None]) -> Path | None:

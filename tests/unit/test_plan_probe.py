@@ -42,9 +42,9 @@ def probe_doc(gpu: str | None = "NVIDIA GeForce RTX 4090 D") -> dict[str, Any]:
     }
 
 
-def hostfile(tmp_path: Path, facts: str = "gpu=4090d cpu_mem=512GB cpu_cores=32") -> str:
+def hostfile(tmp_path: Path, facts: str = "gpu=4090d cpu_mem=512GB cpu_cores=32", host: str = "node1") -> str:
     path = tmp_path / "cluster"
-    path.write_text(f"node1 slots=1\n# cluster: {facts}\n")
+    path.write_text(f"{host} slots=1\n# cluster: {facts}\n")
     return str(path)
 
 
@@ -130,8 +130,9 @@ def test_a_damaged_probe_is_refused_naming_the_file(tmp_path: Path, text: str, e
 
 @pytest.mark.slow  # loads DeepSpeed's CPU Adam op: minutes of compiling where it is not built yet
 def test_pipeline_probe_measures_this_node_and_the_plan_uses_it(tmp_path: Path) -> None:
-    """The real probe (DeepSpeed's CPU Adam op, a host copy) at --quick sizes, then a plan with its hostfile."""
-    hf = hostfile(tmp_path)
+    """The real probe (DeepSpeed's CPU Adam op, a host copy) at --quick sizes, on a node of the hostfile (this
+    machine), then a plan with its hostfile."""
+    hf = hostfile(tmp_path, host="localhost")
     runner = CliRunner()
     out = runner.invoke(main, ["probe", "--hostfile", hf, "--quick"])
     assert out.exit_code == 0, out.output
@@ -146,3 +147,20 @@ def test_pipeline_probe_measures_this_node_and_the_plan_uses_it(tmp_path: Path) 
     assert f"CPU Adam {rate:.2g}e9 parameters/s per node (measured on a node by `pipeline probe`" in plan.output
     bad = runner.invoke(main, ["probe", "--out", str(tmp_path / "no" / "such" / "p.json"), "--quick"])
     assert bad.exit_code == 2 and "its folder does not exist" in bad.output
+
+
+def test_a_probe_of_a_machine_outside_the_cluster_is_not_applied_without_a_word(tmp_path: Path) -> None:
+    """A probe measured on another machine (a laptop, a login node) and left beside the hostfile is not the
+    cluster's: not used, and the plan says why and how (newcomer trial 4); named with --probe it is used, and the
+    plan says whose it is. One of a host of the hostfile is used as before."""
+    hf = hostfile(tmp_path)
+    before, _ = cluster_from_flags(hf, 1, 1, NO_FLAGS)
+    Path(hf + ".probe.json").write_text(json.dumps(probe_doc() | {"host": "laptop.local"}))
+    c, source = cluster_from_flags(hf, 1, 1, NO_FLAGS)
+    assert c == before and f"not used: {hf}.probe.json was measured on laptop.local, which is not a host of" in source
+    c, source = cluster_from_flags(hf, 1, 1, NO_FLAGS | {"probe": hf + ".probe.json"})
+    assert c.cpu_adam_params_per_s == pytest.approx(1.5e9)
+    assert "(laptop.local is not a host of " in source and "used because --probe names it)" in source
+    Path(hf + ".probe.json").write_text(json.dumps(probe_doc() | {"host": "NODE1.cluster.internal"}))
+    c, source = cluster_from_flags(hf, 1, 1, NO_FLAGS)
+    assert c.cpu_adam_params_per_s == pytest.approx(1.5e9) and "not a host" not in source
