@@ -146,42 +146,10 @@ def test_interrupted_run_leaves_no_outputs(tmp_path: Path, tokenized: Path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
 
 
-@pytest.mark.slow  # a tokenize process killed midway, then a second run: seconds of interpreter starts
-def test_killed_run_leaves_no_final_outputs(tmp_path: Path, tokenized: Path) -> None:
-    big = tmp_path / "big.jsonl"
-    big.write_text(CORPUS.read_text() * 200)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "tokenize",
-            str(big),
-            "--output-prefix",
-            str(tmp_path / "out"),
-            "--tokenizer",
-            str(tokenizer_model(tokenized)),
-        ]
-    )
-    deadline = 60.0
+def _tokenize_caught_writing(tmp_path: Path, tokenized: Path) -> tuple[subprocess.Popen, Path]:
+    """`pipeline tokenize` of a corpus large enough to stop midway, as a process, once it has begun writing."""
     import time
 
-    t0 = time.time()
-    while not list(tmp_path.glob(".out.bin.*")) and time.time() - t0 < deadline:
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    assert not (tmp_path / "out.bin").exists() and not (tmp_path / "out.idx").exists()
-    assert not (tmp_path / "out.manifest.json").exists()
-    # a rerun completes and replaces nothing half-written
-    tokenize_with(tmp_path / "out", [str(big)], tokenizer_model(tokenized))
-    assert IndexedReader(tmp_path / "out").tokens.size > 0
-
-
-@pytest.mark.slow  # a tokenize process stopped by SIGTERM midway: seconds of interpreter start
-def test_sigterm_stops_as_ctrl_c_does_and_leaves_nothing_behind(tmp_path: Path, tokenized: Path) -> None:
-    """`kill`, `docker stop` or a scheduler's time limit: the same cleanup as Ctrl-C (temporary files, the output's
-    lock, the worker pool), one line, exit 143; nothing beside the input is left, and a rerun completes."""
     big = tmp_path / "big.jsonl"
     big.write_text(CORPUS.read_text() * 200)
     args = [
@@ -193,12 +161,30 @@ def test_sigterm_stops_as_ctrl_c_does_and_leaves_nothing_behind(tmp_path: Path, 
         str(tokenizer_model(tokenized)),
     ]
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], stderr=subprocess.PIPE, text=True)
-    import time
-
     t0 = time.time()
     while not list(tmp_path.glob(".out.bin.*")) and proc.poll() is None and time.time() - t0 < 60:
         time.sleep(0.05)
     assert proc.poll() is None, "tokenize ended before it could be stopped: give it more text"
+    return proc, big
+
+
+@pytest.mark.slow  # a tokenize process killed midway, then a second run: seconds of interpreter starts
+def test_killed_run_leaves_no_final_outputs(tmp_path: Path, tokenized: Path) -> None:
+    proc, big = _tokenize_caught_writing(tmp_path, tokenized)
+    proc.kill()
+    proc.communicate()
+    assert not (tmp_path / "out.bin").exists() and not (tmp_path / "out.idx").exists()
+    assert not (tmp_path / "out.manifest.json").exists()
+    # a rerun completes and replaces nothing half-written
+    tokenize_with(tmp_path / "out", [str(big)], tokenizer_model(tokenized))
+    assert IndexedReader(tmp_path / "out").tokens.size > 0
+
+
+@pytest.mark.slow  # a tokenize process stopped by SIGTERM midway: seconds of interpreter start
+def test_sigterm_stops_as_ctrl_c_does_and_leaves_nothing_behind(tmp_path: Path, tokenized: Path) -> None:
+    """`kill`, `docker stop` or a scheduler's time limit: the same cleanup as Ctrl-C (temporary files, the output's
+    lock, the worker pool), one line, exit 143; nothing beside the input is left, and a rerun completes."""
+    proc, big = _tokenize_caught_writing(tmp_path, tokenized)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
