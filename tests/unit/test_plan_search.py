@@ -153,8 +153,8 @@ def test_long_context_fits_by_sharing_each_sample(preset: str, seq_len: int, hos
     for e in sharing:
         sp = e.layout.sequence_parallel
         assert cluster.world % sp == 0 and shape.num_heads % sp == 0 and e.tokens_per_s < e.ceiling_tokens_per_s
-    # What `pipeline plan` prices: the trainer's switches as they resolve (Liger's kernels under ZeRO-3 keep half
-    # of a layer's SwiGLU intermediates, measured on the H200's 7B slice), which may fit a whole sample untiled
+    # What `pipeline plan` prices: the trainer's switches as they resolve against the packages the hostfile's
+    # nodes are known to have (none here: transformers' modules), with the room a long context keeps
     best = search(shape, seq_len, cluster, stack=TRAINER).best.layout
     out = CliRunner().invoke(main, ["plan", "--model", preset, "--seq-len", str(seq_len), "--hostfile", hostfile])
     assert out.exit_code == 0, out.output
