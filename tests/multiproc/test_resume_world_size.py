@@ -86,7 +86,7 @@ def test_a_config_change_deepspeed_cannot_load_is_one_line_before_launch(
     out = dry_run("zero3.json", "train.precision=bf16", "optim.name=muon")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     error = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
-    assert len(error) == 1 and f"cannot resume {run_dir}/step{STEPS:08d}" in error[0]
+    assert len(error) == 1 and f"cannot branch from {run_dir}/step{STEPS:08d} (checkpoint.branch_from)" in error[0]
     for said in (
         "ZeRO stage 3 (train.deepspeed_config) vs the checkpoint's 1/2",
         "train.precision bf16 vs the checkpoint's fp32",
