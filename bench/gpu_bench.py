@@ -1017,12 +1017,11 @@ def planned(
 def lease_packages(doc: dict[str, Any]) -> frozenset[str]:
     """The kernel packages a stored GPU run had, from what its cases ran with (runs before the probe said so):
     liger-kernel where a case ran Liger's kernels, flash-attn where one took the varlen path."""
-    speeds = [c.get("speed") for c in doc.get("cases", [])]
-    text = " ".join(s if isinstance(s, str) else json.dumps(s) for s in speeds if s)
+    speeds = [c["speed"] for c in doc.get("cases", []) if isinstance(c.get("speed"), dict)]
     return frozenset(
         name
-        for name, sign in (("liger-kernel", "'kernels': 'liger'"), ("flash-attn", "'attention_masks': 'varlen'"))
-        if sign in text or sign.replace("'", '"') in text
+        for name, key, value in (("liger-kernel", "kernels", "liger"), ("flash-attn", "attention_masks", "varlen"))
+        if any(s.get(key) == value for s in speeds)
     )
 
 

@@ -4,7 +4,7 @@ or a run reads what a DeepSpeed JSON describes into a Layout to price it."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.atomic import write_json
 from pipeline.plan.cluster import (
@@ -12,7 +12,9 @@ from pipeline.plan.cluster import (
     Layout,
     offload_devices,
 )
-from pipeline.plan.estimate import Estimate
+
+if TYPE_CHECKING:  # the trainer reads a run's Layout through this module at every rank's start: no planner there
+    from pipeline.plan.estimate import Estimate
 
 
 def layout_from_ds(
