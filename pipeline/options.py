@@ -11,12 +11,14 @@ import os
 import signal
 import sys
 import threading
+import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 
 from pipeline.errors import PipelineError, os_error_in
+from pipeline.fields import Argument, Default, FieldInfo, FilePath, Hidden, Parsed, Range, Size, Tokens, fields_of
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -264,3 +266,83 @@ DEVICE = click.option(
     "--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto (cuda when torch sees a GPU)."
 )
 AS_JSON = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+
+
+PARSERS: dict[str, Callable[[click.Context, click.Parameter, Any], Any]] = {
+    "ratios": ratios,
+    "length_mix": length_mix,
+    "output_prefix": output_prefix,
+}
+"""The `fields.Parsed` parsers by name: text on the command line, a typed value in the config."""
+
+
+def _option_type(info: FieldInfo) -> dict[str, Any]:
+    """click's type, callback and default display for one field, from its type and markers."""
+    kind: dict[str, Any] = {}
+    if (parsed := info.marker(Parsed)) is not None:
+        kind.update(callback=PARSERS[parsed.name], default=parsed.shown, show_default=parsed.shown is not None)
+    if (unit := info.marker(Size)) is not None:
+        return {"callback": size, "default": unit.shown, "show_default": True}
+    if info.marker(FilePath):
+        kind["type"] = PATH
+    elif (length := info.marker(Tokens)) is not None:
+        kind["type"] = SequenceLength(int(length.low or 1), int(length.high or 2**24))
+    elif (choices := info.choices) is not None:
+        kind["type"] = click.Choice(choices)
+    elif "callback" not in kind:
+        # a range is checked by the config itself (pipeline.fields.field_problems), every problem in one error
+        kind["type"] = next((t for t in (info.base, *typing.get_args(info.base)) if t in (int, float, str)), str)
+    return kind
+
+
+def config_options(cls: type, *, skip: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> Decorator:
+    """The command-line options (and positional arguments) of a config dataclass's fields, in their order: each
+    field's type, choices, range, default and docstring become its option's type, choices, range, default and help
+    (pipeline.fields). `skip`: fields the command declares itself; `optional`: required fields a command may leave
+    out (shard's --output under --inspect)."""
+    decorators = []
+    for info in fields_of(cls):
+        if info.name in skip or info.marker(Hidden):
+            continue
+        kind = _option_type(info)
+        if info.marker(Argument):
+            decorators.append(click.argument(info.name, nargs=-1 if _is_tuple(info) else 1, required=True, **kind))
+            continue
+        default = None if info.required or info.factory else info.default
+        settings: dict[str, Any] = {"default": default, "show_default": default not in (None, False, ())}
+        settings.update(kind)
+        if (shown := info.marker(Default)) is not None:
+            settings["show_default"] = shown.shown
+        decls: tuple[str, ...] = (info.flag,)
+        if info.base is bool:
+            decls = (f"{info.flag}/--no-{info.flag[2:]}",) if default else (info.flag,)
+            settings = {"default": bool(default), "show_default": bool(default)} | (
+                {} if default else {"is_flag": True}
+            )
+        elif _is_tuple(info) and "callback" not in settings:
+            settings.update(multiple=True, default=None, show_default=False)
+        if info.flag[2:].replace("-", "_") != info.name:
+            decls = (*decls, info.name)
+        required = info.required and info.name not in optional
+        span = info.marker(Range)
+        help = info.help + (f" [{span.says()}]" if span is not None and not info.marker(Tokens) else "")
+        decorators.append(click.option(*decls, required=required, help=help or None, **settings))
+    return group(*decorators)
+
+
+def _is_tuple(info: FieldInfo) -> bool:
+    return typing.get_origin(info.base) is tuple and typing.get_args(info.base)[-1:] == (Ellipsis,)
+
+
+def config_from(cls: type, options: dict[str, Any]) -> Any:
+    """The config of a command's parsed options: an option left out (None, or an empty repeatable) takes the field's
+    own default; a repeatable option's values become the field's tuple."""
+    given = {}
+    for info in fields_of(cls):
+        if info.name not in options:
+            continue
+        value = options[info.name]
+        if value is None or (value == () and not info.required):
+            continue
+        given[info.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**given)

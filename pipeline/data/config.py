@@ -5,98 +5,106 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 from pipeline.errors import ConfigError, PipelineError
+from pipeline.fields import Argument, Default, FilePath, Flag, Hidden, Parsed, Range, Size, Tokens, field_problems
+
+MAX_RECORD_BYTES = 256 * 10**6
+"""A JSON line is parsed whole; a longer one is a bad record (`--max-record-bytes`; callers that take no option)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TokenizeConfig:
-    inputs: tuple[str, ...]
+    """`pipeline tokenize`: each field is an option of the command (pipeline.fields)."""
+
+    inputs: Annotated[tuple[str, ...], Argument(), FilePath()]
     """Files, directories or globs of .jsonl/.txt/.parquet (optionally .gz/.zst) or save_to_disk folders."""
-    output_prefix: str
-    """Writes PREFIX.bin, PREFIX.idx, PREFIX.manifest.json (and PREFIX.tokenizer.model when training)."""
-    tokenizer: str | None = None
-    """An existing sentencepiece .model or a local Hugging Face tokenizer folder."""
+    output_prefix: Annotated[str, FilePath(), Parsed("output_prefix")]
+    """Writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json (and PREFIX.tokenizer.model when training one)."""
+    tokenizer: Annotated[str | None, FilePath()] = None
+    """An existing sentencepiece .model file or a Hugging Face folder."""
     train_tokenizer: bool = False
-    """Train a sentencepiece model on a sample of the input documents."""
-    vocab_size: int = 32000
-    model_type: str = "bpe"
-    sample_docs: int = 100_000
-    """How many documents (a seeded reservoir sample) the tokenizer is trained on."""
+    """Train a sentencepiece tokenizer on a sample of the inputs (PREFIX.tokenizer.model)."""
+    vocab_size: Annotated[int, Range(300, 1_000_000)] = 32000
+    """Pieces of the trained tokenizer (byte fallback needs 260 or more)."""
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    """The sentencepiece algorithm of the trained tokenizer."""
+    sample_docs: Annotated[int, Range(1)] = 100_000
+    """Documents sampled (seeded) to train the tokenizer on."""
     seed: int = 1234
+    """Seeds every random choice (samples, shuffles); the same seed and input give the same output."""
     text_key: str = "text"
-    workers: int = 1
+    """JSON field / parquet column holding the text."""
+    workers: Annotated[int, Range(1, 512)] = 1
+    """Encoding processes; the output is identical for any count."""
     append_eos: bool = True
-    on_error: str = "skip"
-    """skip: count and report bad records; fail: stop at the first one (exit code 2)."""
-    progress: bool | None = None
+    """End each document with </s>."""
+    on_error: Literal["skip", "fail"] = "skip"
+    """skip: count bad records and go on; fail: stop at the first (exit 2)."""
+    progress: Annotated[bool | None, Hidden()] = None
     """None: a progress bar only when stderr is a terminal."""
-    max_record_bytes: int = 256 << 20
-    """A JSON line is parsed whole: a longer one is a bad record (--on-error applies)."""
-    piece_chars: int = 1 << 20
+    max_record_bytes: Annotated[int, Size("256MB"), Range(1)] = MAX_RECORD_BYTES
+    """A JSON line is parsed whole; a longer one is a bad record (--on-error applies). .txt files and long texts are
+    read and encoded in pieces whatever their size."""
+    piece_chars: Annotated[int, Hidden(), Range(1)] = 1 << 20
     """A document longer than this is encoded in pieces of about this many characters (pipeline.data.pieces)."""
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.max_record_bytes < 1 or self.piece_chars < 1:
-            problems.append("--max-record-bytes and the piece size must be positive")
+        problems = field_problems(self)
         if not self.inputs:
             problems.append("INPUT: give at least one file, directory or glob")
         if self.train_tokenizer == (self.tokenizer is not None):
             problems.append("give exactly one of --tokenizer PATH or --train-tokenizer")
-        if self.train_tokenizer and not 300 <= self.vocab_size <= 1_000_000:
-            problems.append(f"--vocab-size {self.vocab_size}: expected 300..1,000,000 (byte fallback needs 260+)")
-        if self.model_type not in ("bpe", "unigram"):
-            problems.append(f"--model-type {self.model_type}: expected bpe or unigram")
-        if self.sample_docs < 1:
-            problems.append(f"--sample-docs {self.sample_docs}: expected a positive count")
-        if self.workers < 1:
-            problems.append(f"--workers {self.workers}: expected 1 or more")
-        if self.on_error not in ("skip", "fail"):
-            problems.append(f"--on-error {self.on_error}: expected skip or fail")
         if problems:
             raise ConfigError(problems, "tokenize options")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardConfig:
-    sources: tuple[tuple[str, float], ...]
-    """(tokenize output prefix, blend weight) pairs."""
-    output: str
-    seq_len: int
-    split: tuple[float, float, float] = (98.0, 1.0, 1.0)
-    """train, val, test ratios; normalised to sum 1."""
+    """`pipeline shard`: each field but the parsed sources is an option of the command (pipeline.fields)."""
+
+    sources: Annotated[tuple[tuple[str, float], ...], Hidden()]
+    """(tokenize output prefix, blend weight) pairs, from the command's PREFIX[:WEIGHT] arguments."""
+    output: Annotated[str, FilePath()]
+    """Folder for the shards and manifest.json."""
+    seq_len: Annotated[int, Tokens(8, 2**20)]
+    """Tokens per sample, e.g. 4096 or 32k (each stores seq_len + 1 for the labels)."""
+    split: Annotated[tuple[float, float, float], Parsed("ratios", "98,1,1")] = (98.0, 1.0, 1.0)
+    """train,val,test ratios, by document; normalised to sum 1."""
     seed: int = 1234
-    num_shards: int | None = None
-    shard_size_bytes: int = 512 * 2**20
+    """Seeds every random choice (samples, shuffles); the same seed and input give the same output."""
+    num_shards: Annotated[int | None, Range(1)] = None
+    """Shards per split (default: by --shard-size)."""
+    shard_size_bytes: Annotated[int, Flag("shard-size"), Size("512MB"), Range(1)] = 512 * 10**6
+    """Target bytes per shard."""
     cross_document: bool = True
-    """False: no sample crosses a document boundary (padding + loss mask)."""
+    """--no-cross-document: never let a sample cross a document boundary (pad, and mask the padding out)."""
     whole_documents: bool = False
-    """Documents up to seq_len + 1 tokens whole, several to a sample (best fit), padded; training masks attention
-    and the loss at the boundaries between them (pipeline.data.packing.pack_whole). Needs cross_document False."""
-    length_mix: tuple[tuple[int, float], ...] = ()
-    """(shortest length in tokens, weight) per length bucket, ascending: the train split's documents at least that
-    long are drawn `weight` times as often for their share (shorter than the first edge: weight 1)."""
+    """Keep each document of up to seq_len tokens whole, several to a sample, padded; training masks attention and
+    the loss at their boundaries (for long-context runs). Implies --no-cross-document."""
+    length_mix: Annotated[tuple[tuple[int, float], ...], Parsed("length_mix")] = ()
+    """LENGTH:WEIGHT,...: draw the train split's documents at least LENGTH tokens long WEIGHT times as often for
+    their share (e.g. 8k:2,32k:4 upsamples long documents for a context extension)."""
     overwrite: bool = False
-    progress: bool | None = None
-    weights_given: bool = field(default=False)
+    """Replace shards made with other arguments."""
+    progress: Annotated[bool | None, Hidden()] = None
+    """None: a progress bar only when stderr is a terminal."""
+    weights_given: Annotated[bool, Hidden()] = field(default=False)
+    """A weight was given with a source (PREFIX:WEIGHT)."""
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = field_problems(self)
         if not self.sources:
             problems.append("PREFIX: give at least one output of `pipeline tokenize`")
         for prefix, w in self.sources:
             if not w > 0:
                 problems.append(f"{prefix}:{w}: a blend weight must be positive")
-        if self.seq_len < 8:
-            problems.append(f"--seq-len {self.seq_len}: expected 8 or more")
         if len(self.split) != 3 or any(r < 0 for r in self.split) or sum(self.split) <= 0 or self.split[0] <= 0:
             problems.append(
                 f"--split {','.join(map(str, self.split))}: expected three non-negative ratios "
                 "train,val,test with train > 0, e.g. 98,1,1"
             )
-        if self.num_shards is not None and self.num_shards < 1:
-            problems.append(f"--num-shards {self.num_shards}: expected 1 or more")
         if self.whole_documents and self.cross_document:
             problems.append("--whole-documents keeps documents apart: it cannot be combined with --cross-document")
         edges = [e for e, _ in self.length_mix]
@@ -105,8 +113,6 @@ class ShardConfig:
                 "--length-mix: expected LENGTH:WEIGHT pairs with increasing lengths of 2 or more tokens and positive "
                 "weights, e.g. 8192:2,32768:4"
             )
-        if self.shard_size_bytes < 1:
-            problems.append("--shard-size: expected a positive size such as 512MB")
         if problems:
             raise ConfigError(problems, "shard options")
 
@@ -150,36 +156,65 @@ def parse_sources(specs: tuple[str, ...]) -> tuple[tuple[tuple[str, float], ...]
 
 @dataclass(frozen=True, kw_only=True)
 class CurateOptions:
+    """`pipeline curate`'s options but its inputs and output: each field is an option of the command."""
+
     exact: bool = True
     """Remove exact duplicates: the same text after datatrove's normalisation (case, whitespace, punctuation)."""
     near: bool = True
     """Remove near duplicates: MinHash LSH over word n-grams."""
     quality: bool = True
     """Gopher repetition and quality, C4 and FineWeb line rules (datatrove's defaults)."""
-    decontaminate: tuple[str, ...] = ()
-    """Evaluation files (what tokenize reads): a training document sharing an n-gram with any is removed."""
-    near_threshold: float = 0.3
-    """Jaccard similarity of two documents' word n-gram sets at which LSH finds them half the time; well above it
-    almost always, well below almost never. 0.3 with 3-grams and 120 permutations (40 bands of 3): a copy with 10%
-    of its words edited (similarity about 0.57, at least 0.46) is found 98-100% of the time, one with 20% edited
-    (about 0.35) 80%, documents sharing a fifth of their 3-grams 27%."""
-    permutations: int = 120
+    decontaminate: Annotated[tuple[str, ...], FilePath()] = ()
+    """An evaluation file or folder (what tokenize reads), repeatable: a training document sharing a
+    --decontaminate-ngrams word n-gram with it is removed."""
+    near_threshold: Annotated[float, Range(0.0, 1.0, open_low=True, open_high=True)] = 0.3
+    """Jaccard similarity of two documents' word n-gram sets at which LSH finds them half the time (lower removes
+    more); well above it almost always, well below almost never. 0.3 with 3-grams and 120 permutations (40 bands of
+    3): a copy with 10% of its words edited (similarity about 0.57, at least 0.46) is found 98-100% of the time, one
+    with 20% edited (about 0.35) 80%, documents sharing a fifth of their 3-grams 27%."""
+    permutations: Annotated[int, Range(2)] = 120
     """MinHash hashes per document, split into LSH buckets (bands) x rows (`lsh_shape`)."""
-    ngrams: int = 3
-    """Words per shingle for near-duplicate detection."""
-    decontaminate_ngrams: int = 13
+    ngrams: Annotated[int, Range(1)] = 3
+    """Words per shingle for near duplicates."""
+    decontaminate_ngrams: Annotated[int, Range(1)] = 13
+    """Words per n-gram shared with evaluation text."""
     text_key: str = "text"
-    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    """JSON field / parquet column holding the text."""
+    workers: Annotated[int, Range(1, 512), Default("this machine's cores")] = field(
+        default_factory=lambda: os.cpu_count() or 1
+    )
+    """Tasks run at once."""
     seed: int = 1
+    """Seeds the MinHash permutations; the same input and options keep the same documents."""
 
     def problems(self) -> list[str]:
-        p = []
-        if not 0.0 < self.near_threshold < 1.0:
-            p.append(f"--near-threshold {self.near_threshold}: a Jaccard similarity between 0 and 1 (e.g. 0.3)")
-        if self.permutations < 2:
-            p.append(f"--permutations {self.permutations}: at least 2 (e.g. 120)")
-        if self.ngrams < 1 or self.decontaminate_ngrams < 1:
-            p.append("--ngrams and --decontaminate-ngrams: at least 1 word")
-        if self.workers < 1:
-            p.append(f"--workers {self.workers}: at least 1")
-        return p
+        return field_problems(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VocabConfig:
+    """`pipeline extend-vocab` (pipeline.data.vocab): each field is an argument or option of the command."""
+
+    model_dir: Annotated[str, Argument(), FilePath()]
+    """The Hugging Face model folder whose tokenizer and embeddings are extended."""
+    inputs: Annotated[tuple[str, ...], Argument(), FilePath()]
+    """The new corpus: files, folders or globs (what tokenize reads)."""
+    output: Annotated[str, FilePath()]
+    """Folder for the model with the extended tokenizer (a new folder)."""
+    new_tokens: Annotated[int, Range(1, 1_000_000)] = 8000
+    """Pieces to add at most (fewer when the corpus supports fewer that the tokenizer lacks)."""
+    sample_docs: Annotated[int, Range(1)] = 100_000
+    """Documents sampled (seeded) to find the pieces."""
+    held_out_docs: Annotated[int, Range(1)] = 200
+    """Documents kept out of the sentencepiece training, on which bytes per token are measured."""
+    seed: int = 1234
+    """Seeds every random choice (samples, shuffles); the same seed and input give the same output."""
+    text_key: str = "text"
+    """JSON field / parquet column holding the text."""
+
+    def __post_init__(self) -> None:
+        problems = field_problems(self)
+        if not self.inputs:
+            problems.append("INPUT: give at least one file, folder or glob of the new corpus")
+        if problems:
+            raise PipelineError("; ".join(problems))

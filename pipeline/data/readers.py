@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, cast
 
+from pipeline.data.config import MAX_RECORD_BYTES
 from pipeline.errors import PipelineError
 
 TEXT_SUFFIXES = (".jsonl", ".txt", ".parquet")
 TXT_BLOCK_BYTES = 1 << 20  # a .txt document is read in blocks of this size
-MAX_RECORD_BYTES = 256 << 20  # a JSON line is parsed whole; longer ones are refused (--max-record-bytes)
 COMPRESSIONS = ("", ".gz", ".zst")
 SUPPORTED = tuple(s + c for s in TEXT_SUFFIXES for c in COMPRESSIONS)
 

@@ -99,6 +99,32 @@ def _shard_ranges(n: int, row_bytes: int, cfg: ShardConfig) -> list[tuple[int, i
     return [(cuts[i], cuts[i + 1]) for i in range(k)]
 
 
+def command(sources: tuple[str, ...], options: dict[str, Any], model_dir: str | None, cross_given: bool) -> str:
+    """`pipeline shard`: its PREFIX[:WEIGHT] arguments and options (the fields of ShardConfig) as a run; what it
+    printed. `model_dir`: refuse data whose tokenizer is not that model's; `cross_given`: --cross-document was
+    typed (not its default), which --whole-documents cannot honour."""
+    from pipeline.data.config import parse_sources
+    from pipeline.data.tokenizer import check_model_tokenizer
+
+    if not sources or not options.get("output") or not options.get("seq_len"):
+        raise PipelineError("give PREFIX[:WEIGHT]..., --output DIR and --seq-len N (or --inspect DIR)")
+    parsed, given = parse_sources(sources)
+    if model_dir:
+        check_model_tokenizer(model_dir, [prefix for prefix, _ in parsed])
+    if options.get("whole_documents"):
+        if options.get("cross_document") and cross_given:
+            raise PipelineError(
+                "--whole-documents and --cross-document: whole documents never cross a sample's end, which "
+                "--cross-document asks for; drop one of them"
+            )
+        options = options | {"cross_document": False}
+    fields = {k: v for k, v in options.items() if v is not None}
+    result = run(ShardConfig(sources=parsed, weights_given=given, **fields))
+    if result.skipped:
+        return f"{options['output']}: shards are up to date (fingerprint {result.manifest['fingerprint']}); done"
+    return describe(options["output"])
+
+
 def run(cfg: ShardConfig) -> ShardResult:
     """The stage, as the one live writer of its folder; a write that the disk refuses names the folder
     (pipeline.atomic.writing_to)."""

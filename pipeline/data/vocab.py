@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.atomic import replacing_dir, write_json
+from pipeline.data.config import VocabConfig
 from pipeline.data.readers import read_records, resolve_inputs
 from pipeline.data.tokenizer import RARE, train_sentencepiece
 from pipeline.errors import PipelineError, writing_into
@@ -34,31 +35,6 @@ log = logging.getLogger(__name__)
 EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 """The rows indexed by token id in the families we continue (pipeline.model.families)."""
 RESULT = "vocab_extension.json"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class VocabConfig:
-    model_dir: str
-    inputs: tuple[str, ...]
-    output: str
-    new_tokens: int = 8000
-    """At most this many pieces are added (fewer when the corpus supports fewer that the tokenizer lacks)."""
-    sample_docs: int = 100_000
-    held_out_docs: int = 200
-    """Documents kept out of the sentencepiece training, on which bytes per token are measured."""
-    seed: int = 1234
-    text_key: str = "text"
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not self.inputs:
-            problems.append("INPUT: give at least one file, folder or glob of the new corpus")
-        if not 1 <= self.new_tokens <= 1_000_000:
-            problems.append(f"--new-tokens {self.new_tokens}: expected 1 to 1,000,000")
-        if self.sample_docs < 1 or self.held_out_docs < 1:
-            problems.append("--sample-docs and --held-out-docs: expected 1 or more")
-        if problems:
-            raise PipelineError("; ".join(problems))
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from pipeline.atomic import file_in_the_way, replacing_dir
 from pipeline.data.loader import ShardedDataset
 from pipeline.data.manifest import model_token_ids
 from pipeline.errors import PipelineError, writing_into
+from pipeline.evaluate.config import ExportConfig
 from pipeline.evaluate.inputs import open_run
 from pipeline.model import ModelShape, causal_lm_class, model_config
 from pipeline.model.families import TOKENIZER_FILES
@@ -184,6 +185,27 @@ def _flush(shard: dict[str, torch.Tensor], work: Path, k: int, save_file: Any, w
     for key in shard:
         weight_map[key] = name
     return name
+
+
+def export_command(cfg: ExportConfig) -> list[str]:
+    """`pipeline export`: the export, and what it printed (where each file went, how to load it)."""
+    out = export(
+        cfg.checkpoint,
+        cfg.output,
+        dtype=cfg.dtype,
+        max_shard_bytes=cfg.max_shard_bytes,
+        average=cfg.average,
+        data=cfg.data,
+        gguf=cfg.gguf,
+    )
+    what = f"the mean of {cfg.average} of {cfg.checkpoint}" if cfg.average else cfg.checkpoint
+    lines = [
+        f"exported {what} to {out} ({cfg.dtype}); load it with "
+        f"AutoModelForCausalLM.from_pretrained('{out}') and AutoTokenizer.from_pretrained('{out}')"
+    ]
+    for path in (out / gguf_name(out, kind) for kind in cfg.gguf):
+        lines.append(f"wrote {path} ({path.stat().st_size / 1e6:,.1f} MB): llama-cli -m {path}")
+    return lines
 
 
 def export(

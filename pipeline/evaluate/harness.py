@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.evaluate.config import HarnessConfig
 from pipeline.evaluate.export import export
 from pipeline.evaluate.inputs import Run, open_run
 
@@ -75,39 +76,31 @@ def lm_eval_command(
     return cmd + (["--limit", f"{limit:g}"] if limit is not None else [])
 
 
-def run_harness(
-    checkpoint: str,
-    tasks: str,
-    lm_eval: str,
-    *,
-    device: str = "auto",
-    batch_size: str = "8",
-    dtype: str = "bf16",
-    limit: float | None = None,
-) -> tuple[int, Path]:
+def run_harness(cfg: HarnessConfig) -> tuple[int, Path]:
     """Export if needed, then run the harness; returns its exit code and the results folder
     (RUN_DIR/eval/TAG-lm-eval). Its table goes to this process's standard output."""
-    if not Path(lm_eval).is_file():
+    if not Path(cfg.lm_eval).is_file():
         raise PipelineError(
-            f"--lm-eval {lm_eval}: not found; `make eval TASKS=...` installs the harness into its "
+            f"--lm-eval {cfg.lm_eval}: not found; `make eval TASKS=...` installs the harness into its "
             "own environment (.venv-lm-eval), or pip install 'lm-eval[hf]' elsewhere and pass its "
             "lm_eval"
         )
+    device = cfg.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model_dir, _ = export_if_needed(checkpoint, dtype)
-    r = open_run(checkpoint)
+    model_dir, _ = export_if_needed(cfg.checkpoint, cfg.dtype)
+    r = open_run(cfg.checkpoint)
     output = r.run_dir / "eval" / f"{r.tag}-lm-eval"
     cmd = lm_eval_command(
-        os.path.abspath(lm_eval),
+        os.path.abspath(cfg.lm_eval),
         model_dir.absolute(),
-        tasks,
+        cfg.tasks,
         output.absolute(),
         device=device,
-        batch_size=batch_size,
-        limit=limit,
+        batch_size=cfg.batch_size,
+        limit=cfg.limit,
     )
     # Started in the local tasks' folder: their data paths are relative to it.
     return subprocess.call(cmd, cwd=LOCAL_TASKS), output

@@ -17,6 +17,7 @@ from pipeline.data.loader import ShardedDataset
 from pipeline.data.manifest import TokenizerInfo, model_token_ids, read_shard_manifest
 from pipeline.data.tokenizer import Tokenizer, check_tokenizer
 from pipeline.errors import PipelineError
+from pipeline.evaluate.config import EvalConfig
 from pipeline.model import ModelShape, build_model
 from pipeline.train.checkpoint import files as ckpt
 from pipeline.train.checkpoint.consolidate import averaged_state, consolidated_state, materialize
@@ -27,26 +28,6 @@ log = logging.getLogger(__name__)
 
 PROMPTS_FROM_DATA = 4
 """Prompts taken from the evaluated split when --prompts is not given."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EvalConfig:
-    checkpoint: str
-    """RUN_DIR (latest complete tag) or RUN_DIR/TAG."""
-    data: str | None = None
-    """Shard folder; default: the run's own data.path."""
-    split: str = "val"
-    max_batches: int | None = None
-    batch_size: int = 8
-    prompts: str | None = None
-    """A text file, one prompt per line."""
-    output: str | None = None
-    """JSON results; default RUN_DIR/eval/TAG-SPLIT.json (TAG-avgN-SPLIT.json for an average)."""
-    average: str | None = None
-    """Evaluate the mean of several checkpoints of the run: last:N, or a list of tags or steps."""
-    max_new_tokens: int = 48
-    seed: int = 1234
-    device: str = "auto"
 
 
 @dataclass

@@ -7,66 +7,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 from pipeline.errors import PipelineError
 from pipeline.plan import report as plan_report
 from pipeline.plan import search as planner
 from pipeline.plan.cluster import TRAINER, Cluster
 from pipeline.plan.ds_json import write_ds_config
-from pipeline.plan.facts import CLUSTER_DEFAULTS, cluster_from_flags
+from pipeline.plan.facts import cluster_from_flags
+from pipeline.plan.request import PlanRequest
 from pipeline.plan.timing import Rates
 from pipeline.units import parse_count
 
 Echo = Callable[..., None]
 """click.echo's shape: echo(text, err=False)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PlanRequest:
-    model: str
-    config: str | None = None
-    sets: tuple[str, ...] = ()
-    from_run: str | None = None
-    layers: int | None = None
-    vocab_size: int = 32000
-    seq_len: int | None = None
-    hostfile: str | None = None
-    nodes: int = 1
-    gpus_per_node: int = 1
-    flags: dict[str, str | None] = field(default_factory=dict)
-    """Each node's facts as given (keys of pipeline.plan.facts.CLUSTER_DEFAULTS; None: not given)."""
-    global_batch_tokens: str = "4M"
-    micro_batch_size: int | None = None
-    mfu: float | None = None
-    tokens: str = "1B"
-    whole_documents: bool = False
-    document_attention: str = "auto"
-    write_ds_config: str | None = None
-    opt_in: frozenset[str] = frozenset()
-    as_json: bool = False
-    fits_table: bool = False
-    long_context_table: bool = False
-    model_given: bool = False
-    """--model was given (with --from-run: plan that model at the run's rates, not the run itself)."""
-    cluster_given: bool = False
-    """Any of --hostfile, --nodes, --gpus-per-node, --gpu, --gpu-mem, --cpu-mem was given."""
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any], given: set[str]) -> PlanRequest:
-        """The request of `pipeline plan`'s options (named as the fields; each node fact, a key of
-        CLUSTER_DEFAULTS, goes to `flags`), `given` naming the options set on the command line."""
-        o = dict(options)
-        flags = {k: None if (v := o.pop(k, None)) is None else str(v) for k in CLUSTER_DEFAULTS}
-        o["opt_in"] = frozenset(o.get("opt_in", ()))
-        o["sets"] = tuple(o.get("sets", ()))
-        return cls(
-            **o,
-            flags=flags,
-            model_given="model" in given,
-            cluster_given=bool(given & {"hostfile", "nodes", "gpus_per_node", "gpu", "gpu_mem", "cpu_mem"}),
-        )
 
 
 def token_amounts(tokens: str, global_batch_tokens: str) -> tuple[float, int]:

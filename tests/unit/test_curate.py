@@ -108,8 +108,8 @@ def test_decontamination_removes_what_shares_a_13_gram_with_an_eval_file_and_kee
 @pytest.mark.parametrize(
     "make, args, said",
     [
-        (lambda d: d / "c.jsonl", ["--near-threshold", "1.5"], "--near-threshold 1.5: a Jaccard similarity between 0"),
-        (lambda d: d / "c.jsonl", ["--permutations", "1"], "--permutations 1: at least 2"),
+        (lambda d: d / "c.jsonl", ["--near-threshold", "1.5"], "--near-threshold 1.5: expected above 0 and below 1"),
+        (lambda d: d / "c.jsonl", ["--permutations", "1"], "--permutations 1: expected 2 or more"),
         (lambda d: d / "missing.jsonl", [], "missing.jsonl: no such file or directory"),
         (lambda d: d / "short.jsonl", [], "every one of the 1 documents was removed (gopher_"),
         (lambda d: d / "bad.jsonl", [], "bad.jsonl: no readable document (bad records: 2); first: "),
