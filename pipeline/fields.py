@@ -181,22 +181,25 @@ def fields_of(cls: type) -> tuple[FieldInfo, ...]:
     return tuple(out)
 
 
-def field_problems(config: Any) -> list[str]:
+def field_problems(config: Any, prefix: str | None = None) -> list[str]:
     """Every field whose value is outside its `Range` or not one of its `Literal`'s choices, as `--flag value:
-    expected ...` (None passes: the field was not given)."""
+    expected ...` (None passes: the field was not given); with `prefix`, named `prefix.field` as a config file
+    names it (`optim.lr`)."""
     problems = []
     cls: type = type(config)
     for info in fields_of(cls):
         value = getattr(config, info.name)
         if value is None or isinstance(value, bool):
             continue
+        name = f"{prefix}.{info.name}" if prefix else info.flag
         choices = info.choices
         for one in value if isinstance(value, tuple) and choices is not None else (value,):
             if choices is not None and one not in choices:
-                problems.append(f"{info.flag} {one}: expected one of {', '.join(map(str, choices))}")
+                names = [str(c) for c in choices]
+                problems.append(f"{name} {one}: expected {', '.join(names[:-1])} or {names[-1]}")
         span = info.marker(Range)
         if span is not None and isinstance(value, (int, float)) and not span.holds(value):
             example = "" if info.default in (None, dataclasses.MISSING) else f" (default {info.default})"
             shown = f"{value:g}" if isinstance(value, float) else value
-            problems.append(f"{info.flag} {shown}: expected {span.says()}{example}")
+            problems.append(f"{name} {shown}: expected {span.says()}{example}")
     return problems

@@ -80,7 +80,7 @@ def test_continued_pretraining_rewarms_from_min_lr() -> None:
     [
         ({"schedule": "cosine", "decay_ratio": 0.2}, "optim.decay_ratio is for optim.schedule wsd"),
         ({"schedule": "cosine", "decay_shape": "sqrt"}, "optim.decay_shape is for optim.schedule wsd"),
-        ({"schedule": "wsd", "decay_ratio": 1.5}, r"optim.decay_ratio 1.5: expected a share"),
+        ({"schedule": "wsd", "decay_ratio": 1.5}, r"optim.decay_ratio 1.5: expected above 0 and at most 1"),
         ({"schedule": "wsd", "decay_ratio": 0.2, "decay_steps": 10}, "one of decay_steps or decay_ratio"),
         ({"schedule": "constant", "decay_steps": 10}, "a constant schedule has no decay"),
         ({"schedule": "linear"}, r"optim.schedule linear: expected cosine, wsd or constant"),

@@ -11,11 +11,12 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
 from pipeline.errors import ConfigError
+from pipeline.fields import Range, field_problems
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,19 +51,24 @@ class DataSection:
     """Data stages, {STEP: SHARD_FOLDER}: after update STEP the run trains on that folder's shards (the same
     seq_len and tokenizer), e.g. {900: data/curated-4096} for a decay on a curated mix. Positions in a stage count
     from its first update; validation stays on data.path's val split (pipeline.train.setup.stages)."""
-    num_workers: int = 1
+    num_workers: Annotated[int, Range(0)] = 1
     verify: bool = True
     """Check shard checksums against the manifest at start (reads the data once)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BatchSection:
-    micro_batch_size: int = 1
+    micro_batch_size: Annotated[int, Range(1)] = 1
     """Sequences per rank per forward pass."""
-    global_batch_size: int | None = None
+    global_batch_size: Annotated[int | None, Range(1)] = None
     """Sequences per optimizer step over all ranks; gradient accumulation = global / (micro x world)."""
-    global_batch_tokens: int | None = None
+    global_batch_tokens: Annotated[int | None, Range(1)] = None
     """Alternative to global_batch_size: tokens per optimizer step (must be a multiple of seq_len)."""
+
+    def problems(self) -> list[str]:
+        if (self.global_batch_size is None) == (self.global_batch_tokens is None):
+            return ["batch: give exactly one of global_batch_size (sequences) or global_batch_tokens"]
+        return []
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,38 +77,58 @@ class OptimSection:
     """adamw (DeepSpeed's: FusedAdam on GPU, CPUAdam when offloading) | adamw8bit (bitsandbytes, ZeRO 0-2, no
     offload) | muon (DeepSpeed's Muon for the hidden matrices at muon_lr, AdamW at lr for the rest; ZeRO 1-3, no
     offload; pipeline.train.setup.optimizers.OPTIMIZERS)."""
-    lr: float = 3e-4
-    min_lr: float = 3e-5
+    lr: Annotated[float, Range(0.0, 1.0, open_low=True, open_high=True)] = 3e-4
+    min_lr: Annotated[float, Range(0.0)] = 3e-5
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     """The learning-rate schedule (pipeline.train.setup.schedule.SCHEDULES): cosine | wsd (warmup-stable-decay:
     extendable while stable, cooldowns branched from any stable checkpoint) | constant (after warmup)."""
-    warmup_steps: int = 100
+    warmup_steps: Annotated[int, Range(0)] = 100
     warmup_from: Literal["auto", "zero", "min_lr"] = "auto"
     """Where warmup starts: zero, or min_lr (a rewarm, for continued pretraining). auto: min_lr when the run starts
     from a model's weights (model.init_from), zero otherwise."""
-    decay_steps: int | None = None
+    decay_steps: Annotated[int | None, Range(1)] = None
     """cosine: the decay's length after warmup (default: until max_steps). wsd: the decay's length at the end of
     the run (or decay_ratio)."""
-    decay_ratio: float | None = None
+    decay_ratio: Annotated[float | None, Range(0.0, 1.0, open_low=True)] = None
     """wsd: the decay's share of the run's steps, in (0, 1] (default 0.2 when decay_steps is not given either)."""
     decay_shape: Literal["linear", "sqrt", "cosine"] = "linear"
     """wsd: the decay's shape (1 - p, 1 - sqrt(p), or half a cosine, p going 0 to 1)."""
     weight_decay: float = 0.1
     """Not applied to norms and biases."""
-    beta1: float = 0.9
-    beta2: float = 0.95
+    beta1: Annotated[float, Range(0.0, 1.0, open_high=True)] = 0.9
+    beta2: Annotated[float, Range(0.0, 1.0, open_high=True)] = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0
-    muon_lr: float = 0.02
+    grad_clip: Annotated[float, Range(0.0)] = 1.0
+    """The gradient norm clipped to (0: off)."""
+    muon_lr: Annotated[float, Range(0.0, 1.0, open_low=True, open_high=True)] = 0.02
     """optim.name muon: the peak learning rate of the hidden matrices (Muon's own scale; the schedule shapes it as
     it shapes lr, which the embeddings, norms and output layer train at)."""
-    muon_momentum: float = 0.95
+    muon_momentum: Annotated[float, Range(0.0, 1.0, open_high=True)] = 0.95
+
+    def problems(self) -> list[str]:
+        """The rules between the optimizer's and the schedule's own fields."""
+        p = []
+        if self.min_lr > self.lr:
+            p.append(f"optim.min_lr {self.min_lr}: expected 0 <= min_lr <= lr ({self.lr})")
+        if self.schedule != "wsd" and self.decay_ratio is not None:
+            p.append(
+                f"optim.decay_ratio is for optim.schedule wsd (this run's is {self.schedule}); remove it or use wsd"
+            )
+        if self.schedule != "wsd" and self.decay_shape != "linear":
+            p.append(
+                f"optim.decay_shape is for optim.schedule wsd (this run's is {self.schedule}); remove it or use wsd"
+            )
+        if self.schedule == "wsd" and self.decay_steps is not None and self.decay_ratio is not None:
+            p.append("optim: give one of decay_steps or decay_ratio for the wsd decay, not both")
+        if self.schedule == "constant" and self.decay_steps is not None:
+            p.append("optim.decay_steps: a constant schedule has no decay; remove it, or use schedule wsd")
+        return p
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainSection:
-    max_steps: int | None = None
-    max_tokens: int | None = None
+    max_steps: Annotated[int | None, Range(1)] = None
+    max_tokens: Annotated[int | None, Range(1)] = None
     """Alternative to max_steps: stop after this many training tokens."""
     seed: int = 1234
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -140,35 +166,50 @@ class TrainSection:
     layer stay bf16 (pipeline.model.kernels.fp8_keeps). Emulated on the CPU. Needs train.precision bf16, ZeRO
     0-2 and torchao (pip install -e '.[gpu]'). Checkpoints and exports are bf16 weights: a run resumes with or
     without it."""
-    loss_chunk_tokens: int | None = None
+    loss_chunk_tokens: Annotated[int | None, Range(1)] = None
     """Tokens per chunk of the training loss (the full fp32 logits are never built); null: 256 MiB of logits."""
-    tiled_mlp: int = 0
+    tiled_mlp: Annotated[int, Range(0)] = 0
     """Compute each layer's MLP in this many tiles along the sequence, each recomputed in the backward (DeepSpeed's
     TiledMLP, from Arctic Long Sequence Training): the SwiGLU intermediates (8 x ffn bytes a token) of one tile
     are alive at a time instead of the whole sequence's, for one more MLP forward. 0: off; `pipeline plan` says
     where it is needed (one tile per hidden_size tokens). Exact: the same numbers up to rounding."""
-    sequence_parallel: int = 1
+    sequence_parallel: Annotated[int, Range(1)] = 1
     """Ranks that train one sample together (DeepSpeed's Ulysses sequence parallelism for Hugging Face models,
     pipeline.train.runtime.sequence): each holds seq_len / N tokens of every layer's activations, and an
     all-to-all before and after attention gives each rank all tokens of N-th of the heads. Data parallel is then
     world / N; the token order, the batch and resuming are those of a world of world / N ranks. 1: off."""
-    peak_tflops: float | None = None
+    peak_tflops: Annotated[float | None, Range(0.0, open_low=True)] = None
     """The card's dense bf16 peak for MFU, for a GPU the table does not know (null: from the table by name)."""
-    comm_timeout_minutes: float = 30.0
+    comm_timeout_minutes: Annotated[float, Range(0.0, open_low=True)] = 30.0
     """How long a rank may go without progress before the run fails instead of hanging: a progress is a
     micro-step, a validation batch, a checkpoint write, or (while rank 0 converts a checkpoint for another world
     size) its heartbeat. A step may take hours; a peer that hangs ends the launch within this time."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm. stop: halt at that step, name its samples, save nothing (the last good
     checkpoint stays the latest). skip: DeepSpeed drops that update; counted and logged."""
-    max_nonfinite_in_a_row: int = 3
+    max_nonfinite_in_a_row: Annotated[int, Range(1)] = 3
     """With on_nonfinite: skip, stop after this many skipped updates in a row."""
+
+    def problems(self) -> list[str]:
+        p = []
+        if (self.max_steps is None) == (self.max_tokens is None):
+            p.append("train: give exactly one of max_steps or max_tokens")
+        if self.fp8 and self.precision != "bf16":
+            p.append(
+                f"train.fp8 needs train.precision bf16 (its master weights and the rest of the step), not "
+                f"{self.precision}"
+            )
+        if self.fp8 and importlib.util.find_spec("torchao") is None:
+            p.append("train.fp8 needs torchao: pip install torchao (or pip install -e '.[gpu]')")
+        return p
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EvalSection:
-    interval: int = 100
-    batches: int = 10
+    interval: Annotated[int, Range(1)] = 100
+    """Validate every this many optimizer steps."""
+    batches: Annotated[int, Range(0)] = 10
+    """Validation batches each time (0: validation off)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,8 +220,8 @@ class CheckpointSection:
     (a cooldown branched from a stable phase) and data stages. The source run is only read."""
     enabled: bool = True
     """false: write no checkpoint at all, not even at the end or on SIGTERM (benchmarks, smoke runs)."""
-    interval: int = 500
-    keep_last: int = 3
+    interval: Annotated[int, Range(1)] = 500
+    keep_last: Annotated[int, Range(1)] = 3
     resume: str = "auto"
     """auto: continue from the latest complete checkpoint in run_dir; never: start fresh (refuses a run_dir
     that holds checkpoints); or a tag such as step00000100."""
@@ -191,7 +232,7 @@ class CheckpointSection:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LogSection:
-    interval: int = 10
+    interval: Annotated[int, Range(1)] = 10
     tensorboard: bool = True
     wandb_project: str | None = None
     """Weights & Biases project: every metrics.jsonl record goes there too, the config as its parameters. W&B's
@@ -282,7 +323,7 @@ def from_dict(raw: dict[str, Any], source: str = "config") -> PretrainConfig:
                 problems.append(f"{key}.{k}: unknown field (known: {', '.join(known)})")
                 continue
             try:
-                fields[k] = coerce(v, str(known[k].type))
+                fields[k] = coerce(v, unannotated(str(known[k].type)))
             except ValueError as e:
                 problems.append(f"{key}.{k}: {e}")
                 continue
@@ -347,6 +388,20 @@ def coerce(value: Any, annotation: str) -> Any:
     raise ValueError(f"expected {wanted}, got {value!r}")
 
 
+def unannotated(annotation: str) -> str:
+    """`Annotated[int | None, Range(1)]` as `int | None`: the type a YAML value is read as (the markers are the
+    checks of pipeline.fields)."""
+    if not annotation.startswith("Annotated["):
+        return annotation
+    depth = 0
+    for i, ch in enumerate(annotation[len("Annotated[") :], start=len("Annotated[")):
+        depth += ch in "[("
+        depth -= ch in "])"
+        if ch == "," and depth == 0:
+            return annotation[len("Annotated[") : i].strip()
+    return annotation
+
+
 def _choices(annotation: str) -> list[Any]:
     """The values of a `Literal[...]` annotation (empty for any other)."""
     kinds = [k.strip() for k in annotation.split("|")]
@@ -365,77 +420,14 @@ def _number(value: Any) -> int | float | None:
 
 
 def check(cfg: PretrainConfig) -> list[str]:
-    """Field-level checks that need no files; batch arithmetic against the world size is in `batch_plan`."""
+    """Field-level checks that need no files, each section's own: its fields' ranges and choices (the markers of
+    pipeline.fields) and its rules between its own fields (`problems`). Batch arithmetic against the world size is
+    in `batch_plan`; the rules between a config and its layout are the layout's."""
     p = []
-    for section, cls in _SECTION_CLASSES.items():  # closed sets: every Literal field
-        for f in dataclasses.fields(cls):
-            value = getattr(getattr(cfg, section), f.name)
-            if (choices := _choices(str(f.type))) and value not in choices:
-                names = [str(c) for c in choices]
-                p.append(f"{section}.{f.name} {value}: expected {', '.join(names[:-1])} or {names[-1]}")
-    b, o, t = cfg.batch, cfg.optim, cfg.train
-    if b.micro_batch_size < 1:
-        p.append(f"batch.micro_batch_size {b.micro_batch_size}: expected 1 or more")
-    for name in ("global_batch_size", "global_batch_tokens"):
-        if (value := getattr(b, name)) is not None and value < 1:
-            p.append(f"batch.{name} {value}: expected 1 or more")
-    if (b.global_batch_size is None) == (b.global_batch_tokens is None):
-        p.append("batch: give exactly one of global_batch_size (sequences) or global_batch_tokens")
-    if not 0 < o.lr < 1:
-        p.append(f"optim.lr {o.lr}: expected 0 < lr < 1")
-    if not 0 <= o.min_lr <= o.lr:
-        p.append(f"optim.min_lr {o.min_lr}: expected 0 <= min_lr <= lr ({o.lr})")
-    if o.warmup_steps < 0:
-        p.append("optim.warmup_steps: expected 0 or more")
-    if o.decay_steps is not None and o.decay_steps < 1:
-        p.append(f"optim.decay_steps {o.decay_steps}: expected 1 or more (or null)")
-    if o.decay_ratio is not None and not 0 < o.decay_ratio <= 1:
-        p.append(f"optim.decay_ratio {o.decay_ratio}: expected a share of the run in (0, 1], e.g. 0.2")
-    if o.schedule != "wsd" and o.decay_ratio is not None:
-        p.append(f"optim.decay_ratio is for optim.schedule wsd (this run's is {o.schedule}); remove it or use wsd")
-    if o.schedule != "wsd" and o.decay_shape != "linear":
-        p.append(f"optim.decay_shape is for optim.schedule wsd (this run's is {o.schedule}); remove it or use wsd")
-    if o.schedule == "wsd" and o.decay_steps is not None and o.decay_ratio is not None:
-        p.append("optim: give one of decay_steps or decay_ratio for the wsd decay, not both")
-    if o.schedule == "constant" and o.decay_steps is not None:
-        p.append("optim.decay_steps: a constant schedule has no decay; remove it, or use schedule wsd")
-    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
-        p.append("optim.beta1/beta2: expected values in [0, 1)")
-    if not (0 < o.muon_lr < 1 and 0 <= o.muon_momentum < 1):
-        p.append(
-            f"optim.muon_lr {o.muon_lr} / muon_momentum {o.muon_momentum}: expected 0 < muon_lr < 1, momentum in [0, 1)"
-        )
-    if o.grad_clip < 0:
-        p.append("optim.grad_clip: expected 0 (off) or a positive norm")
-    for name in ("max_steps", "max_tokens"):
-        if (value := getattr(t, name)) is not None and value < 1:
-            p.append(f"train.{name} {value}: expected 1 or more")
-    if (t.max_steps is None) == (t.max_tokens is None):
-        p.append("train: give exactly one of max_steps or max_tokens")
-    if t.tiled_mlp < 0:
-        p.append(f"train.tiled_mlp {t.tiled_mlp}: expected 0 (off) or the number of tiles")
-    if t.sequence_parallel < 1:
-        p.append(f"train.sequence_parallel {t.sequence_parallel}: expected 1 (off) or the ranks sharing a sample")
-    if t.fp8 and t.precision != "bf16":
-        p.append(
-            f"train.fp8 needs train.precision bf16 (its master weights and the rest of the step), not {t.precision}"
-        )
-    if t.fp8 and importlib.util.find_spec("torchao") is None:
-        p.append("train.fp8 needs torchao: pip install torchao (or pip install -e '.[gpu]')")
-    if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
-        p.append(f"train.loss_chunk_tokens {t.loss_chunk_tokens}: expected 1 or more (or null)")
-    if t.peak_tflops is not None and t.peak_tflops <= 0:
-        p.append(f"train.peak_tflops {t.peak_tflops}: expected the card's dense bf16 TFLOP/s, e.g. 147.1")
-    if t.comm_timeout_minutes <= 0:
-        p.append("train.comm_timeout_minutes: expected a positive number of minutes")
-    if t.max_nonfinite_in_a_row < 1:
-        p.append("train.max_nonfinite_in_a_row: expected 1 or more")
-    if cfg.eval.interval < 1 or cfg.eval.batches < 0:
-        p.append("eval.interval must be >= 1 and eval.batches >= 0 (eval.batches: 0 turns validation off)")
-    if cfg.checkpoint.interval < 1 or cfg.checkpoint.keep_last < 1:
-        p.append("checkpoint.interval and checkpoint.keep_last must be >= 1")
-    if cfg.log.interval < 1:
-        p.append("log.interval must be >= 1")
+    for name in _SECTION_CLASSES:
+        section = getattr(cfg, name)
+        p += field_problems(section, prefix=name)
+        p += section.problems() if hasattr(section, "problems") else []
     return p
 
 
