@@ -9,6 +9,9 @@ Order of work, all deterministic from the seed:
      (`blend_counts`), split over its length buckets by their weights (`bucket_counts`); then every split's
      samples are shuffled and written as shards of fixed-size rows.
 Work happens in DIR/.tmp-*; shards are moved into DIR and manifest.json, written last, marks completion.
+
+One job: the stage's run, in the order above; the pure parts (splitting, packing, blending, the manifest) are
+pipeline.data.packing and pipeline.data.manifest, so what is here is the order of work and its files.
 """
 
 from __future__ import annotations

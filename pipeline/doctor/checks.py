@@ -1,7 +1,10 @@
 """The checks `pipeline doctor` makes on one host, each a PASS / WARN / FAIL with a one-line reason and the fix.
 Run here for this machine, and on every host of a hostfile as `python -m pipeline.doctor.checks --json ...` (what
 `pipeline doctor --hostfile` starts there over ssh); the cross-host comparisons are in pipeline.doctor.cluster.
-Standard library only at import time: a host whose torch or deepspeed is broken still reports."""
+Standard library only at import time: a host whose torch or deepspeed is broken still reports.
+
+One job: the checks of one host. It is one file because it is what ssh runs on each host as a script
+(`python -m pipeline.doctor.checks`): splitting it would make every host import a package tree to check itself."""
 
 from __future__ import annotations
 

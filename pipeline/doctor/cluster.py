@@ -2,7 +2,10 @@
 as DeepSpeed's launcher reaches them (ssh without a password, the launcher's environment exports and
 .deepspeed_env, `cd` to this folder, this Python), in parallel, each step with a timeout; then what only a
 comparison shows (another Python, venv or version than the first host's, other data) and a short all-reduce
-between the hosts. `--write-env` puts what was found into .deepspeed_env."""
+between the hosts. `--write-env` puts what was found into .deepspeed_env.
+
+One job: reaching the hosts and comparing them; each host's own checks are pipeline.doctor.checks (a module that
+must run alone on a host, standard library only), which is why the two are apart and neither is smaller."""
 
 from __future__ import annotations
 

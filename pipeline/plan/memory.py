@@ -1,7 +1,9 @@
 """Memory of one training configuration: per GPU (live tensors at the peak, what the card must hold, the margin
 kept) and per node in host RAM, at start-up (the model's build) and in the steady state; and of evaluating a
-checkpoint. Pure arithmetic over the model shape; the coefficients are measured (see each). One job: every term
-the planner's fit verdict and evaluate's batch read, beside the constants they share (fragmentation, margin).
+checkpoint. Pure arithmetic over the model shape; the coefficients are measured (see each).
+
+One job: every term the planner's fit verdict and evaluate's batch read, beside the constants they share
+(fragmentation, margin).
 
 GPU, like with like: `peak_allocated` is what `torch.cuda.max_memory_allocated` reports (live tensors at the
 peak); `reserved` adds the allocator's slack and the CUDA context, and is what the card must hold. A plan fits

@@ -1,5 +1,7 @@
 """Rendering of a plan for people (`pipeline plan`), and the table of what fits each reference cluster
-(docs/planning.md)."""
+(docs/planning.md).
+
+One job: words and tables of a plan, for the terminal, the JSON and the docs; nothing here prices anything."""
 
 from __future__ import annotations
 

@@ -4,6 +4,9 @@ offload features), prices each (pipeline.plan.estimate) and chooses; pipeline.pl
 Pure arithmetic: no CUDA calls. Every throughput is printed beside its physical ceiling (100% of peak) and as a
 low-high range, with the rates it assumed and where each came from.
 
+One job: the search (which layouts are tried, which is chosen and why); the prices are pipeline.plan.memory and
+pipeline.plan.timing's, the words pipeline.plan.report's.
+
 Memory (pipeline.plan.memory): model states follow DeepSpeed's own estimators; activations use coefficients
 measured on a real transformers Llama layer (or a fused stack's); the GPU figure is given like with like
 (`peak_allocated`, what torch.cuda.max_memory_allocated reports) and as what the card must hold (`reserved`, the

@@ -19,7 +19,10 @@ micro-step whose top-k gradient columns are updated on the GPU; CPU Adam runs ev
 process of its own while the GPU goes on (overlap_step), so only what it does not hide is paid, spread over them.
 
 `Rates` says what every figure ran at and where it came from, and carries a run's measured rates (`plan
---from-run`) into the next plan."""
+--from-run`) into the next plan.
+
+One job: the seconds of a step, part by part; the parts share one overlap rule and one set of `Rates`, which is
+why they are one module (memory is pipeline.plan.memory's)."""
 
 from __future__ import annotations
 

@@ -138,3 +138,20 @@ def test_the_layout_is_by_stage() -> None:
         "progress.py",
         "units.py",
     ]
+
+
+LONG_MODULE = 400
+"""Lines past which a module is usually doing more than one job (../STYLE.md)."""
+
+
+def test_a_long_module_says_why_it_is_one_job() -> None:
+    """A module past LONG_MODULE lines says in its docstring what its one job is (a line beginning "One job"), so a
+    reader can tell a long module that is one thing from one that should be split."""
+    unsaid = []
+    for path in sorted(PKG.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > LONG_MODULE:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if not any(line.startswith("One job") for line in doc.splitlines()):
+                unsaid.append(f"{path.relative_to(PKG.parent)} ({text.count(chr(10))} lines)")
+    assert not unsaid, "long modules that do not say their one job:\n" + "\n".join(unsaid)

@@ -1,7 +1,10 @@
 """Checkpoint layout in a run folder: DeepSpeed tags `step{N:08d}`, a completion marker per tag, our own
 `latest` file (same format as DeepSpeed's, written only after the marker), keep-last-K pruning, damage checks, the
 universal form for another world size, and what a checkpoint costs on disk. Pure file work; the `Checkpointer`
-(pipeline.train.checkpoint.checkpointer) decides when to save and what to resume from."""
+(pipeline.train.checkpoint.checkpointer) decides when to save and what to resume from.
+
+One job: what a checkpoint is on disk; every reader of a run folder (resume, evaluate, export, average, the
+planner's disk check) reads it through here, so the layout is written down once."""
 
 from __future__ import annotations
 

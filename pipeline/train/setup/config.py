@@ -1,5 +1,9 @@
 """Pretrain config: YAML -> typed, frozen dataclasses; every problem is reported at once, before any process
-group starts. `--set section.key=value` overrides any field."""
+group starts. `--set section.key=value` overrides any field.
+
+One job: the config's schema and its reading. Each section is a dataclass that checks its own fields (their
+`pipeline.fields` markers and its `problems()`); most of the length is the fields' docstrings, the documentation
+of every key a user can write."""
 
 from __future__ import annotations
 
