@@ -1,8 +1,8 @@
 """`pipeline` command line: each command parses its options, builds a config and calls one stage's run().
 
-Each option is declared once: options shared by several commands are groups in pipeline/options.py (`HOSTFILE`,
-`WHERE`, `CHECKPOINT`, ...), and an option's name is its config field's, so a command passes what it parsed on
-whole (`TokenizeConfig(**options)`)."""
+Each option is declared once: a stage's options are its config dataclass's fields (`@config_options(TokenizeConfig)`
+generates them from each field's type, default, range and docstring; `config_from` builds the config back), so a new
+field is a new option with no edit here; the few options that are no config's field are in pipeline/options.py."""
 
 from __future__ import annotations
 

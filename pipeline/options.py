@@ -1,5 +1,6 @@
-"""The options that several `pipeline` commands share, declared once (`HOSTFILE`, `WHERE`, `CHECKPOINT`, ...),
-the helpers that declare the rest (`opt`, `group`), their parsing callbacks, and `user_errors`, which turns a
+"""The commands' options: generated from a stage's config dataclass (`config_options`, from what each field says
+of itself in pipeline.fields), or, for the few that are no config's field, declared once here (`HOSTFILE`,
+`WHERE`, `SETS`, ...) with the helpers `opt` and `group`; their parsing callbacks; and `user_errors`, which turns a
 command's user errors into one line. pipeline/cli.py declares the commands."""
 
 from __future__ import annotations
@@ -248,23 +249,7 @@ WHERE = group(
     ),
     MASTER_PORT,
 )
-AVERAGE = click.option(
-    "--average",
-    default=None,
-    help="The mean of several checkpoints of the run instead of one: last:N (the N newest) or a list of tags or "
-    "steps (100,200,300); weights averaged in fp32, one tensor at a time.",
-)
 SETS = click.option("--set", "sets", multiple=True, help="Override a config field: section.key=value (repeatable).")
-SEED = click.option("--seed", type=int, default=1234, show_default=True)
-TEXT_KEY = click.option(
-    "--text-key", default="text", show_default=True, help="JSON field / parquet column holding the text."
-)
-CHECKPOINT = click.option(
-    "--checkpoint", required=True, type=PATH, help="RUN_DIR (its latest complete checkpoint) or RUN_DIR/TAG."
-)
-DEVICE = click.option(
-    "--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, or auto (cuda when torch sees a GPU)."
-)
 AS_JSON = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 
 

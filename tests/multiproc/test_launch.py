@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -111,11 +112,52 @@ def reaped(cfg: Path) -> Iterator[None]:
                 p.kill()
 
 
-def no_process_left(cfg: Path, timeout: float = 60) -> bool:
-    deadline = time.time() + timeout
-    while processes_of(cfg) and time.time() < deadline:
-        time.sleep(0.2)
-    return not processes_of(cfg)
+STALL_S = 120.0
+"""How long a run may show no sign of work (no CPU time spent by its processes, no file of its run folder or log
+changed) before a wait calls it stuck. A wait ends on what it waits for, however slow a busy machine makes it; only
+a run that stopped working fails it, so a CPU-bound neighbour slows these tests without failing them."""
+
+
+def activity(cfg: Path, *paths: Path) -> tuple[Any, ...]:
+    """What changes while the processes of `cfg` work: their CPU time and count, and the files under `paths`."""
+    cpu = 0.0
+    procs = processes_of(cfg)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            times = p.cpu_times()
+            cpu += times.user + times.system
+    files = []
+    for path in paths:
+        for f in [path, *(path.rglob("*") if path.is_dir() else [])]:
+            with contextlib.suppress(OSError):
+                st = f.stat()
+                files.append((str(f), st.st_size, st.st_mtime_ns))
+    return len(procs), round(cpu, 2), tuple(sorted(files))
+
+
+def wait_working(done: Callable[[], bool], cfg: Path, *paths: Path, stall_s: float = STALL_S) -> bool:
+    """Wait until done(), for as long as the run keeps working (`activity` changes within stall_s); False when it
+    stopped working first."""
+    last, since = activity(cfg, *paths), time.monotonic()
+    while not done():
+        time.sleep(0.5)
+        now = activity(cfg, *paths)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            return done()
+    return True
+
+
+def exit_code(proc: subprocess.Popen, cfg: Path, *paths: Path) -> int | None:
+    """The exit code of `pipeline pretrain` once it exits, waiting as long as its run works; None when it stopped
+    working without exiting."""
+    return proc.returncode if wait_working(lambda: proc.poll() is not None, cfg, *paths) else None
+
+
+def no_process_left(cfg: Path, *paths: Path) -> bool:
+    """Every process of `cfg` gone, waiting as long as they still work (saving, exiting) on a busy machine."""
+    return wait_working(lambda: not processes_of(cfg), cfg, *paths)
 
 
 @pytest.mark.parametrize(
@@ -154,13 +196,13 @@ def signalled_pipeline_pretrain(cfg: Path, run_dir: Path, tmp_path: Path, sig: i
     assert second.returncode == 2 and "is in use by another training (pid" in second.stderr, second.stderr
     assert "+ " not in second.stderr  # no launcher was started
     os.kill(proc.pid, sig)
-    assert proc.wait(timeout=300) == code
+    assert exit_code(proc, cfg, run_dir, tmp_path / "a.log") == code
     log = (tmp_path / "a.log").read_text()
     assert "stopping the run; every rank saves a checkpoint" in log and "stopped by signal at step" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     tag = ckpt.latest_complete(run_dir)
     assert tag is not None and int(tag[4:]) >= 3 and ckpt.read_marker(run_dir, tag)["step"] == int(tag[4:])
-    assert no_process_left(cfg), [p.cmdline() for p in processes_of(cfg)]
+    assert no_process_left(cfg, run_dir), [p.cmdline() for p in processes_of(cfg)]
 
 
 def test_a_killed_pipeline_pretrain_stops_its_ranks_saved_and_the_same_command_resumes(
@@ -179,13 +221,13 @@ def test_a_killed_pipeline_pretrain_stops_its_ranks_saved_and_the_same_command_r
         launch.wait_for_step(run_dir, 3, proc)
         proc.kill()
         assert proc.wait(timeout=30) == -signal.SIGKILL
-        assert no_process_left(cfg, timeout=90), [p.cmdline() for p in processes_of(cfg)]
+        assert no_process_left(cfg, run_dir), [p.cmdline() for p in processes_of(cfg)]
         tag = ckpt.latest_complete(run_dir)
         assert tag is not None and 3 <= int(tag[4:]) < 60, tag
         log = (run_dir / "logs" / "launch.log").read_text()
         assert "the `pipeline pretrain` that launched this run is gone" in log and "Traceback" not in log, log[-3000:]
         again = pipeline_pretrain(cfg, tmp_path / "b.log")
-        assert again.wait(timeout=300) == 0, (tmp_path / "b.log").read_text()[-3000:]
+        assert exit_code(again, cfg, run_dir, tmp_path / "b.log") == 0, (tmp_path / "b.log").read_text()[-3000:]
         resumed = (tmp_path / "b.log").read_text()
         assert f"resumed from {run_dir / tag}" in resumed and "done: step 60" in resumed, resumed[-3000:]
 
@@ -208,11 +250,11 @@ def rank_signalled(cfg: Path, run_dir: Path, tmp_path: Path) -> None:
     ranks = [p for p in one if "--local_rank=1" not in p.parent().cmdline()]  # the rank, not its data workers
     assert len(ranks) == 1
     ranks[0].send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=300) == 143
+    assert exit_code(proc, cfg, run_dir, tmp_path / "b.log") == 143
     log = (tmp_path / "b.log").read_text()
     assert "stopped by signal at step" in log and "restart 1 of" not in log, log[-3000:]
     assert ckpt.latest_complete(run_dir) is not None
-    assert no_process_left(cfg)
+    assert no_process_left(cfg, run_dir)
 
 
 def test_a_run_sends_its_metrics_to_wandb_and_mlflow_as_to_metrics_jsonl(

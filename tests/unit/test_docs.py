@@ -63,3 +63,18 @@ def test_the_readme_is_a_front_door_naming_every_command() -> None:
         if not any(f"`pipeline {name}" in line and "(docs/" in line for line in readme.splitlines())
     ]
     assert not unlinked, f"commands without a link to their page on their line: {unlinked}"
+
+
+def test_the_readme_map_names_every_module() -> None:
+    """The README's map is held against the tree: every module of the package is named in it (by its file name, in
+    its folder's line), so a new module cannot land unmapped."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Map", 1)[1].split("```")[1]
+    named = set(re.findall(r"[a-z_0-9]+", block))
+    missing = []
+    for path in sorted((ROOT / "pipeline").rglob("*.py")):
+        if path.stem not in ("__init__", "__main__") and path.stem not in named:
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"modules the README's map does not name: {missing}"
