@@ -372,7 +372,7 @@ def run_checks(needs: Needs, *, first: bool = True, quick: bool = False) -> Repo
     return r
 
 
-def before_launch(needs: Needs) -> tuple[list[str], list[str]]:
+def quick_checks(needs: Needs) -> tuple[list[str], list[str]]:
     """The quick checks as `pipeline pretrain` runs them before every launch: (the lines to show, one per WARN and
     FAIL; the problems, one per FAIL, which join the launch's one error unless --skip-doctor)."""
     shown, failed = [], []

@@ -14,14 +14,14 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.evaluate.config import HarnessConfig
 from pipeline.evaluate.export import export
-from pipeline.evaluate.inputs import Run, open_run
+from pipeline.evaluate.inputs import RunFolder, open_run
 
 LOCAL_TASKS = Path(__file__).resolve().parents[2] / "configs" / "lm_eval"
 STAMP = "pipeline_export.json"
 """Written into an export: which checkpoint (and which save of it) it was made from."""
 
 
-def _identity(r: Run, dtype: str) -> dict[str, str]:
+def _identity(r: RunFolder, dtype: str) -> dict[str, str]:
     marker = hashlib.sha256(json.dumps(r.marker, sort_keys=True, default=str).encode()).hexdigest()
     return {"checkpoint": str(r.run_dir / r.tag), "marker_sha256": marker, "dtype": dtype}
 

@@ -31,7 +31,7 @@ PROMPTS_FROM_DATA = 4
 
 
 @dataclass
-class Run:
+class RunFolder:
     run_dir: Path
     tag: str
     """The checkpoint; of an average, the newest averaged."""
@@ -70,7 +70,7 @@ class Run:
         return consolidated_state(self.run_dir, self.tag, tied)
 
 
-def open_run(checkpoint: str | Path, average: str | None = None) -> Run:
+def open_run(checkpoint: str | Path, average: str | None = None) -> RunFolder:
     """The run and checkpoint (RUN_DIR for its latest, or RUN_DIR/TAG); with `average`, the run's checkpoints
     it names (ckpt.average_tags), whose mean is the model."""
     run_dir, tag = ckpt.resolve_checkpoint(checkpoint)
@@ -83,10 +83,10 @@ def open_run(checkpoint: str | Path, average: str | None = None) -> Run:
         raise PipelineError(f"{run_dir}: no config.yaml; not a run folder of `pipeline pretrain`")
     marker = ckpt.read_marker(run_dir, tag)
     config = yaml.safe_load(ckpt.run_config_text(run_dir))
-    return Run(run_dir, tag, config, marker, ModelShape(**marker["model_shape"]), averaged)
+    return RunFolder(run_dir, tag, config, marker, ModelShape(**marker["model_shape"]), averaged)
 
 
-def load_model(run: Run, device: torch.device, tok: TokenizerInfo) -> torch.nn.Module:
+def load_model(run: RunFolder, device: torch.device, tok: TokenizerInfo) -> torch.nn.Module:
     """The checkpoint's weights in the model's own class (the family's for a continued Hugging Face model), filled
     tensor by tensor: bf16 on a GPU (half the memory of fp32; the loss is still summed in fp32), fp32 on the CPU."""
     model = build_model(run.shape, skip_init=True, **model_token_ids(tok))
@@ -135,7 +135,7 @@ def _check_arguments(cfg: EvalConfig) -> list[str]:
     return prompts
 
 
-def _dataset(run: Run, data: str | None, split: str) -> ShardedDataset:
+def _dataset(run: RunFolder, data: str | None, split: str) -> ShardedDataset:
     path = Path(data) if data else run.path(run.config["data"]["path"])
     if not (path / "manifest.json").exists():
         raise PipelineError(f"{path}: no shards there (the run's data folder moved?); pass --data DIR")
@@ -184,7 +184,7 @@ class Inputs(NamedTuple):
     """What an evaluation reads before it loads weights, checked the same way in one process and on each rank."""
 
     prompts: list[str]
-    run: Run
+    run: RunFolder
     dataset: ShardedDataset
     tokenizer: Tokenizer
 

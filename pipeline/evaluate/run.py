@@ -16,7 +16,7 @@ import torch
 from pipeline.atomic import tmp_path_for, write_json
 from pipeline.data.loader import ShardedDataset, collate_samples
 from pipeline.data.tokenizer import Tokenizer
-from pipeline.evaluate.inputs import EvalConfig, Inputs, Run, batch_for_card, device_for, load_model, open_inputs
+from pipeline.evaluate.inputs import EvalConfig, Inputs, RunFolder, batch_for_card, device_for, load_model, open_inputs
 
 
 @torch.no_grad()
@@ -209,7 +209,7 @@ def write_result(
     return result
 
 
-def result_path(cfg: EvalConfig, r: Run) -> Path:
+def result_path(cfg: EvalConfig, r: RunFolder) -> Path:
     return Path(cfg.output) if cfg.output else r.run_dir / "eval" / f"{r.name}-{cfg.split}.json"
 
 

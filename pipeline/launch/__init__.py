@@ -105,11 +105,11 @@ def pretrain(
 def _quick_doctor(cfg: PretrainConfig, master_port: int | None) -> list[str]:
     """`pipeline doctor`'s checks that need no import of torch or deepspeed, on this machine (its WARN and FAIL
     lines shown); the FAILs, which stop the launch unless --skip-doctor."""
-    from pipeline.doctor.checks import Needs, before_launch
+    from pipeline.doctor.checks import Needs, quick_checks
     from pipeline.train.runtime.dist import accelerator_name
 
     cuda = accelerator_name() == "cuda"
-    shown, failed = before_launch(
+    shown, failed = quick_checks(
         Needs(run_dir=cfg.run_dir, data_path=cfg.data.path, master_port=master_port, pins_memory=cuda)
     )
     for line in shown:

@@ -80,7 +80,7 @@ def test_the_run_keeps_its_paths_as_they_were_meant_where_it_was_launched(tmp_pa
 def test_an_older_runs_relative_data_path_is_read_from_where_it_was_launched(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline.evaluate.inputs import Run
+    from pipeline.evaluate.inputs import RunFolder
     from pipeline.model import ModelShape
 
     (tmp_path / "proj" / "data" / "shards").mkdir(parents=True)
@@ -89,7 +89,7 @@ def test_an_older_runs_relative_data_path_is_read_from_where_it_was_launched(
     monkeypatch.chdir(tmp_path / "elsewhere")
     shape = ModelShape(hidden_size=8, num_layers=1, ffn_hidden_size=8, num_heads=1, num_kv_heads=1)
     config = {"run_dir": "runs/r", "data": {"path": "data/shards"}}
-    run = Run(tmp_path / "proj" / "runs" / "r", "step00000001", config, {}, shape)  # type: ignore[arg-type]
+    run = RunFolder(tmp_path / "proj" / "runs" / "r", "step00000001", config, {}, shape)  # type: ignore[arg-type]
     assert run.path("data/shards") == tmp_path / "proj" / "data" / "shards"
     assert run.path("data/missing") == Path("data/missing")  # not there either: said by the caller
     assert run.path(str(tmp_path)) == tmp_path
