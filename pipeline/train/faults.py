@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 
 def armed(name: str, step: int) -> bool:
@@ -40,3 +41,18 @@ def kill_self() -> None:
 def seconds(name: str) -> float:
     """The duration a slowness switch asks for (0 when unset)."""
     return float(os.environ.get(f"PIPELINE_FAULT_{name}") or 0)
+
+
+class KillAtStep:
+    """The loop's part for PIPELINE_FAULT_KILL_AT_STEP: rank 0 SIGKILLs itself once that step is done (and saved,
+    if due: it is the last part of the loop)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def after_step(self, end: Any) -> None:
+        if self.rank == 0 and armed("KILL_AT_STEP", end.state.step):
+            kill_self()
+
+    def at_end(self, state: Any) -> None:
+        """Nothing to do at the run's end."""

@@ -48,7 +48,7 @@ from pipeline.train.setup.prepare import Prepared, Run
 from pipeline.train.setup.runlock import LOCK_NAME, RunLock
 from pipeline.train.setup.schedule import Schedule, lr_at, max_steps_for
 from pipeline.train.setup.stages import Stage, stage_at, stages
-from pipeline.train.state import TrainState
+from pipeline.train.state import Part, StepEnd, TrainState
 from pipeline.train.step import train_step
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,18 @@ class Trainer:
             len(self.train_data),
             int(engine.skipped_steps),
             resumed_at=start if state.resumed else None,
+            run_dir=run.run_dir,
         )
+        # The loop's parts, in the order they act after each step (a non-finite step stops before it is logged
+        # or saved; a due save comes before a test's kill): each decides for itself whether its interval is due.
+        parts: list[Part] = [
+            nonfinite,
+            logger,
+            self.memory,
+            validator,
+            self.checkpointer,
+            faults.KillAtStep(run.dist.rank),
+        ]
         offload = activation_offload(run.layout, run.dist.device)
         self.watchdog.start()
         engine.train()
@@ -257,17 +268,14 @@ class Trainer:
             lr = lr_at(state.step, run.cfg, self.max_steps)
             loss, stopping, timings = self._step(batches, lr, stop.requested, offload, first=state.step == start)
             self.watchdog.beat()
-            nonfinite.check(loss, int(engine.skipped_steps), state, run.run_dir)
-            logger.maybe_log(state, loss=loss, lr=lr, timings=timings)
-            self.memory.after(state.step)
-            validator.maybe_run(engine, state)
-            self.checkpointer.maybe_save(state, stopping=stopping)
-            if run.dist.rank == 0 and faults.armed("KILL_AT_STEP", state.step):
-                faults.kill_self()
+            end = StepEnd(state, loss, lr, int(engine.skipped_steps), stopping, timings, engine)
+            for part in parts:
+                part.after_step(end)
             if stopping:
                 self._stopped()
                 break
-        self.checkpointer.finish(state)
+        for part in parts:
+            part.at_end(state)
         dist.barrier()
         if run.dist.rank == 0 and state.step == start:
             log.info("done: the run was already at step %d of %d; nothing to train", state.step, self.max_steps)

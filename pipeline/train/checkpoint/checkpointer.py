@@ -28,7 +28,7 @@ from pipeline.train.setup.stages import stage_of_checkpoint
 from pipeline.units import format_size
 
 if TYPE_CHECKING:
-    from pipeline.train.state import TrainState
+    from pipeline.train.state import StepEnd, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,12 @@ class Checkpointer:
         return name
 
     # ---- saving ---------------------------------------------------------------------------------------------------
+
+    def after_step(self, end: StepEnd) -> None:
+        self.maybe_save(end.state, stopping=end.stopping)
+
+    def at_end(self, state: TrainState) -> None:
+        self.finish(state)
 
     def maybe_save(self, state: TrainState, *, stopping: bool = False) -> None:
         """Save when the step is due (`checkpoint.interval`), or when the run is stopping and this step is not saved."""

@@ -22,7 +22,7 @@ from pipeline.train.setup.config import PretrainConfig
 from pipeline.train.setup.ds_config import BatchPlan
 
 if TYPE_CHECKING:
-    from pipeline.train.state import TrainState
+    from pipeline.train.state import StepEnd, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -152,14 +152,24 @@ class NonFinite:
         train_samples: int,
         skipped_steps: int = 0,
         resumed_at: int | None = None,
+        run_dir: Path | None = None,
     ):
         self.cfg, self.plan, self.rank, self.train_samples = cfg, plan, rank, train_samples
         self.resumed_at = resumed_at
+        self.run_dir = run_dir
         self.skipped_before = skipped_steps
         self.in_a_row = 0
         self.total = 0
         self.overflows = 0
         """fp16 loss-scale overflows seen in this launch (normal; logged in metrics as skipped_steps)."""
+
+    def after_step(self, end: StepEnd) -> None:
+        self.check(
+            end.loss, end.skipped_steps, end.state, Path(self.cfg.run_dir) if self.run_dir is None else self.run_dir
+        )
+
+    def at_end(self, state: TrainState) -> None:
+        """Nothing to do at the run's end."""
 
     def check(self, loss: float, skipped_steps: int, state: TrainState, run_dir: Path) -> None:
         """After each step, with the loss every rank agrees on and DeepSpeed's count of skipped updates: stop

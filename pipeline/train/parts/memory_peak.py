@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.atomic import write_json
+
+if TYPE_CHECKING:
+    from pipeline.train.state import StepEnd, TrainState
 
 ENV = "PIPELINE_MEMORY_SNAPSHOT"
 GiB = 2**30
@@ -92,6 +95,12 @@ class PeakRecorder:
         path, _, step = spec.rpartition(":")
         self.path, self.step = Path(path), int(step)
         torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+    def after_step(self, end: StepEnd) -> None:
+        self.after(end.state.step)
+
+    def at_end(self, state: TrainState) -> None:
+        """Nothing to do at the run's end."""
 
     def after(self, step: int) -> None:
         if self.path is None or step != self.step:

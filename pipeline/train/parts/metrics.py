@@ -20,7 +20,7 @@ from pipeline.plan.gpus import peak_tflops_for_device
 
 if TYPE_CHECKING:
     from pipeline.train.setup.prepare import Run
-    from pipeline.train.state import TrainState
+    from pipeline.train.state import StepEnd, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,12 @@ class StepLogger:
         self.peak = peak_for(run.dist.device, run.cfg.train.peak_tflops, run.dist.rank)
         self.timings: dict[str, float] = {}
         self.timed_steps = 0
+
+    def after_step(self, end: StepEnd) -> None:
+        self.maybe_log(end.state, loss=end.loss, lr=end.lr, timings=end.timings)
+
+    def at_end(self, state: TrainState) -> None:
+        """Nothing to do at the run's end."""
 
     def maybe_log(self, state: TrainState, *, loss: float, lr: float, timings: dict[str, float] | None = None) -> None:
         self.throughput.add(self.run.plan.tokens_per_step)

@@ -16,7 +16,7 @@ from pipeline.train.step import micro_step_loss
 
 if TYPE_CHECKING:
     from pipeline.train.setup.prepare import Run
-    from pipeline.train.state import TrainState
+    from pipeline.train.state import StepEnd, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,12 @@ class Validator:
         progress: Callable[[], None] | None = None,
     ):
         self.run, self.val_data, self.sink, self.max_steps, self.progress = run, val_data, sink, max_steps, progress
+
+    def after_step(self, end: StepEnd) -> None:
+        self.maybe_run(end.engine, end.state)
+
+    def at_end(self, state: TrainState) -> None:
+        """Nothing to do at the run's end."""
 
     def maybe_run(self, engine: Any, state: TrainState) -> None:
         cfg = self.run.cfg.eval
