@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from pipeline.errors import PipelineError
-from pipeline.launch.command import PACKAGE, Where, core_binding_args
+from pipeline.launch.command import PACKAGE, Where, core_binding_args, planned_args
 from pipeline.launch.shrink import Survivors
 from pipeline.launch.supervise import run_with_restarts
 from pipeline.plan.hostfile import hostfile_hosts
@@ -82,8 +82,10 @@ def pretrain(
     cmd += ["--config", config_path]
     for s in sets:
         cmd += ["--set", s]
+    cmd += planned_args(prepared, where.hostfile)
     use_project_cache()  # the ranks of this machine inherit it
-    click.echo("+ " + " ".join(cmd), err=True)
+    shown = [("<the layout planned here>" if prev == "--planned" else a) for prev, a in zip(["", *cmd], cmd)]
+    click.echo("+ " + " ".join(shown), err=True)
     survivors = None
     if min_nodes is not None and where.hostfile:
         survivors = Survivors(

@@ -9,11 +9,14 @@ import shutil
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from pipeline.errors import PipelineError
+
+if TYPE_CHECKING:
+    from pipeline.train.setup.prepare import Prepared
 
 PACKAGE = Path(__file__).resolve().parents[1]
 """The `pipeline` package folder, where pretrain.py (the file the launcher starts on every rank) lives."""
@@ -104,3 +107,15 @@ def node_launcher_command(script: Path, *args: str, num_gpus: int, port: int) ->
     world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(num_gpus))}).encode()).decode()
     launcher = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}"]
     return [*launcher, "--master_addr=127.0.0.1", f"--master_port={port}", str(script), *args]
+
+
+def planned_args(prepared: Prepared, hostfile: str | None) -> list[str]:
+    """Under `deepspeed_config: auto`, the layout chosen before the launch handed to every rank on its command line
+    (pipeline.train.setup.prepare.Planned): the ranks train what was priced, searched once. Not from a machine
+    without a GPU that launches onto hosts (a login node): it planned for its own CPU, not for their cards, so each
+    rank plans for its own."""
+    from pipeline.train.runtime.dist import accelerator_name
+
+    if prepared.planned is None or (hostfile and accelerator_name() != "cuda"):
+        return []
+    return ["--planned", prepared.planned.encode()]

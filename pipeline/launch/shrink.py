@@ -14,12 +14,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from pipeline.atomic import write_text
 from pipeline.errors import PipelineError
+from pipeline.launch.command import planned_args
 from pipeline.plan.cluster import sequence_parallel_divides
+
+if TYPE_CHECKING:
+    from pipeline.train.setup.prepare import Prepared
 from pipeline.plan.hostfile import hostfile_hosts
 
 SURVIVORS = "hostfile.answering"
@@ -133,11 +138,11 @@ class Survivors:
         world = sum(n for _, n in answering)
         sets = [*self.sets, *self._batch_sets(world)]
         path = self._write_hostfile([h for h, _ in answering])
-        self._check_fits(str(path), sets, world, max(n for _, n in answering))
+        prepared = self._check_fits(str(path), sets, world, max(n for _, n in answering))
         cmd = list(self.cmd)
         cmd[cmd.index("--hostfile") + 1] = str(path)
         config_at = cmd.index("--config")
-        return cmd[: config_at + 2] + [a for s in sets for a in ("--set", s)]
+        return cmd[: config_at + 2] + [a for s in sets for a in ("--set", s)] + planned_args(prepared, str(path))
 
     def _write_hostfile(self, names: list[str]) -> Path:
         keep, lines = set(names), []
@@ -150,9 +155,10 @@ class Survivors:
         write_text(path, "\n".join(lines) + "\n")
         return path
 
-    def _check_fits(self, hostfile: str, sets: list[str], world: int, per_node: int) -> None:
+    def _check_fits(self, hostfile: str, sets: list[str], world: int, per_node: int) -> Prepared:
         """The trainer's own checks for the smaller world, and the planner's word: refused when the whole hostfile
-        fits and the hosts that answer do not (a quarter less host RAM for offload, a larger ZeRO shard per card)."""
+        fits and the hosts that answer do not (a quarter less host RAM for offload, a larger ZeRO shard per card).
+        The run as prepared for that world (under `deepspeed_config: auto`, its layout planned for it)."""
         from pipeline.train.checkpoint.resume import continue_from, resumable
         from pipeline.train.setup.config import load
         from pipeline.train.setup.prepare import prepare
@@ -167,7 +173,7 @@ class Survivors:
             raise PipelineError(f"not continuing on the hosts that answer: {e}") from None
         fits, why = _plan_fits(self.config, sets, hostfile)
         if fits:
-            return
+            return prepared
         if self._whole_fits is None:
             self._whole_fits = _plan_fits(self.config, self.sets, self.hostfile)
         if self._whole_fits[0]:
@@ -180,6 +186,7 @@ class Survivors:
             f"note: the planner does not fit this run on the whole hostfile either ({self._whole_fits[1]}), so it "
             "cannot judge the hosts that answer; launching on them as the whole run was launched"
         )
+        return prepared
 
     def _record(self, names: list[str], lost: list[tuple[str, str]], world: int) -> None:
         """The change of hosts in the run's launch log and metrics.jsonl (a record with no step: a resume keeps

@@ -219,6 +219,8 @@ class Trainer:
             env["ranks"] = ranks
             env["speed"] = speed.record()
             env["long_context"] = {"sequence_parallel": run.layout.sequence_parallel, "tiled_mlp": run.layout.tiled_mlp}
+            if run.planned is not None:  # deepspeed_config auto: who searched the layout this run trains
+                env["planned_by"] = run.planned.by
             write_json(run.run_dir / "environment.json", env)
         self.max_steps = max_steps_for(cfg, run.plan)
         self.backward_scale = sequence_parallel_loss_factor(run.layout.stage, run.layout.sequence_parallel)

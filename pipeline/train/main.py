@@ -12,7 +12,7 @@ import traceback
 
 from pipeline.errors import PipelineError, SaidOnRankZero
 from pipeline.train.setup.config import dump, load
-from pipeline.train.setup.prepare import Prepared, prepare
+from pipeline.train.setup.prepare import Planned, Prepared, prepare
 
 DESCRIPTION = """Stage 3: pretraining through DeepSpeed. Launch as `deepspeed [--hostfile H | --num_gpus N]
 pipeline/pretrain.py --config CONFIG.yaml [--set key=value ...] [--dry-run]`; `pipeline pretrain` builds that
@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Print the resolved config, batch plan and DeepSpeed config, then exit without starting training.",
     )
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")), help=argparse.SUPPRESS)
+    # Under deepspeed_config auto, the layout `pipeline pretrain` chose before the launch (no rank searches again).
+    ap.add_argument("--planned", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     allocator_default()  # before anything touches CUDA; environment.json records it
     try:
-        prepared = prepare(load(args.config, args.set), int(os.environ.get("WORLD_SIZE", "1")))
+        planned = Planned.decode(args.planned) if args.planned else None
+        prepared = prepare(load(args.config, args.set), int(os.environ.get("WORLD_SIZE", "1")), planned=planned)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

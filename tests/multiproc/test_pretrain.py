@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -306,14 +308,28 @@ def test_planner_written_configs_train(shards: Path, tmp_path: Path) -> None:
             ckpt_interval=3,
             model=model,
         )
-        out = launch.run(cfg, sets=tuple(sets))
+        if name == "auto":  # as a user starts it: `pipeline pretrain` plans, then launches the ranks
+            out = subprocess.run(
+                [str(Path(sys.executable).parent / "pipeline"), "pretrain", "--config", str(cfg), "--num-gpus", "2"]
+                + ["--master-port", str(launch.free_port()), *(a for s in sets for a in ("--set", s))],
+                env=launch.env(),
+                capture_output=True,
+                text=True,
+                timeout=900,
+                cwd=launch.ROOT,
+            )
+        else:
+            out = launch.run(cfg, sets=tuple(sets))
         log = out.stdout + out.stderr
         assert out.returncode == 0, log[-3000:]
         assert ckpt.latest_complete(run_dir) == "step00000003"
         assert json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] == 8
         if name == "auto":
             assert "tiled MLP: each layer's MLP in 4 tiles along the sequence" in log
-            assert json.loads((run_dir / "environment.json").read_text())["long_context"]["tiled_mlp"] == 4
+            env = json.loads((run_dir / "environment.json").read_text())
+            assert env["long_context"]["tiled_mlp"] == 4
+            # searched once, by the command that launched the ranks, not again on each rank
+            assert env.get("planned_by") == "pipeline pretrain, before the launch" and "--planned <the layout" in log, log[-6000:]
             assert "tiled_mlp: 4" in (run_dir / "config.yaml").read_text()
 
 

@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import base64
+import copy
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -37,6 +40,43 @@ from pipeline.train.setup.stages import stage_problems
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Planned:
+    """What the planner chose under `deepspeed_config: auto`: chosen once, by `pipeline pretrain` before the launch,
+    and handed to every rank on its command line (`--planned`), so that no rank searches again and no two ranks
+    can choose apart on nodes that differ (a node with less RAM, another card)."""
+
+    ds: dict[str, Any]
+    """The chosen DeepSpeed JSON, before its "auto" fields are filled."""
+    activation_checkpointing: bool
+    tiled_mlp: int
+    world_size: int
+    """The world it was chosen for: a relaunch on fewer hosts plans again (pipeline.launch.shrink)."""
+    by: str = "each rank"
+    """Who searched: each rank for itself, or `pipeline pretrain` before the launch (environment.json says)."""
+
+    def encode(self) -> str:
+        """One shell-safe word (base64 of the JSON): it passes through the launcher's ssh and pdsh unquoted."""
+        text = json.dumps(
+            [self.ds, self.activation_checkpointing, self.tiled_mlp, self.world_size], separators=(",", ":")
+        )
+        return base64.urlsafe_b64encode(text.encode()).decode()
+
+    @classmethod
+    def decode(cls, word: str) -> Planned:
+        try:
+            ds, checkpointing, tiles, world = json.loads(base64.urlsafe_b64decode(word.encode()))
+            return cls(
+                ds=ds,
+                activation_checkpointing=bool(checkpointing),
+                tiled_mlp=int(tiles),
+                world_size=int(world),
+                by="pipeline pretrain, before the launch",
+            )
+        except (ValueError, TypeError) as e:
+            raise PipelineError(f"--planned: not a plan written by `pipeline pretrain` ({e})") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Prepared:
     """A checked run: its config (with the planner's choices filled in), the resolved DeepSpeed JSON, the batch
     arithmetic for this world size, the model's shape, the shards' manifest, how attention keeps documents apart
@@ -51,6 +91,8 @@ class Prepared:
     manifest: ShardManifest
     documents: DocumentAttention
     layout: Layout
+    planned: Planned | None = None
+    """Under `deepspeed_config: auto`, the planner's choice this run trains with."""
 
     @property
     def run_dir(self) -> Path:
@@ -78,9 +120,12 @@ class Run(Prepared):
         return self.dist.rank // self.plan.sequence_parallel
 
 
-def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None) -> Prepared:
+def prepare(
+    cfg: PretrainConfig, world_size: int, local_size: int | None = None, planned: Planned | None = None
+) -> Prepared:
     """Everything checked before a process group starts: data manifest, batch arithmetic, DeepSpeed JSON, model.
-    With `train.deepspeed_config: auto` the planner picks the DeepSpeed config (and activation checkpointing)."""
+    With `train.deepspeed_config: auto` the planner picks the DeepSpeed config, activation checkpointing and tiles,
+    or `planned` (what `pipeline pretrain` chose for this world before the launch) is taken as it is."""
     manifest = read_shard_manifest(cfg.data.path)
     seq_len = int(manifest["seq_len"])
     plan = batch_plan(cfg, world_size, seq_len)
@@ -111,15 +156,26 @@ def prepare(cfg: PretrainConfig, world_size: int, local_size: int | None = None)
     found += stage_problems(cfg.data, manifest, max_steps_for(cfg, plan))
     if found:
         raise ConfigError(found)
+    chosen = None
     if cfg.train.deepspeed_config == "auto":  # the trainer runs what the planner priced: JSON, checkpointing, tiles
-        raw, checkpointing, tiles = auto_ds_config(shape, plan, world_size, cfg, local_size, documents, whole_documents)
+        if planned is not None and planned.world_size == world_size:
+            chosen, source = planned, "deepspeed config chosen by the planner before the launch"
+        else:
+            raw, checkpointing, tiles = auto_ds_config(
+                shape, plan, world_size, cfg, local_size, documents, whole_documents
+            )
+            chosen = Planned(ds=raw, activation_checkpointing=checkpointing, tiled_mlp=tiles, world_size=world_size)
+            source = "deepspeed config chosen by the planner"
+        tiles, checkpointing = chosen.tiled_mlp, chosen.activation_checkpointing
         cfg = replace(cfg, train=replace(cfg.train, activation_checkpointing=checkpointing, tiled_mlp=tiles))
-        source = "deepspeed config chosen by the planner"
+        raw = copy.deepcopy(chosen.ds)
     else:
         raw, source = load_ds_config(cfg.train.deepspeed_config), cfg.train.deepspeed_config
     ds = resolve(cfg, raw, plan, accelerator=accelerator_name(), source=source, num_params=shape.num_params())
     layout = run_layout(cfg, ds)
-    return Prepared(cfg=cfg, ds=ds, plan=plan, shape=shape, manifest=manifest, documents=documents, layout=layout)
+    return Prepared(
+        cfg=cfg, ds=ds, plan=plan, shape=shape, manifest=manifest, documents=documents, layout=layout, planned=chosen
+    )
 
 
 def run_layout(cfg: PretrainConfig, ds: dict[str, Any]) -> Layout:
