@@ -138,9 +138,9 @@ $(LLAMA_CPP_VENV)/.installed:
 	touch $@
 
 # The GGUF export checked by llama.cpp itself: token ids and logits against transformers on the Hugging Face
-# export, for each family (tests/unit/test_gguf_llama_cpp.py; `make test` runs it too where llama.cpp is installed).
+# export, for each family (tests/unit/evaluate/test_to_gguf_llama_cpp.py; `make test` runs it too where llama.cpp is installed).
 test-gguf: install llama-cpp
-	$(BIN)/python -m pytest -q -ra tests/unit/test_gguf_llama_cpp.py
+	$(BIN)/python -m pytest -q -ra tests/unit/evaluate/test_to_gguf_llama_cpp.py
 
 bench: install
 	$(BIN)/python bench/tokenize_bench.py

@@ -279,7 +279,7 @@ def cases(smoke: bool) -> list[Case]:
                 ("_documents_varlen", "varlen", "whole documents on the varlen path (dense where flash_attn is not)"),
             )
         ),
-        # The layer's activation terms as the planner counts them on the CPU (tests/unit/test_plan_memory_graphs.py):
+        # The layer's activation terms as the planner counts them on the CPU (tests/unit/plan/test_memory_graphs.py):
         # the 2-layer 7B slice at 32K beside 7b_2layers_32k (transformers' modules) under Liger's, with the
         # allocator's history at the peak, to say what Liger's kernels hold that the CPU count of its contract
         # prices 1.45x over at 4K (7b_2layers_offload_liger)

@@ -1,4 +1,5 @@
-"""The planner against the published runs of tests/unit/test_plan_published.py, side by side: each row's published
+"""The planner against the published runs of tests/unit/plan/test_timing_published.py, side by side: each row's
+published
 figure, the planner's point and range, the speed ratio (published / planned; above 1 the planner is too slow),
 whether the run's configuration fits; then the test's criteria. `--fit` searches the time model's constants
 (pipeline.plan.timing) for the smallest total log-error over the rows and the H200 anchors, coordinate by
@@ -18,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.plan import timing  # noqa: E402
-from tests.unit.test_plan_estimate import ANCHORS  # noqa: E402
-from tests.unit.test_plan_published import BY_ID, RAN, SPEED, within  # noqa: E402
+from tests.unit.plan.test_estimate import ANCHORS  # noqa: E402
+from tests.unit.plan.test_timing_published import BY_ID, RAN, SPEED, within  # noqa: E402
 
 KNOBS = {
     "EFFICIENCY_KNEE_S": [1e-4, 1.5e-4, 2e-4, 2.5e-4, 3e-4, 4e-4],

@@ -1,4 +1,5 @@
-"""Run with llama.cpp's Python binding, in its own venv (`make llama-cpp`), by tests/unit/test_gguf_llama_cpp.py:
+"""Run with llama.cpp's Python binding, in its own venv (`make llama-cpp`), by
+tests/unit/evaluate/test_to_gguf_llama_cpp.py:
 for one GGUF file, the ids llama.cpp's tokenizer gives each prompt (a begin-of-sequence id where the file says so)
 and llama.cpp's logits for each list of ids, as JSON. Usage: python llama_cpp_worker.py REQUEST.json OUT.json"""
 

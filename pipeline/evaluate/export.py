@@ -167,7 +167,7 @@ def with_legacy_keys(path: Path) -> None:
     `rope_scaling`. transformers 5 writes only `dtype` and `rope_parameters`; a reader on transformers 4 (vLLM and
     most serving stacks of 2025, llama.cpp's converter) takes a missing rope_theta as 10000 and no scaling,
     silently: a Llama 3 (500000) or a YaRN-extended model then generates garbage. transformers 5 reads
-    rope_parameters first, so both agree (tests/unit/test_export_layout.py)."""
+    rope_parameters first, so both agree (tests/unit/evaluate/test_export_layout.py)."""
     doc = json.loads(path.read_text())
     rope = doc.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" in rope:

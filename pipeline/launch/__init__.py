@@ -84,7 +84,9 @@ def pretrain(
         cmd += ["--set", s]
     cmd += planned_args(prepared, where.hostfile)
     use_project_cache()  # the ranks of this machine inherit it
-    shown = [("<the layout planned here>" if prev == "--planned" else a) for prev, a in zip(["", *cmd], cmd)]
+    shown = [
+        ("<the layout planned here>" if prev == "--planned" else a) for prev, a in zip(["", *cmd], cmd, strict=False)
+    ]
     click.echo("+ " + " ".join(shown), err=True)
     survivors = None
     if min_nodes is not None and where.hostfile:

@@ -146,7 +146,7 @@ def estimate(
     )
 
 
-FITTED = "fitted to published runs (tests/unit/test_plan_published.py)"
+FITTED = "fitted to published runs (tests/unit/plan/test_timing_published.py)"
 PROBED = "measured on a node by `pipeline probe`"
 
 

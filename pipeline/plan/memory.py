@@ -43,7 +43,7 @@ RANK_HOST_OVERHEAD = 6 * GiB  # torch + CUDA libraries + DeepSpeed per rank proc
 
 # Bytes saved for the backward per token by one decoder layer in bf16, per hidden unit (h) and per FFN unit (f), by
 # the modules that run it (Stack.kernels), each counted with saved-tensor hooks on the graph it prices
-# (tests/unit/test_plan_memory.py re-counts every one):
+# (tests/unit/plan/test_memory.py re-counts every one):
 # - hf, transformers' LlamaDecoderLayer with SDPA: 20 h (bf16 inputs/outputs of q, k, v, o, the residuals, and the
 #   fp32 RMSNorm intermediates) + 8 f (SwiGLU gate, up, act, product);
 # - compiled, the same layer under torch.compile (Inductor keeps the norms' inputs and 1/rms, recomputes the rest):
@@ -60,7 +60,7 @@ ACT_PER_HKV, ACT_PER_HEAD, NORM_RSTD_BYTES = 4, 5, 8
 BACKWARD_PER_F, BACKWARD_PER_H = 4, -2
 """A layer's backward holds, beyond what the layer saved, the gradients of its MLP's intermediates (4 f at once)
 while the h-sized tensors it saved are freed one by one. Counted on the CPU as the live peak of one layer's forward
-and backward with every storage tracked until freed (tests/unit/test_plan_memory_graphs.py), at every length:
+and backward with every storage tracked until freed (tests/unit/plan/test_memory_graphs.py), at every length:
 saved + 4 f - 6 h on transformers' layer, saved + 4 f - 2 h on Liger's contract; the term is the larger."""
 ATTENTION_BACKWARD_PER_H = 4
 """The flash attention backward's fp32 dq accumulator (q's size in fp32: 4 bytes a hidden unit a token), alive

@@ -13,7 +13,7 @@ measured on a real transformers Llama layer (or a fused stack's); the GPU figure
 allocator's slack on transients), and a plan keeps a margin. Host RAM is counted buffer by buffer as DeepSpeed
 pins it. Time (pipeline.plan.timing): compute at an efficiency that depends on the card and the micro-step, the
 network, copies through host memory, parameter offload and CPU Adam at node-level rates, fitted to published
-runs (tests/unit/test_plan_published.py) and our own H200 anchors (tests/unit/test_plan_estimate.py).
+runs (tests/unit/plan/test_timing_published.py) and our own H200 anchors (tests/unit/plan/test_estimate.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The planner's time model: seconds per optimizer step, by part, at rates that were fitted to what the field has
-measured (tests/unit/test_plan_published.py holds every published row, bench/plan_calibration.py fits them) and
+measured (tests/unit/plan/test_timing_published.py holds every published row, bench/plan_calibration.py fits them) and
 to our own H200 runs. Pure arithmetic.
 
 Per micro-step the parts run side by side and overlap imperfectly (the largest, plus OVERLAP_RESIDUE of the rest):

@@ -83,7 +83,8 @@ log: {{interval: 1, tensorboard: true}}
 
 def command(config: Path, *, num_gpus: int = 2, port: int | None = None, sets: tuple[str, ...] = ()) -> list[str]:
     """DeepSpeed's node launcher (pipeline.launch.command.node_launcher_command). The tests about the `deepspeed`
-    front end itself (hostfiles, .deepspeed_env, ssh) call it in test_launch.py and test_multinode.py; here it would
+    front end itself (hostfiles, .deepspeed_env, ssh) call it in tests/unit/launch/test_launch.py and
+    test_multinode.py; here it would
     only add a Python start of 3 s to every launch."""
     from pipeline.launch.command import node_launcher_command
 

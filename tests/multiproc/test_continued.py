@@ -171,7 +171,7 @@ def test_a_model_with_an_extended_vocabulary_trains_exports_and_reloads_with_its
     from pipeline.data.vocab import VocabConfig, extend_vocabulary
     from pipeline.evaluate.export import export
     from tests.hf_families import write_model, write_tokenizer
-    from tests.unit.test_vocab import thai_corpus
+    from tests.unit.data.test_vocab import thai_corpus
 
     model_dir = write_model("llama", tmp_path / "llama", write_tokenizer(tmp_path / "tok"))
     corpus = thai_corpus(tmp_path / "thai.jsonl")

@@ -96,7 +96,7 @@ def test_export_writes_gguf_files_that_load_with_the_engines_logits_and_our_ids(
     from transformers import AutoModelForCausalLM
 
     from pipeline.cli import main
-    from tests.unit.test_gguf import assert_vocabulary_is
+    from tests.unit.evaluate.test_to_gguf import assert_vocabulary_is
 
     run_dir = zero_runs[3]
     ref = engine_logits[3]

@@ -103,7 +103,7 @@ EXACT = {"rtol": 1e-5, "atol": 1e-5}
 GGUF_CHECKED = {"qwen2", "mistral"}
 """Families whose export of a continued run is converted to GGUF here and read back by transformers' GGUF loader,
 which does not apply Llama 3.1's RoPE scaling and reads Qwen3's head size as 128 whatever the file says: llama.cpp
-checks every family in tests/unit/test_gguf_llama_cpp.py."""
+checks every family in tests/unit/evaluate/test_to_gguf_llama_cpp.py."""
 
 
 def gguf_of_export(exported: Path, tmp: Path) -> Any:

@@ -262,7 +262,7 @@ def test_a_run_sends_its_metrics_to_wandb_and_mlflow_as_to_metrics_jsonl(
 ) -> None:
     """Tracking through a real 2-rank launch, offline: W&B's offline run files and an MLflow file store get the
     same loss at the same steps as metrics.jsonl, from rank 0 alone."""
-    from tests.unit.test_tracking import mlflow_history, wandb_history
+    from tests.unit.train.parts.test_tracking import mlflow_history, wandb_history
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the store back too
 

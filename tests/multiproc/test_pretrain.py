@@ -267,7 +267,7 @@ def test_planner_written_configs_train(shards: Path, tmp_path: Path) -> None:
     from pipeline.cli import main
     from pipeline.train.setup.config import from_dict
     from pipeline.train.setup.prepare import prepare
-    from tests.unit.test_prepare import TILES_MODEL, tiles_only_cap
+    from tests.unit.train.setup.test_prepare import TILES_MODEL, tiles_only_cap
 
     written = tmp_path / "planned.json"
     r = CliRunner().invoke(
@@ -329,7 +329,9 @@ def test_planner_written_configs_train(shards: Path, tmp_path: Path) -> None:
             env = json.loads((run_dir / "environment.json").read_text())
             assert env["long_context"]["tiled_mlp"] == 4
             # searched once, by the command that launched the ranks, not again on each rank
-            assert env.get("planned_by") == "pipeline pretrain, before the launch" and "--planned <the layout" in log, log[-6000:]
+            assert env.get("planned_by") == "pipeline pretrain, before the launch" and "--planned <the layout" in log, (
+                log[-6000:]
+            )
             assert "tiled_mlp: 4" in (run_dir / "config.yaml").read_text()
 
 

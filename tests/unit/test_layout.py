@@ -155,3 +155,67 @@ def test_a_long_module_says_why_it_is_one_job() -> None:
             if not any(line.startswith("One job") for line in doc.splitlines()):
                 unsaid.append(f"{path.relative_to(PKG.parent)} ({text.count(chr(10))} lines)")
     assert not unsaid, "long modules that do not say their one job:\n" + "\n".join(unsaid)
+
+
+TESTS = PKG.parent / "tests" / "unit"
+ACROSS = {"bad_input", "docs", "layout", "one_writer", "os_refusals", "paths", "peer_lost", "repeats", "sealed"}
+"""The unit tests of a class of behaviour that every stage shares (a mistake's one-line error, one live writer, a
+full disk, a path's spelling, a repeat in a list, a sealed file, a peer lost), kept at tests/unit/'s top: each
+sweeps every stage the class applies to."""
+
+
+def test_the_unit_tests_mirror_the_package() -> None:
+    """tests/unit/ has the package's folders: tests/unit/DIR/test_NAME.py tests pipeline/DIR/NAME.py (or the
+    package DIR itself, or NAME_SOMETHING: one aspect of NAME, such as plan/test_memory_graphs.py), so a module's
+    tests are where a reader looks for them."""
+    stray = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        folder = path.parent.relative_to(TESTS)
+        name = path.stem[len("test_") :]
+        if folder == Path("."):
+            ok = name in ACROSS or (PKG / f"{name}.py").exists()
+        else:
+            where = PKG / folder
+            modules = {p.stem for p in where.glob("*.py") if p.stem != "__init__"} | {where.name}
+            ok = where.is_dir() and any(name == m or name.startswith(m + "_") for m in modules)
+        if not ok:
+            stray.append(str(path.relative_to(TESTS)))
+    assert not stray, "unit tests that name no module of their folder (move or rename them):\n" + "\n".join(stray)
+
+
+AGREEMENTS = {
+    "data/test_tokenizer.py": {"evaluate"},  # the tokenizer a shard records is the one an export writes
+    "data/test_vocab.py": {"train"},  # an extended model folder is one the trainer's preflight takes
+    "model/test_families.py": {"data", "train"},  # a family's config builds the model the trainer prepares
+    "model/test_kernels.py": {"plan", "train"},  # each switch's measured effect is what the planner prices
+    "model/test_varlen.py": {"data"},  # the positions a whole-document shard holds keep documents apart
+    "plan/test_ds_json.py": {"train"},  # the JSON the planner writes is one the trainer accepts
+    "plan/test_probe_slices.py": {"launch", "train"},  # the slices the probe runs are the config's own
+    "plan/test_search.py": {"train"},  # the search never proposes what the trainer refuses
+}
+"""Unit tests of a component that also read the one above it, because what they hold is an agreement between
+the two (what the planner prices, the trainer runs). No other reaches up."""
+
+
+def test_a_components_tests_import_what_the_component_may() -> None:
+    """The import direction holds for tests too: tests/unit/data/ tests data/ with the shared leaves and the CLI
+    that drives it, never the trainer or the planner, but for the agreements between two components named in
+    AGREEMENTS; a new test that needs more is a test of the component above."""
+    bad = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        parts = path.parent.relative_to(TESTS).parts
+        if not parts:
+            continue
+        own = parts[0]
+        for target in _imports(path):
+            if (
+                target in LEAVES
+                or target.startswith("pipeline.model")
+                or target in ("pipeline.cli", "pipeline.options")
+            ):
+                continue
+            other = _part(target)
+            agreed = AGREEMENTS.get(str(path.relative_to(TESTS)), set())
+            if other != own and other not in ALLOWED.get(own, set()) | agreed:
+                bad.append(f"{path.relative_to(TESTS)} imports {target}")
+    assert not bad, "tests importing against the direction data <- train <- evaluate:\n" + "\n".join(bad)

@@ -1,4 +1,5 @@
-"""One live writer per output, for every stage (pretrain's run folder: test_runlock.py): two real `pipeline
+"""One live writer per output, for every stage (pretrain's run folder: tests/unit/train/setup/test_runlock.py): two
+real `pipeline
 tokenize` processes into one prefix, two `pipeline shard` into one folder. The first is caught holding its output
 (SIGSTOP once its lock names it), the second is refused naming it, and the first then finishes whole."""
 

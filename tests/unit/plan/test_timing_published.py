@@ -28,7 +28,7 @@ from pipeline.plan.gpus import GPUS
 from pipeline.plan.memory import GiB
 from pipeline.plan.timing import ASSUMED_SPREAD, RANGE
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def hf(name: str) -> ModelShape:

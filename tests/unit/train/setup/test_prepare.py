@@ -186,7 +186,7 @@ def test_below_the_preparation_the_run_reads_its_layout() -> None:
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2] / "pipeline" / "train"
+    root = Path(__file__).resolve().parents[4] / "pipeline" / "train"
     below = [root / f for f in ("engine.py", "loop.py", "step.py", "state.py", "faults.py", "main.py")]
     below += [p for d in ("checkpoint", "parts", "runtime") for p in (root / d).glob("*.py")]
     reads = re.compile(

@@ -16,7 +16,7 @@ from pipeline.launch.shrink import SURVIVORS, Survivors, micro_batch_for
 from pipeline.launch.supervise import run_with_restarts
 from tests.multiproc import launch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CLUSTER = "# cluster: gpu=4090d cpu_mem=512GB cpu_cores=128 cpu_mem_bw=300GB/s network=100Gbps"
 
 

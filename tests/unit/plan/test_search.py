@@ -16,7 +16,7 @@ from pipeline.plan.estimate import estimate
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.search import choose, search
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 SEED = Cluster(8, 1, GPUS["4090d"], 512 * 10**9)

@@ -16,7 +16,7 @@ from pipeline.model.families import read_config, shape_from_config
 from pipeline.model.varlen import AttentionFacts, choose_documents, sequence_parallel_attention_problems
 from tests.hf_families import MISTRAL_WINDOW_16
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EOS = 2
 
 

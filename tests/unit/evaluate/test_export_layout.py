@@ -19,7 +19,7 @@ from pipeline.evaluate.export import write_hf_model
 from pipeline.model import build_model
 from pipeline.model.families import model_shape
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 500000}
 
 

@@ -1,4 +1,5 @@
-"""pipeline.plan.memory: model states equal DeepSpeed's estimators (activation terms: test_plan_memory_graphs.py),
+"""pipeline.plan.memory: model states equal DeepSpeed's estimators (activation terms:
+tests/unit/plan/test_memory_graphs.py),
 host RAM buffer by buffer, pinned buffers, evaluation batches."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ llama.cpp's tokenizer gives transformers' ids for the export, and its logits on 
 (f16 and q8_0, tolerances below). llama-cpp-python has no wheel in the package index: `make llama-cpp` builds
 llama.cpp once (about 15 minutes here) into a wheel cache outside the checkout; `make test-gguf` builds it if
 needed and runs this file; without it, this file is skipped (the suite checks the same files with transformers'
-GGUF loader, tests/unit/test_gguf.py)."""
+GGUF loader, tests/unit/evaluate/test_to_gguf.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from tests.conftest import tokenizer_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LLAMA_PYTHON = Path(os.environ.get("LLAMA_CPP_PYTHON", ROOT / ".venv-llama-cpp" / "bin" / "python"))
 WORKER = ROOT / "tests" / "llama_cpp_worker.py"
 

@@ -126,7 +126,7 @@ def test_memory_of_one_huge_document_stays_flat(tmp_path: Path, tokenized: Path)
     """An 80 MB single-document .txt peaks at about the RSS of an 8 MB one (both in pieces; one process does all
     the work, so its peak RSS is the whole cost): a document held whole would add its 72 MB of text and more.
     Measured at 200 MB: 147 MB against 135 MB (README); 80 MB keeps the test at a third of that time."""
-    from tests.unit.test_tokenize import _peak_rss_mb
+    from tests.unit.data.test_tokenize import _peak_rss_mb
 
     model = str(Path(str(tokenized) + ".tokenizer.model"))
     unit = (ENGLISH + CHINESE + EMOJI).encode()

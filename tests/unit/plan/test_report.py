@@ -32,7 +32,7 @@ def test_an_nvme_plan_says_it_cannot_resume() -> None:
 
 @pytest.mark.parametrize("doc, table", [("planning.md", "fits-table"), ("long-context.md", "long-context-table")])
 def test_the_docs_tables_are_what_the_planner_says(doc: str, table: str) -> None:
-    text = (Path(__file__).resolve().parents[2] / "docs" / doc).read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / doc).read_text()
     block = text.split(f"<!-- {table} -->")[1].strip()
     r = CliRunner().invoke(main, ["plan", f"--{table}"])
     assert r.exit_code == 0 and block == r.output.strip(), f"regenerate with `pipeline plan --{table}`"

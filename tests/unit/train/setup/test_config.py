@@ -15,7 +15,7 @@ from pipeline.train.setup.ds_config import batch_plan, load_ds_config, resolve
 from pipeline.train.setup.optimizers import OPTIMIZERS
 from pipeline.train.setup.schedule import lr_at
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 BASE = {"batch": {"micro_batch_size": 2, "global_batch_size": 16}, "train": {"max_steps": 100, "precision": "fp32"}}
 
 

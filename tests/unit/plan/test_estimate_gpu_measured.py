@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import bench_module
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "bench" / "results"
 LEASES = tuple(sorted(p.name for p in RESULTS.glob("gpu-*.json")))
 """Every GPU run committed (a new lease's results.json, saved as bench/results/gpu-CARD-DATE.json, joins them)."""
@@ -26,7 +26,7 @@ NOT_STEADY = {
 UNEXPLAINED = {
     "7b_2layers_offload_liger": "ZeRO-3, 2 layers of 7B under Liger's modules at 32,768 tokens a micro-step: 6.11 GiB "
     "measured, planned 1.45x over, while the eager case beside it (8.54 GiB) is planned 1.15x: the layer is priced "
-    "from the CPU count of Liger's autograd contract (tests/unit/test_plan_memory_graphs.py: 12 h + 6 f saved, "
+    "from the CPU count of Liger's autograd contract (tests/unit/plan/test_memory_graphs.py: 12 h + 6 f saved, "
     "4 f - 2 h more in its backward), which the GPU held about 1.5 GiB less of. Over, not under (the plan refuses "
     "what may fit, never the reverse); the next lent GPU's memory snapshot is to say what Liger's kernels free",
 }

@@ -18,7 +18,7 @@ from pipeline.plan.gpus import GPUS
 from pipeline.train.setup.config import from_dict
 from pipeline.train.setup.ds_config import batch_plan, resolve
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 SEED = Cluster(8, 1, GPUS["4090d"], 512 * 10**9)

@@ -26,7 +26,7 @@ from pipeline.train import forecast
 from pipeline.train.setup.config import dump, from_dict
 from pipeline.train.setup.ds_config import batch_plan, load_ds_config, resolve
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_a_configs_plan_says_what_each_offload_feature_would_bring_and_takes_opt_in() -> None:

@@ -1,5 +1,5 @@
 """Stage 2 (pipeline.data.shard): the shard folder, its manifest, reruns, blends, mixed tokenizers refused,
-permissions, splits too small said. The pure split and pack functions are test_data_packing.py's."""
+permissions, splits too small said. The pure split and pack functions are tests/unit/data/test_packing.py's."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ transformers' own GGUF loader (which undoes llama.cpp's q/k order and dequantise
 Face export gives, and the file's vocabulary, read back with llama.cpp's own reader (gguf.GGUFReader), is our
 sentencepiece model's: every piece, score and type, the special ids, and whether a space is put before the text.
 (transformers' GGUF tokenizer would not do: it always puts the space, whatever the file says, which llama.cpp
-does not.) llama.cpp itself checks the same files in tests/unit/test_gguf_llama_cpp.py, where it is installed."""
+does not.) llama.cpp itself checks the same files in tests/unit/evaluate/test_to_gguf_llama_cpp.py, where it is
+installed."""
 
 from __future__ import annotations
 

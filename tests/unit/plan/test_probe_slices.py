@@ -18,7 +18,7 @@ from pipeline.train.setup.config import load
 from pipeline.train.setup.prepare import prepare
 from tests.multiproc import launch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_slope_through_the_slices_gives_the_full_depth() -> None:
