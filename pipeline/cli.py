@@ -274,7 +274,7 @@ def plan(**options: Any) -> None:
     peak allocated (what torch.cuda.max_memory_allocated reports) and reserved (what the card must hold), with a
     margin; time as a point and a low-high range beside the physical ceiling. A hostfile's `# cluster:` line
     (see hostfiles/) gives the nodes' GPU, RAM, cores, memory bandwidth, disk and network; flags override it."""
-    from pipeline.train.forecast_report import plan as plan_command
+    from pipeline.train.forecast_report import plan_command
 
     ctx = click.get_current_context()
     given = {k for k in ctx.params if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}

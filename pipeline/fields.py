@@ -45,13 +45,11 @@ class Range:
             return f"above {n(self.low)}" if self.open_low else f"{n(self.low)} or more"
         if self.low is None:
             return f"below {n(self.high)}" if self.open_high else f"at most {n(self.high)}"
-        start = f"above {n(self.low)}" if self.open_low else f"from {n(self.low)}"
-        end = (
-            f"and below {n(self.high)}"
-            if self.open_high
-            else f"{'and at most' if self.open_low else 'to'} {n(self.high)}"
-        )
-        return f"{start} {end}"
+        if not (self.open_low or self.open_high):
+            return f"from {n(self.low)} to {n(self.high)}"
+        start = f"above {n(self.low)}" if self.open_low else f"at least {n(self.low)}"
+        end = f"below {n(self.high)}" if self.open_high else f"at most {n(self.high)}"
+        return f"{start} and {end}"
 
 
 @dataclass(frozen=True, slots=True)

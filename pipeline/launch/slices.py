@@ -118,7 +118,7 @@ def measure(
     """The slices of `config` on this node's `num_gpus` ranks, and the full depth extrapolated from them: the
     document `pipeline probe` writes under "slices". `repeats`: each depth run that many times, in turn, its
     fastest kept (a shared or noisy node)."""
-    from pipeline.launch import build_ops_ahead
+    from pipeline.launch.start import build_ops_ahead
     from pipeline.train.runtime.dist import accelerator_name
     from pipeline.train.setup.config import load
     from pipeline.train.setup.prepare import prepare

@@ -1,7 +1,7 @@
 """`pipeline plan` as one call: what the options ask (`PlanRequest`) -> the report, printed through `echo`, and the
 exit code (0 fits, 3 nothing fits). The CLI only parses. Here: a model's plan and the fits table
 (docs/planning.md); the modes that read a run or a config (`--from-run`, `--config`) are
-pipeline.train.forecast_report.plan, which ends here."""
+pipeline.train.forecast_report.plan_command, the one entry of `pipeline plan`, which ends here."""
 
 from __future__ import annotations
 
@@ -36,10 +36,12 @@ def token_amounts(tokens: str, global_batch_tokens: str) -> tuple[float, int]:
     return budget, gbt
 
 
-def plan(req: PlanRequest, echo: Echo, cluster: Cluster | None = None, rates: Rates | None = None) -> int:
-    """`pipeline plan` for a model (a preset or a Hugging Face config), or the fits table of docs/planning.md; the
-    exit code. `cluster` and `rates`: measured by a run (pipeline.train.forecast_report.plan, for --from-run and
-    --config)."""
+def plan_model_or_table(
+    req: PlanRequest, echo: Echo, cluster: Cluster | None = None, rates: Rates | None = None
+) -> int:
+    """`pipeline plan` for a model (a preset or a Hugging Face config), or the tables of docs/planning.md and
+    docs/long-context.md; the exit code. `cluster` and `rates`: measured by a run (--from-run, read by
+    pipeline.train.forecast_report.plan_command, the command's one entry)."""
     budget, gbt = token_amounts(req.tokens, req.global_batch_tokens)
     if req.fits_table:
         echo(plan_report.reference_fits_table(req.flags, req.vocab_size, req.seq_len or 4096, gbt, req.mfu, budget))

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.plan import command as plan_command
 from pipeline.plan.cluster import Cluster
-from pipeline.plan.command import Echo, PlanRequest, token_amounts
+from pipeline.plan.command import Echo, PlanRequest, plan_model_or_table, token_amounts
 from pipeline.plan.estimate import estimate, estimate_dict
 from pipeline.plan.facts import cluster_from_flags, probe_in_use
 from pipeline.plan.report import describe_estimate, header
@@ -180,12 +179,12 @@ def measured_rate_lines(f: Forecast, rates: Rates) -> list[tuple[str, str, str]]
     return [a for a in e.assumed if a[0] in given]
 
 
-def plan(req: PlanRequest, echo: Echo) -> int:
+def plan_command(req: PlanRequest, echo: Echo) -> int:
     """`pipeline plan`, every mode; the exit code. Here: `--from-run RUN` (the run's plan beside what it measured;
     with --model or --config, that planned at the run's rates on its cluster) and `--config FILE`; a model's plan
-    and the fits table are pipeline.plan.command.plan's."""
+    and the tables are pipeline.plan.command.plan_model_or_table's."""
     if not (req.config or req.from_run) or req.fits_table or req.long_context_table:
-        return plan_command.plan(req, echo)
+        return plan_model_or_table(req, echo)
     budget, _ = token_amounts(req.tokens, req.global_batch_tokens)
     cluster, source = cluster_from_flags(req.hostfile, req.nodes, req.gpus_per_node, req.flags)
     rates = None
@@ -201,7 +200,7 @@ def plan(req: PlanRequest, echo: Echo) -> int:
     if source and not req.as_json:
         echo(source)
     if not req.config:
-        return plan_command.plan(req, echo, cluster, rates)
+        return plan_model_or_table(req, echo, cluster, rates)
     text, fits = config_report(
         req.config,
         list(req.sets),

@@ -1,4 +1,4 @@
-"""pipeline.launch and the checks it makes before a process starts: GPUs that torch cannot use, more local ranks
+"""pipeline.launch.start and the checks it makes before a process starts: GPUs that torch cannot use, more local ranks
 than GPUs."""
 
 from __future__ import annotations
