@@ -19,6 +19,34 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+_critical = 0
+_deferred: BaseException | None = None
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """A few steps that must happen together or not at all (a lock and the temporary folder it guards; the rename
+    of a finished output over an earlier one): a Ctrl-C or SIGTERM that arrives meanwhile (through `interrupt`, which
+    the commands' signal handlers call) is raised when they are done, where the caller's cleanup covers them."""
+    global _critical, _deferred
+    _critical += 1
+    try:
+        yield
+    finally:
+        _critical -= 1
+        if not _critical and _deferred is not None:
+            exc, _deferred = _deferred, None
+            raise exc
+
+
+def interrupt(exc: BaseException) -> None:
+    """Raise `exc` (KeyboardInterrupt, or the SIGTERM's) now, or, inside `uninterrupted` steps, when they end."""
+    global _deferred
+    if not _critical:
+        raise exc
+    if _deferred is None:
+        _deferred = exc
+
 
 def umask() -> int:
     mask = os.umask(0)
@@ -141,23 +169,29 @@ def replacing_dir(target: Path, writer: str = "another `pipeline` command") -> I
         )
 
     lock = OneWriter(target.parent / f".{target.name}.lock", busy, remove=True)
-    lock.acquire()  # a read-only or full disk: the OSError, which the command says in one line with the path
     work = target.parent / f".{target.name}.tmp"
+    earlier = target.parent / f".{target.name}.old"
+    taken = False
     try:
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
-    except BaseException:
-        lock.release()
-        raise
-    try:
+        with uninterrupted():  # the lock and the temporary folder: both or neither
+            lock.acquire()  # a read-only or full disk: the OSError, which the command says in one line with the path
+            taken = True
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(earlier, ignore_errors=True)  # a killed writer's, between its two renames below
+            work.mkdir()
         yield work
         plain_modes(work)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(work, target)
+        with uninterrupted():  # the earlier output is replaced whole, or kept
+            if target.exists():
+                os.replace(target, earlier)
+            os.replace(work, target)
+            shutil.rmtree(earlier, ignore_errors=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-        lock.release()
+        if taken:
+            if earlier.exists() and not target.exists():
+                os.replace(earlier, target)  # a disk error between the renames: the earlier output back
+            shutil.rmtree(work, ignore_errors=True)
+            lock.release()
 
 
 def plain_modes(folder: Path) -> None:
@@ -194,6 +228,10 @@ class OneWriter:
 
     def acquire(self) -> None:
         """Take the lock (its folder must exist) or raise PipelineError naming who holds it."""
+        with uninterrupted():  # an interrupt waits until the lock is held and says so, or is not held
+            self._acquire()
+
+    def _acquire(self) -> None:
         from pipeline.errors import PipelineError
 
         while True:
@@ -227,7 +265,11 @@ class OneWriter:
             self._file = None
 
     def __enter__(self) -> OneWriter:
-        self.acquire()
+        try:
+            self.acquire()
+        except BaseException:  # an interrupt deferred to the lock's end: `with` will not call __exit__
+            self.release()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

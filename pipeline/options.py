@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from pipeline.atomic import interrupt
 from pipeline.errors import PipelineError, os_error_in
 from pipeline.fields import Argument, Default, FieldInfo, FilePath, Hidden, Parsed, Range, Size, Tokens, fields_of
 
@@ -31,8 +32,10 @@ class Terminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
-    """While a command runs, SIGTERM raises Terminated in the process that runs it. A worker forked meanwhile
-    (pools, executors) inherits the handler: there it dies as SIGTERM asks, without a traceback of its own."""
+    """While a command runs, SIGTERM raises Terminated and SIGINT KeyboardInterrupt in the process that runs it,
+    each held back while a few steps that must not be split run (pipeline.atomic.uninterrupted: a lock and its
+    temporary folder, an output's final renames). A worker forked meanwhile (pools, executors) inherits the
+    handlers: there SIGTERM kills it as it asks, without a traceback of its own, and SIGINT is Python's own."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -43,13 +46,22 @@ def terminate_as_interrupt() -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        raise Terminated()
+        interrupt(Terminated())
+
+    def on_int(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:
+            raise KeyboardInterrupt
+        interrupt(KeyboardInterrupt())
 
     previous = signal.signal(signal.SIGTERM, on_term)
+    # a job started with SIGINT ignored (a background job of a script) keeps it ignored
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    previous_int = signal.getsignal(signal.SIGINT) if ignored else signal.signal(signal.SIGINT, on_int)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def given_on_command_line(name: str) -> bool:

@@ -35,6 +35,7 @@ from pipeline.atomic import (
     make_temp_dir,
     sealed,
     sha256_file,
+    uninterrupted,
     write_json,
     writing_to,
 )
@@ -203,13 +204,16 @@ def _run(cfg: ShardConfig) -> ShardResult:
                 "pass --overwrite to replace them, or choose another --output"
             )
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    work = make_temp_dir(out, ".tmp-")
+    work: Path | None = None
     try:
+        with uninterrupted():  # the work folder made and known, for the cleanup below
+            out.mkdir(parents=True, exist_ok=True)
+            work = make_temp_dir(out, ".tmp-")
         result = _build(cfg, out, work, manifests, dtype, pad_id, weights, args, fingerprint, t0)
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        if created and not any(out.iterdir()):
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+        if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # leave nothing behind that we made
         raise
     shutil.rmtree(work, ignore_errors=True)
@@ -464,44 +468,46 @@ def _build(
     if tok["kind"] == "sentencepiece" and Path(tok["path"]).exists():
         shutil.copyfile(tok["path"], work / "tokenizer.model")
         tokenizer_copy = "tokenizer.model"
-    # Replace: drop the old manifest first so a crash mid-move never leaves a manifest vouching for new files.
-    (out / "manifest.json").unlink(missing_ok=True)
-    for old in out.glob("*-[0-9][0-9][0-9][0-9][0-9].*"):
-        old.unlink()
-    for f in work.iterdir():
-        if f.name.split("-")[0] in SPLITS or f.name == "tokenizer.model":
-            os.replace(f, out / f.name)
-    wall = time.perf_counter() - t0
-    total_tokens = sum(int(m["totals"]["tokens"]) for m in manifests)
-    manifest = {
-        **manifest_header("pipeline shard"),
-        "fingerprint": fingerprint,
-        "args": args,
-        "seq_len": cfg.seq_len,
-        "sample_width": width,
-        "dtype": dtype.name,
-        "cross_document": cfg.cross_document,
-        "document_masks": cfg.whole_documents,
-        "length_mix": [list(b) for b in cfg.length_mix],
-        "pad_id": pad_id,
-        "seed": cfg.seed,
-        "split_ratios": list(cfg.split),
-        "tokenizer": {**tok, "copy": tokenizer_copy},
-        "source_manifests": [
-            {
-                "prefix": p,
-                "sha256": a["manifest_sha256"],
-                "documents": m["totals"]["documents"],
-                "tokens": m["totals"]["tokens"],
-            }
-            for (p, _), a, m in zip(cfg.sources, args["sources"], manifests, strict=True)
-        ],
-        "splits": shards,
-        "leak_check": leaks.as_dict(),
-        "wall_time_s": round(wall, 3),
-        "throughput_mb_per_s": round(total_tokens * dtype.itemsize / 1e6 / wall, 2),
-    }
-    write_json(out / "manifest.json", sealed(manifest))
+    # Replace: drop the old manifest first so a crash mid-move never leaves a manifest vouching for new files; a
+    # Ctrl-C or SIGTERM waits for the moves and the new manifest (a second), so the folder is the old or the new.
+    with uninterrupted():
+        (out / "manifest.json").unlink(missing_ok=True)
+        for old in out.glob("*-[0-9][0-9][0-9][0-9][0-9].*"):
+            old.unlink()
+        for f in work.iterdir():
+            if f.name.split("-")[0] in SPLITS or f.name == "tokenizer.model":
+                os.replace(f, out / f.name)
+        wall = time.perf_counter() - t0
+        total_tokens = sum(int(m["totals"]["tokens"]) for m in manifests)
+        manifest = {
+            **manifest_header("pipeline shard"),
+            "fingerprint": fingerprint,
+            "args": args,
+            "seq_len": cfg.seq_len,
+            "sample_width": width,
+            "dtype": dtype.name,
+            "cross_document": cfg.cross_document,
+            "document_masks": cfg.whole_documents,
+            "length_mix": [list(b) for b in cfg.length_mix],
+            "pad_id": pad_id,
+            "seed": cfg.seed,
+            "split_ratios": list(cfg.split),
+            "tokenizer": {**tok, "copy": tokenizer_copy},
+            "source_manifests": [
+                {
+                    "prefix": p,
+                    "sha256": a["manifest_sha256"],
+                    "documents": m["totals"]["documents"],
+                    "tokens": m["totals"]["tokens"],
+                }
+                for (p, _), a, m in zip(cfg.sources, args["sources"], manifests, strict=True)
+            ],
+            "splits": shards,
+            "leak_check": leaks.as_dict(),
+            "wall_time_s": round(wall, 3),
+            "throughput_mb_per_s": round(total_tokens * dtype.itemsize / 1e6 / wall, 2),
+        }
+        write_json(out / "manifest.json", sealed(manifest))
     return ShardResult(out, manifest)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,29 @@ def test_exported_tokenizer_matches_pipeline_tokenizer(zero_runs: dict[int, Path
         assert theirs.encode(t, add_special_tokens=False) == ours.encode(t), t
         assert theirs.decode(ours.encode(t)) == t
     assert theirs.eos_token_id == ours.eos_id and theirs.pad_token_id == ours.pad_id
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_an_export_stopped_over_an_earlier_one_leaves_it_whole(
+    zero_runs: dict[int, Path], tmp_path: Path, sig: int
+) -> None:
+    """`pipeline export` as every writing command (tests/unit/test_writers.py): stopped while it holds its output
+    over an earlier export, it says so in one line, the earlier folder is as it was and nothing is beside it; the
+    same command then completes."""
+    from tests.unit.test_writers import PIPELINE, SAYS, snapshot, stopped_holding
+
+    out = tmp_path / "hf"
+    args = [PIPELINE, "export", "--checkpoint", str(zero_runs[1]), "--output", str(out)]
+    done = subprocess.run(args, env=launch.env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = snapshot(out)
+    second = [*args, "--dtype", "fp32"]
+    stopped = stopped_holding(second, tmp_path / ".hf.lock", sig)
+    code, says = SAYS[sig]
+    assert stopped.returncode == code and stopped.stderr.strip().splitlines()[-1] == says, stopped.stderr[-3000:]
+    assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    again = subprocess.run(second, env=launch.env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and snapshot(out) != before, again.stderr[-3000:]
 
 
 def test_export_writes_gguf_files_that_load_with_the_engines_logits_and_our_ids(

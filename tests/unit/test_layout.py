@@ -158,7 +158,18 @@ def test_a_long_module_says_why_it_is_one_job() -> None:
 
 
 TESTS = PKG.parent / "tests" / "unit"
-ACROSS = {"bad_input", "docs", "layout", "one_writer", "os_refusals", "paths", "peer_lost", "repeats", "sealed"}
+ACROSS = {
+    "bad_input",
+    "docs",
+    "layout",
+    "one_writer",
+    "os_refusals",
+    "paths",
+    "peer_lost",
+    "repeats",
+    "sealed",
+    "writers",
+}
 """The unit tests of a class of behaviour that every stage shares (a mistake's one-line error, one live writer, a
 full disk, a path's spelling, a repeat in a list, a sealed file, a peer lost), kept at tests/unit/'s top: each
 sweeps every stage the class applies to."""
