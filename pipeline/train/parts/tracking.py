@@ -174,12 +174,39 @@ def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+FOLDER = "folder"
+"""tracking.json's record of the run folder it was written in: a copy of the folder is told from the folder itself."""
+
+
+def tracked_ids(run_dir: Path) -> dict[str, str]:
+    """The tracked runs this run folder continues (RUN_DIR/tracking.json). A folder copied from another run
+    (`cp -r runs/a runs/b`: its tracking.json names runs/a, which still holds it) continues that run's checkpoints
+    as a branch would, but not its tracked runs: two trainings would write into one dashboard run. A folder that
+    was moved (the one named is gone) continues its own."""
+    path = run_dir / IDS
+    if not path.is_file():
+        return {}
+    ids = {k: str(v) for k, v in json.loads(path.read_text()).items()}
+    written_in = ids.pop(FOLDER, None)
+    if written_in and Path(written_in) != run_dir.resolve() and (Path(written_in) / IDS).is_file():
+        log.info(
+            "note: %s is a copy of %s (its %s was written there): it continues that run's checkpoints as a branch "
+            "would, and is tracked as new runs, not in %s's",
+            run_dir,
+            written_in,
+            IDS,
+            Path(written_in).name,
+        )
+        return {}
+    return ids
+
+
 class Trackers:
     """The trackers a config turns on, for rank 0. `log(record)` sends a metrics record (numbers only, at its
     step); `close()` ends the tracked runs (they stay resumable)."""
 
     def __init__(self, cfg: PretrainConfig, run_dir: Path):
-        self.ids: dict[str, str] = json.loads((run_dir / IDS).read_text()) if (run_dir / IDS).is_file() else {}
+        self.ids = tracked_ids(run_dir)
         name = cfg.log.tracking_name or run_dir.name
         params = flat(cfg.to_dict())
         self.open: dict[str, Tracker] = {}
@@ -191,7 +218,7 @@ class Trackers:
                 continue
             self.ids[key] = self.open[key].run_id
         if self.ids:
-            write_json(run_dir / IDS, self.ids)
+            write_json(run_dir / IDS, {**self.ids, FOLDER: str(run_dir.resolve())})
 
     def _failed(self, key: str, doing: str, e: Exception) -> None:
         """Warn once and go on without the tracker."""

@@ -109,6 +109,38 @@ def test_records_reach_both_trackers_and_a_resume_continues_the_same_runs(tmp_pa
     assert run.data.params["optim.lr"] == str(cfg.optim.lr) and run.info.run_name == "t1"
 
 
+def test_a_copied_run_folder_is_tracked_as_new_runs_and_a_moved_one_as_its_own(
+    tmp_path: Path, offline: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`cp -r runs/a runs/b` and training in runs/b: it continues a's checkpoints as a branch would, but two
+    trainings must not write into one tracked run, so b opens new ones (and says why). `mv runs/a runs/c` keeps
+    its own: the folder its tracking.json names is gone."""
+    import shutil
+
+    cfg = config(offline)
+    parent = tmp_path / "a"
+    parent.mkdir()
+    Trackers(cfg, parent).close()
+    ids = json.loads((parent / "tracking.json").read_text())
+    assert ids["folder"] == str(parent.resolve())
+
+    shutil.copytree(parent, tmp_path / "b")
+    with caplog.at_level("INFO"):
+        copy = Trackers(cfg, tmp_path / "b")
+    copy.close()
+    copied = json.loads((tmp_path / "b" / "tracking.json").read_text())
+    assert copied["mlflow"] != ids["mlflow"] and copied["wandb"] != ids["wandb"]
+    assert copied["folder"] == str((tmp_path / "b").resolve())
+    assert f"is a copy of {parent.resolve()}" in caplog.text
+    assert json.loads((parent / "tracking.json").read_text()) == ids  # the parent's own, untouched
+
+    shutil.move(parent, tmp_path / "c")
+    moved = Trackers(cfg, tmp_path / "c")
+    moved.close()
+    again = json.loads((tmp_path / "c" / "tracking.json").read_text())
+    assert again["mlflow"] == ids["mlflow"] and again["folder"] == str((tmp_path / "c").resolve())
+
+
 def test_a_tracker_without_its_package_is_refused_before_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
