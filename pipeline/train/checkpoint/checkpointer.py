@@ -193,6 +193,7 @@ class Checkpointer:
             "global_batch_size": run.plan.global_batch_size,
             "max_steps": max_steps_for(run.cfg, run.plan),
             "schedule": Schedule.of(run.cfg).as_dict(),
+            "config": run.cfg.to_dict(),  # every field, classified against the next config (resume.RESUME_RULES)
         }
 
     def _save(self, state: TrainState) -> None:

@@ -58,6 +58,9 @@ class Marker(TypedDict):
     """optim.name; absent before 2026-12-06."""
     global_batch_size: NotRequired[int]
     """Sequences per optimizer step when it saved; absent before 2026-12-06."""
+    config: NotRequired[dict[str, Any]]
+    """The run's whole resolved config when it saved (each field classified against the config that continues it:
+    pipeline.train.checkpoint.resume.RESUME_RULES); absent before 2026-12-07."""
     files: NotRequired[dict[str, dict[str, Any]]]
     """Every file of the checkpoint, relative to its folder: {"size": bytes, "sha256": hex (checkpoint.verify),
     "host": the host of the rank that wrote it}."""

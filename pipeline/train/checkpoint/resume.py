@@ -192,6 +192,94 @@ def continuation_problems(
     )
 
 
+CHECKED = "checked"
+REFUSED = "refused"
+NOTED = "noted"
+FREE = "free"
+
+RESUME_RULES: dict[str, tuple[str, str]] = {
+    "run_dir": (FREE, "where the run is kept"),
+    "model": (CHECKED, "the model's shape against the checkpoint's (resume_problems)"),
+    "data.path": (CHECKED, "the shards' fingerprint against the checkpoint's"),
+    "data.stages": (CHECKED, "the stage's shards at the checkpoint's step"),
+    "data.num_workers": (FREE, "how the same samples are read"),
+    "data.verify": (FREE, "a check at start"),
+    "batch": (CHECKED, "batch_note"),
+    "optim.name": (CHECKED, "the optimizer's states against the checkpoint's"),
+    "optim.lr": (CHECKED, "schedule_note"),
+    "optim.min_lr": (CHECKED, "schedule_note"),
+    "optim.schedule": (CHECKED, "schedule_note"),
+    "optim.warmup_steps": (CHECKED, "schedule_note"),
+    "optim.warmup_from": (CHECKED, "schedule_note"),
+    "optim.decay_steps": (CHECKED, "schedule_note"),
+    "optim.decay_ratio": (CHECKED, "schedule_note"),
+    "optim.decay_shape": (CHECKED, "schedule_note"),
+    "optim.weight_decay": (NOTED, "the optimizer's update from this step on"),
+    "optim.beta1": (NOTED, "the optimizer's moments from this step on"),
+    "optim.beta2": (NOTED, "the optimizer's moments from this step on"),
+    "optim.eps": (NOTED, "the optimizer's update from this step on"),
+    "optim.grad_clip": (NOTED, "the clipping of every update from this step on"),
+    "optim.muon_lr": (NOTED, "the hidden matrices' learning rate from this step on"),
+    "optim.muon_momentum": (NOTED, "Muon's momentum from this step on"),
+    "train.max_steps": (CHECKED, "schedule_note"),
+    "train.max_tokens": (CHECKED, "schedule_note"),
+    "train.seed": (
+        REFUSED,
+        "the order the shards' samples are drawn in: the samples not yet trained would be drawn in another order, "
+        "some trained twice and others never; keep the checkpoint's seed",
+    ),
+    "train.precision": (CHECKED, "the master weights' and states' precision against the checkpoint's"),
+    "train.activation_checkpointing": (FREE, "how a step is computed, not what"),
+    "train.deepspeed_config": (CHECKED, "the ZeRO stage and layout against the checkpoint's"),
+    "train.gpu_memory_cap_gib": (FREE, "the memory the process may use"),
+    "train.compile": (FREE, "how a step is computed, not what (equal to eager: tested)"),
+    "train.attention": (FREE, "how a step is computed, not what"),
+    "train.document_attention": (FREE, "how a step is computed, not what (the same masks)"),
+    "train.kernels": (FREE, "how a step is computed, not what"),
+    "train.fp8": (NOTED, "the decoder layers' matmul precision from this step on"),
+    "train.loss_chunk_tokens": (FREE, "how the loss is computed, not what"),
+    "train.tiled_mlp": (FREE, "how a step is computed, not what (exact)"),
+    "train.sequence_parallel": (NOTED, "the ranks a sample is split over; the same samples and batch"),
+    "train.peak_tflops": (FREE, "the MFU's denominator"),
+    "train.comm_timeout_minutes": (FREE, "how long a hung peer is waited for"),
+    "train.on_nonfinite": (FREE, "what a non-finite step does"),
+    "train.max_nonfinite_in_a_row": (FREE, "what a non-finite step does"),
+    "eval": (FREE, "validation's interval and size"),
+    "checkpoint": (FREE, "when and where checkpoints are written and read"),
+    "log": (FREE, "logging and tracking"),
+}
+"""Every config field (by its dotted path; the longest prefix applies) by what changing it between a checkpoint and
+the config that continues it does: CHECKED by a check or note of its own, REFUSED with the reason, NOTED (said,
+in effect from the checkpoint's step on), FREE (nothing a resume must say). A field that is in no entry fails a
+test: a new field is classified where it lands."""
+
+
+def rule_for(path: str) -> tuple[str, str] | None:
+    """The entry of RESUME_RULES for a dotted field path (`optim.beta1`, `model.shape.num_layers`)."""
+    parts = path.split(".")
+    for n in range(len(parts), 0, -1):
+        if (found := RESUME_RULES.get(".".join(parts[:n]))) is not None:
+            return found
+    return None
+
+
+def config_changes(now: dict[str, Any], then: dict[str, Any] | None, step: int) -> tuple[list[str], str | None]:
+    """Each field the continuing config changes against the checkpoint's (`then`, None for a checkpoint from
+    before it was recorded), by its rule: (refusals, one note of the NOTED ones)."""
+    if not then:
+        return [], None
+    refused, noted = [], []
+    for change in differences(now, then):
+        path = change.split(" ", 1)[0].rstrip(":")
+        kind, why = rule_for(path) or (NOTED, "not classified")
+        if kind == REFUSED:
+            refused.append(f"{change}: {why}")
+        elif kind == NOTED:
+            noted.append(f"{change} ({why})")
+    note = f"note: changed since step {step}: " + "; ".join(noted) if noted else None
+    return refused, note
+
+
 def continue_from(
     prepared: Prepared,
     world: int,
@@ -204,7 +292,8 @@ def continue_from(
     PipelineError naming every reason) when this config cannot continue it, else a note when the run's length
     changed (None when nothing changed)."""
     layout = ckpt.saved_zero_layout(folder or prepared.run_dir, tag, marker)
-    if cannot := continuation_problems(prepared, world, marker, data_fingerprint, layout):
+    refused, changed = config_changes(prepared.cfg.to_dict(), marker.get("config"), int(marker["step"]))
+    if cannot := continuation_problems(prepared, world, marker, data_fingerprint, layout) + refused:
         early = {int(s): p for s, p in prepared.cfg.data.stages.items() if int(s) < int(marker["step"])}
         if early and any(c.startswith("data.path holds other shards") for c in cannot):
             s = min(early)
@@ -226,7 +315,7 @@ def continue_from(
             )
             + " (to carry these weights onto new data or another shape: pipeline export, then model.init_from)"
         )
-    notes = [n for n in (batch_note(prepared, marker), schedule_note(prepared, marker)) if n]
+    notes = [n for n in (batch_note(prepared, marker), schedule_note(prepared, marker), changed) if n]
     return "\n".join(notes) or None
 
 
