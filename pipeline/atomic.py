@@ -39,13 +39,28 @@ def uninterrupted() -> Iterator[None]:
             raise exc
 
 
+_received: BaseException | None = None
+
+
 def interrupt(exc: BaseException) -> None:
     """Raise `exc` (KeyboardInterrupt, or the SIGTERM's) now, or, inside `uninterrupted` steps, when they end."""
-    global _deferred
+    global _deferred, _received
+    _received = _received or exc
     if not _critical:
         raise exc
     if _deferred is None:
         _deferred = exc
+
+
+def received(reset: bool = False) -> BaseException | None:
+    """The first interrupt this process received (through `interrupt`) since the last `reset`, if any: an error
+    raised after it is its consequence (a library that turned it into an ImportError of its own), and the command
+    ends as interrupted. A command resets it as it starts."""
+    global _received
+    first = _received
+    if reset:
+        _received = None
+    return first
 
 
 def umask() -> int:

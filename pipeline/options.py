@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from pipeline.atomic import interrupt
+from pipeline.atomic import interrupt, received
 from pipeline.errors import PipelineError, os_error_in
 from pipeline.fields import Argument, Default, FieldInfo, FilePath, Hidden, Parsed, Range, Size, Tokens, fields_of
 
@@ -40,6 +40,7 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
         return
     owner = os.getpid()
+    received(reset=True)  # this command's own signals, not an earlier one's in the same process (tests)
 
     def on_term(signum: int, frame: Any) -> None:
         if os.getpid() != owner:
@@ -77,8 +78,15 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            with terminate_as_interrupt():
-                return fn(*args, **kwargs)
+            try:
+                with terminate_as_interrupt():
+                    return fn(*args, **kwargs)
+            except (Exception, KeyboardInterrupt) as e:
+                # a signal that a library turned into an error of its own (sentencepiece's import, a worker pool's
+                # broken pipe) still ends the command as the signal does
+                if (sig := received()) is not None and not isinstance(e, KeyboardInterrupt):
+                    raise sig from None
+                raise
         except PipelineError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)

@@ -146,3 +146,34 @@ def test_each_config_field_says_what_it_is() -> None:
                 or info.factory
                 or info.name in {f.name for f in dataclasses.fields(cls)}
             )
+
+
+def test_a_signal_a_library_turned_into_its_own_error_still_ends_the_command_as_the_signal() -> None:
+    """SIGTERM landing inside sentencepiece's import came out as `ImportError: initialization failed`, which the
+    tokenizer's loader reported as a tokenizer it cannot load (exit 2): found by tests/unit/test_writers.py. Any
+    error after a signal is its consequence; the command ends as the signal asks."""
+    from pipeline.atomic import interrupt
+    from pipeline.errors import PipelineError
+    from pipeline.options import Terminated, user_errors
+
+    @click.command()
+    @user_errors
+    def stage() -> None:
+        try:
+            try:
+                interrupt(Terminated())
+            except Terminated:
+                raise ImportError("initialization failed") from None
+        except ImportError as e:
+            raise PipelineError(f"corpus.tokenizer.model: cannot load tokenizer ({e})") from None
+
+    r = CliRunner().invoke(stage, [])
+    assert r.exit_code == 143 and "terminated (SIGTERM)" in r.output and "cannot load" not in r.output, r.output
+
+    @click.command()
+    @user_errors
+    def plain() -> None:  # the next command in the same process: its own errors are its own
+        raise PipelineError("a mistake")
+
+    r = CliRunner().invoke(plain, [])
+    assert r.exit_code == 2 and "error: a mistake" in r.output

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from tests.conftest import CORPUS, tokenizer_model
 from tests.multiproc import launch
+from tests.unit.test_one_writer import caught_writing
 
 PIPELINE = str(Path(sys.executable).parent / "pipeline")
 
@@ -34,22 +34,13 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 def stopped_holding(cmd: list[str], lock: Path, sig: int) -> subprocess.CompletedProcess:
-    """Run `cmd`, stop it (SIGSTOP) as soon as its lock names it, send `sig` and let it go on to handle it."""
-    proc = subprocess.Popen(cmd, env=launch.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if json.loads(lock.read_text() or "{}").get("pid") == proc.pid:
-                os.kill(proc.pid, signal.SIGSTOP)
-                os.kill(proc.pid, sig)
-                os.kill(proc.pid, signal.SIGCONT)
-                break
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.002)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode is not None and proc.returncode != 0, f"{cmd[1]} finished before it was stopped: {err}"
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    """Run `cmd`, caught (SIGSTOP) as soon as its lock names it, then send `sig` and let it go on to handle it; its
+    output and errors together (stderr and stdout both)."""
+    proc = caught_writing(cmd, lock)
+    os.kill(proc.pid, sig)
+    os.kill(proc.pid, signal.SIGCONT)
+    out, _ = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, out)
 
 
 def _tokenize(tmp: Path, tokenized: Path) -> tuple[list[str], list[str], Path, Path]:
