@@ -330,7 +330,8 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), optional: tuple[str
             decls = (*decls, info.name)
         required = info.required and info.name not in optional
         span = info.marker(Range)
-        help = info.help + (f" [{span.says()}]" if span is not None and not info.marker(Tokens) else "")
+        plain = not (info.marker(Tokens) or info.marker(Size))  # a size or a length says its own unit
+        help = info.help + (f" [{span.says()}]" if span is not None and plain else "")
         decorators.append(click.option(*decls, required=required, help=help or None, **settings))
     return group(*decorators)
 

@@ -70,7 +70,7 @@ ULYSSES_COPY_PER_H = 8
 """Under sequence parallelism Ulysses' all-to-all copies: q, k, v and the attention output each rearranged into a
 contiguous send buffer and received into another (DeepSpeed 0.19.8 ulysses_sp.py:168-231), 2 x 2 bytes a hidden
 unit a local token for the output and the same for q (k, v: h_kv) while they are in flight, at the attention's
-forward and again in its backward."""
+forward and again in its backward: moments when the layer's MLP holds nothing (`layer_backward_bytes_per_token`)."""
 # Eager attention (scores materialised) keeps the bf16 scores and probabilities: 4 bytes per score.
 EAGER_SCORE_KEPT_BYTES = 4
 # The plain loss over full logits: bf16 logits, their fp32 copy, fp32 log-softmax and the fp32 gradient.
@@ -103,15 +103,21 @@ def layer_activation_bytes_per_token(shape: ModelShape, stack: Stack | None = No
 
 
 def layer_backward_bytes_per_token(shape: ModelShape, sequence_parallel: int = 1) -> int:
-    """What one layer's backward holds per token beyond what the layer saved (BACKWARD_PER_F and _PER_H,
-    ATTENTION_BACKWARD_PER_H, and under sequence parallelism ULYSSES_COPY_PER_H on q and the output, 4 bytes a kv
-    unit on k and v)."""
-    ulysses = ULYSSES_COPY_PER_H * shape.hidden_size + 4 * shape.num_kv_heads * shape.head_dim
-    return (
-        BACKWARD_PER_F * shape.ffn_hidden_size
-        + (BACKWARD_PER_H + ATTENTION_BACKWARD_PER_H) * shape.hidden_size
-        + (ulysses if sequence_parallel > 1 else 0)
+    """What one layer's backward holds per token beyond what the layer saved, at its peak: the MLP's backward
+    (BACKWARD_PER_F and _PER_H, with ATTENTION_BACKWARD_PER_H as the GPU runs measured it), or, under sequence
+    parallelism, the attention's moments if larger: Ulysses' copies (ULYSSES_COPY_PER_H on q and the output, 4 bytes
+    a kv unit on k and v) are alive in the attention's forward (recomputed, before the MLP saved anything) and in
+    its backward (after the MLP's backward freed what it saved), so they stand beside the layer's saved tensors less
+    its MLP's. Counted on 2 gloo ranks (tests/distributed/test_ulysses_memory.py): a layer's live peak under
+    Ulysses equals its peak on one rank at the same local length, the MLP's backward."""
+    mlp_moment = (
+        BACKWARD_PER_F * shape.ffn_hidden_size + (BACKWARD_PER_H + ATTENTION_BACKWARD_PER_H) * shape.hidden_size
     )
+    if sequence_parallel <= 1:
+        return mlp_moment
+    ulysses = ULYSSES_COPY_PER_H * shape.hidden_size + 4 * shape.num_kv_heads * shape.head_dim
+    mlp_saved = min(per_f for _, per_f in SAVED_PER_H_F.values()) * shape.ffn_hidden_size  # freed by then
+    return max(mlp_moment, ATTENTION_BACKWARD_PER_H * shape.hidden_size + ulysses - mlp_saved)
 
 
 def activation_bytes(
