@@ -22,6 +22,7 @@ from pipeline.options import (
     HOSTFILE,
     MASTER_PORT,
     PATH,
+    SCHEDULER,
     SETS,
     WHERE,
     Decorator,
@@ -123,6 +124,7 @@ def shard(sources: tuple[str, ...], inspect_dir: str | None, model_dir: str | No
 @click.option(
     "--dry-run", is_flag=True, help="Resolve and print the config, batch plan and DeepSpeed JSON; no training."
 )
+@SCHEDULER
 @opt(
     "--max-restarts",
     type=click.IntRange(0, 1000),
@@ -134,7 +136,8 @@ def shard(sources: tuple[str, ...], inspect_dir: str | None, model_dir: str | No
     "--min-nodes",
     type=click.IntRange(1),
     default=None,
-    help="With --hostfile: when hosts stop answering ssh, go on with the hosts that do if there are at least this "
+    help="With --sbatch: the job may start on, or be requeued onto, as few nodes. With --hostfile: when hosts "
+    "stop answering ssh, go on with the hosts that do if there are at least this "
     "many and the plan for them fits (same global batch, resumed through the universal checkpoint); a host that "
     "answers again is taken back at the next launch; needs --max-restarts. Without it a lost host stops the run, "
     "naming it.",
@@ -159,9 +162,11 @@ def pretrain(config: str, sets: tuple[str, ...], **options: Any) -> None:
                        SDPA with the dense mask (not under sequence parallelism)
     e.g. --set train.compile=false --set train.attention=flash --set train.kernels=torch"""
     from pipeline import launch
+    from pipeline.launch.scheduler import Scheduled
 
+    scheduled = Scheduled(**{k: options.pop(k) for k in Scheduled.__dataclass_fields__})
     where = _where(options)
-    sys.exit(launch.pretrain(config, list(sets), where, **options))
+    sys.exit(launch.pretrain(config, list(sets), where, scheduled=scheduled, **options))
 
 
 @command()

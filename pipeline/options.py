@@ -269,6 +269,36 @@ WHERE = group(
     ),
     MASTER_PORT,
 )
+SCHEDULER = group(
+    click.option(
+        "--from-env",
+        is_flag=True,
+        help="Started by a scheduler on every node alike: the nodes, this node's rank and the rendezvous from the "
+        "environment (Slurm's SLURM_* under srun; else NNODES, NODE_RANK or JOB_COMPLETION_INDEX, MASTER_ADDR, "
+        "MASTER_PORT as torchrun, a JobSet or SkyPilot give them); --num-gpus: ranks per node. No ssh or pdsh.",
+    ),
+    click.option(
+        "--sbatch",
+        type=PATH,
+        default=None,
+        help="Write a Slurm batch script for this config to FILE (one `--from-env` task per node) instead of "
+        "launching; with --nodes, --num-gpus (per node), --time, --partition, --requeue, --min-nodes.",
+    ),
+    click.option(
+        "--nodes",
+        type=click.IntRange(min=1),
+        default=None,
+        help="With --sbatch: nodes to ask for. With --from-env: the nodes the job must have (refused otherwise).",
+    ),
+    click.option("--time", "time_limit", default=None, help="With --sbatch: the job's time limit (e.g. 2-00:00:00)."),
+    click.option("--partition", default=None, help="With --sbatch: the Slurm partition."),
+    click.option(
+        "--requeue",
+        is_flag=True,
+        help="With --sbatch: near the time limit the run saves, stops and the job is put back in the queue; it "
+        "resumes from that checkpoint (and Slurm requeues it when a node fails).",
+    ),
+)
 SETS = click.option("--set", "sets", multiple=True, help="Override a config field: section.key=value (repeatable).")
 AS_JSON = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ import click
 
 from pipeline.errors import PipelineError
 from pipeline.launch.command import PACKAGE, Where, core_binding_args, planned_args
+from pipeline.launch.scheduler import Scheduled
 from pipeline.launch.shrink import Survivors
 from pipeline.launch.supervise import run_with_restarts
 from pipeline.plan.hostfile import hostfile_hosts
@@ -36,6 +38,7 @@ def pretrain(
     max_restarts: int,
     skip_doctor: bool,
     min_nodes: int | None = None,
+    scheduled: Scheduled | None = None,
 ) -> int:
     """`pipeline pretrain`: the checks every rank will make, made here first; the quick local checks of `pipeline
     doctor`; then `deepspeed ... pipeline/pretrain.py`, printed and run (again, with `max_restarts`; with
@@ -45,6 +48,15 @@ def pretrain(
     from pipeline.train.setup.config import load
     from pipeline.train.setup.prepare import prepare
 
+    scheduled = scheduled or Scheduled()
+    if problem := scheduled.problem(where.hostfile, max_restarts, min_nodes):
+        raise PipelineError(problem)
+    if scheduled.from_env:
+        return pretrain_from_env(
+            config_path, sets, where.num_gpus, nodes=scheduled.nodes, dry_run=dry_run, skip_doctor=skip_doctor
+        )
+    if scheduled.sbatch:
+        return write_job_script(config_path, sets, where.num_gpus, scheduled, min_nodes)
     cfg = load(config_path, sets)
     if min_nodes is not None and not where.hostfile:
         raise PipelineError("--min-nodes N needs --hostfile: it says on how few of its hosts a run may go on")
@@ -104,6 +116,105 @@ def pretrain(
             batch_in_tokens=cfg.batch.global_batch_tokens is not None,
         )
     return run_with_restarts(cmd, max_restarts, Path(cfg.run_dir), hosts, survivors)
+
+
+def pretrain_from_env(
+    config_path: str, sets: list[str], num_gpus: int | None, *, nodes: int | None, dry_run: bool, skip_doctor: bool
+) -> int:
+    """`pipeline pretrain --from-env`, run by a scheduler on every node alike (pipeline.launch.scheduler): the world
+    from the environment; the first node makes the launch's checks and says in the run folder that they passed,
+    the others wait for that word (which proves the folder is shared); then each node starts DeepSpeed's launcher
+    for its own ranks. A relaunch is the scheduler's (`sbatch --requeue`): the run resumes from its latest complete
+    checkpoint, on whatever nodes the job was given."""
+    from pipeline.launch.scheduler import Handshake, from_environment, node_command
+    from pipeline.train.main import describe
+    from pipeline.train.preflight import before_launch
+    from pipeline.train.runtime.dist import accelerator_name, visible_gpus
+    from pipeline.train.setup.config import load
+    from pipeline.train.setup.prepare import prepare
+
+    cfg = load(config_path, sets)
+    world = from_environment(os.environ, num_gpus, visible_gpus() if accelerator_name() == "cuda" else 0)
+    click.echo(f"launched by a scheduler: {world.describe()}", err=True)
+    if nodes is not None and nodes != world.nnodes:
+        raise PipelineError(
+            f"--nodes {nodes}, but {world.source} has {world.nnodes} node(s) ({', '.join(world.hosts)}): ask the "
+            f"scheduler for {nodes}, or give --nodes {world.nnodes} (the run resumes on another world size through "
+            "the universal checkpoint)"
+        )
+    Where(num_gpus=world.per_node).check_local_gpus()
+    prepared = prepare(cfg, world.world_size, world.per_node)
+    handshake = Handshake(Path(cfg.run_dir), world)
+    if world.node_rank == 0:
+        try:
+            failed = _quick_doctor(cfg, None if dry_run else world.master_port)
+            notes = before_launch(prepared, world.world_size, world.per_node, more=[] if skip_doctor else failed)
+        except PipelineError as e:
+            if not dry_run:
+                handshake.say(False, str(e))
+            raise
+        for note in notes:
+            click.echo(note, err=True)
+    if dry_run:
+        click.echo(describe(prepared))
+        return 0
+    if world.node_rank == 0:
+        handshake.say(True)
+    else:
+        handshake.wait(lambda line: click.echo(line, err=True))
+    build_ops_ahead(prepared.layout, world.world_size, world.per_node)
+    args = ["--config", config_path, *[a for s in sets for a in ("--set", s)], *planned_args(prepared, None)]
+    bind = core_binding_args(prepared.ds, world.per_node)
+    cmd = node_command(world, PACKAGE / "pretrain.py", args, sys.executable, bind)
+    use_project_cache()
+    click.echo("+ " + " ".join(a if not a.startswith("--world_info=") else "--world_info=..." for a in cmd), err=True)
+    log = "launch.log" if world.node_rank == 0 else f"launch-node{world.node_rank}.log"
+    return run_with_restarts(cmd, 0, Path(cfg.run_dir), log_name=log)
+
+
+def write_job_script(
+    config_path: str, sets: list[str], gpus: int | None, scheduled: Scheduled, min_nodes: int | None
+) -> int:
+    """`pipeline pretrain --sbatch FILE --nodes N`: the config checked for N nodes (and for --min-nodes, the fewest
+    a requeued job may get) as every rank will check it, then the Slurm batch script written."""
+    from pipeline.atomic import write_text
+    from pipeline.launch.scheduler import job_script
+    from pipeline.train.setup.config import load
+    from pipeline.train.setup.prepare import prepare
+
+    assert scheduled.sbatch is not None and scheduled.nodes is not None
+    cfg = load(config_path, sets)
+    per_node = gpus or 1
+    for n in sorted({scheduled.nodes, min_nodes or scheduled.nodes}):
+        try:
+            prepare(cfg, n * per_node, per_node)
+        except PipelineError as e:
+            raise PipelineError(f"on {n} node(s) x {per_node} rank(s): {e}") from None
+    script = Path(scheduled.sbatch)
+    text = job_script(
+        config=config_path,
+        sets=sets,
+        nodes=scheduled.nodes,
+        min_nodes=min_nodes,
+        gpus_per_node=gpus or 0,
+        time_limit=scheduled.time_limit,
+        partition=scheduled.partition,
+        requeue=scheduled.requeue,
+        grace_s=GRACE_S,
+        workdir=Path.cwd(),
+        python_bin=Path(sys.executable).parent,
+        output=script.resolve().with_name(script.stem + "-%j.out"),
+    )
+    write_text(script, text)
+    script.chmod(0o755)
+    if not gpus:
+        click.echo("no --num-gpus: the job asks for no GPUs (one CPU rank per node)", err=True)
+    click.echo(f"wrote {script}; submit it with: sbatch {script}")
+    return 0
+
+
+GRACE_S = 300
+"""How long before the time limit a --sbatch job is told to stop: a step's end and a checkpoint's save."""
 
 
 def _quick_doctor(cfg: PretrainConfig, master_port: int | None) -> list[str]:

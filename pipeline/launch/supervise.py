@@ -44,6 +44,7 @@ def run_with_restarts(
     run_dir: Path | None = None,
     hosts: list[str] | None = None,
     survivors: Survivors | None = None,
+    log_name: str = "launch.log",
 ) -> int:
     """Run the launcher; after a failure that a relaunch can fix, run it again (the run resumes from its latest
     complete checkpoint), up to `max_restarts` times. Before a relaunch every host of `hosts` (the hostfile's) is
@@ -84,7 +85,7 @@ def run_with_restarts(
         for line in said:
             click.echo(line, err=True)
         started = time.monotonic()
-        launch = Supervised(cmd, run_dir)
+        launch = Supervised(cmd, run_dir, log_name)
         code = launch.wait()
         if launch.stopped_by is not None:  # done (0), a mistake (2), or stopped by this signal
             return code if code in (0, 2) else 128 + launch.stopped_by
@@ -101,13 +102,13 @@ class Supervised:
     checkpoint; the ranks instead finish their step, agree to stop, save, and exit with EXIT_STOPPED. One rank hearing
     it is enough: they agree on stopping every step. A second signal ends the whole launch now."""
 
-    def __init__(self, cmd: list[str], run_dir: Path | None = None):
+    def __init__(self, cmd: list[str], run_dir: Path | None = None, log_name: str = "launch.log"):
         self.stopped_by: int | None = None
         script = str(PACKAGE / "pretrain.py")
         self.rank_args = cmd[cmd.index(script) :] if script in cmd else [script]
         from pipeline.train.parts.guards import SUPERVISOR_ENV
 
-        self.console = Console(run_dir, " ".join(cmd))
+        self.console = Console(run_dir, " ".join(cmd), log_name)
         me = psutil.Process()
         env = os.environ | {SUPERVISOR_ENV: f"{socket.gethostname()}:{me.pid}:{me.create_time()}"}  # guards.Watchdog
         self.proc = subprocess.Popen(
@@ -187,8 +188,8 @@ class Console:
         rb"|sigkill_handler\] .* exits with return code = 143$"  # a rank that saved and stopped on a signal
     )
 
-    def __init__(self, run_dir: Path | None, header: str):
-        self.path = run_dir / "logs" / "launch.log" if run_dir is not None else None
+    def __init__(self, run_dir: Path | None, header: str, name: str = "launch.log"):
+        self.path = run_dir / "logs" / name if run_dir is not None else None
         self.pending: list[bytes] = [f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {header}\n".encode()]
         self.file: Any = None
         self.seen: set[bytes] = set()
