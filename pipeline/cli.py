@@ -243,15 +243,23 @@ def harness(**options: Any) -> None:
     help="Add what the checks found (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, "
     "NCCL_P2P_DISABLE, NCCL_IB_DISABLE) to .deepspeed_env here; lines already there are kept.",
 )
+@click.option(
+    "--slurm",
+    is_flag=True,
+    help="Inside a Slurm allocation (salloc, a job script): check its nodes, reached as job steps (srun), not ssh.",
+)
 def doctor(config: str | None, sets: tuple[str, ...], master_port: int | None, **o: Any) -> None:
-    """Check a cluster before a long run: per host (every host of --hostfile; default this machine) PASS / WARN /
+    """Check a cluster before a long run: per host (every host of --hostfile or of this Slurm allocation with
+    --slurm; default this machine) PASS / WARN /
     FAIL with the reason and the fix (ssh, same venv and versions, DeepSpeed ops, GPUs and P2P, the network
     interface and a measured all-reduce, ulimit -l, /dev/shm, RAM, disk, data, master port). Exit code 1 when a
     check fails."""
     from pipeline.doctor import cluster as doc
 
     say = functools.partial(click.echo, err=True)
-    reports = doc.run(o["hostfile"], config, list(sets), master_port or 29500, o["timeout"], say)
+    if o["slurm"] and o["hostfile"]:
+        raise PipelineError("--slurm checks the nodes of this Slurm allocation; --hostfile names other hosts: give one")
+    reports = doc.run(o["hostfile"], config, list(sets), master_port or 29500, o["timeout"], say, o["slurm"])
     click.echo(json.dumps([r.to_dict() for r in reports], indent=2) if o["as_json"] else doc.table(reports))
     if o["write_env"]:
         for line in doc.write_found_env(reports):

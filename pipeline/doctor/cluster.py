@@ -22,10 +22,10 @@ from typing import Any
 
 from pipeline.atomic import write_text
 from pipeline.doctor.checks import FAIL, PASS, WARN, Check, Needs, Report, nearest_existing, run_checks
-from pipeline.doctor.remote import ask_every, last_line, parse_tagged, remote_python, ssh
+from pipeline.doctor.remote import Reach, ask_every, last_line, parse_tagged, remote_python, slurm_step, ssh
 from pipeline.errors import PipelineError
 from pipeline.plan.facts import cluster_from_flags
-from pipeline.plan.hostfile import hostfile_facts
+from pipeline.plan.hostfile import expand_hostlist, hostfile_facts
 from pipeline.units import parse_gbps
 
 
@@ -37,21 +37,23 @@ def doctor(
     expected_bus_bytes: float | None = None,
     bandwidth_mbytes: float = 16.0,
     slots: dict[str, int] | None = None,
+    reach: Reach = ssh,
 ) -> list[Report]:
     """Reports for this machine (hosts None) or for each host, in order; `slots`: the hostfile's, compared with
-    each host's usable GPUs."""
+    each host's usable GPUs; `reach`: how a host is reached (ssh, or a Slurm job step: then no pdsh is needed)."""
     if not hosts:
         return [run_checks(needs)]
     reports = {h: Report(h) for h in hosts}
     launcher = Report("launcher (this machine)")
-    ok = shutil.which("pdsh") is not None
-    launcher.add(
-        "pdsh",
-        PASS if ok else FAIL,
-        "found" if ok else "not on PATH: DeepSpeed's multi-node launcher runs pdsh here",
-        "" if ok else "apt-get install pdsh",
-    )
-    reachable = _reach(reports, timeout)
+    if reach is ssh:
+        ok = shutil.which("pdsh") is not None
+        launcher.add(
+            "pdsh",
+            PASS if ok else FAIL,
+            "found" if ok else "not on PATH: DeepSpeed's multi-node launcher runs pdsh here",
+            "" if ok else "apt-get install pdsh",
+        )
+    reachable = _reach(reports, timeout, reach)
     if not reachable:
         return [launcher, *reports.values()]
     master = reports[reachable[0]].facts["addresses"][0]  # as DeepSpeed picks it: the first host's `hostname -I`
@@ -69,7 +71,7 @@ def doctor(
             }
         )
         args = ["--needs", json.dumps(asdict(n))] + ([] if first else ["--not-first"])
-        res = ssh(h, remote_python("pipeline.doctor.checks", args), timeout)
+        res = reach(h, remote_python("pipeline.doctor.checks", args), timeout)
         return (
             h,
             parse_tagged("DOCTOR-JSON", res.stdout),
@@ -97,25 +99,33 @@ def doctor(
     if len(ran) > 1:  # rank 0 on the first host whose checks ran, at its first address
         first = reports[ran[0]].facts["addresses"][0]
         ranks = [(h, local) for h in ran for local in range((slots or {}).get(h, 1))]
-        _bandwidth(ranks, reports, first, timeout, expected_bus_bytes, bandwidth_mbytes)
+        _bandwidth(ranks, reports, first, timeout, expected_bus_bytes, bandwidth_mbytes, reach)
     return [launcher, *reports.values()]
 
 
-def _reach(reports: dict[str, Report], timeout: float) -> list[str]:
-    """The hosts that answer ssh as DeepSpeed's launcher reaches them (their addresses recorded), in order; a FAIL
-    with the reason on each other one."""
+def _reach(reports: dict[str, Report], timeout: float, reach: Reach = ssh) -> list[str]:
+    """The hosts that answer (over ssh as DeepSpeed's launcher reaches them, or as Slurm job steps), their
+    addresses recorded, in order; a FAIL with the reason on each other one."""
     reachable = []
-    for h, res in ask_every(list(reports), "hostname -I", timeout).items():
+    how = "ssh" if reach is ssh else "srun"
+    for h, res in ask_every(list(reports), "hostname -I", timeout, reach).items():
         if res.returncode == 0 and res.stdout.split():
-            reports[h].add("ssh", PASS, "reachable without a password")
+            reports[h].add(how, PASS, "reachable without a password" if reach is ssh else "a job step runs there")
             reports[h].facts["addresses"] = res.stdout.split()
             reachable.append(h)
-        else:
+        elif reach is ssh:
             reports[h].add(
                 "ssh",
                 FAIL,
                 f"{h} not reachable by ssh without a password: {last_line(res)}",
                 "ssh-copy-id to it from this machine; check its name resolves (~/.ssh/config, /etc/hosts)",
+            )
+        else:
+            reports[h].add(
+                "srun",
+                FAIL,
+                f"no job step ran on {h}: {last_line(res)}",
+                f"check the node's state (`scontrol show node {h}`) and that this runs inside the allocation",
             )
     return reachable
 
@@ -246,6 +256,7 @@ def _bandwidth(
     timeout: float,
     expected: float | None,
     mbytes: float,
+    reach: Reach = ssh,
 ) -> None:
     """An all-reduce with one process per hostfile slot (host, local rank), as the run will place its ranks: the
     path between a node's own GPUs (P2P, or through host memory without it) is exercised with the network's."""
@@ -270,7 +281,7 @@ def _bandwidth(
             str(timeout),
         ]
         iface = reports[host].facts.get("interface")
-        return ssh(
+        return reach(
             host,
             remote_python("pipeline.doctor.bandwidth", args + (["--iface", iface] if iface else [])),
             timeout + 30,
@@ -397,13 +408,22 @@ def failed(reports: list[Report]) -> bool:
 
 
 def run(
-    hostfile: str | None, config: str | None, sets: list[str], master_port: int, timeout: float, say: Any
+    hostfile: str | None,
+    config: str | None,
+    sets: list[str],
+    master_port: int,
+    timeout: float,
+    say: Any,
+    slurm: bool = False,
 ) -> list[Report]:
-    """`pipeline doctor`: every host of `hostfile` (this machine without one) checked for what the config's run needs
-    of it, planned for the hostfile's cluster (its `# cluster:` facts, else the planner's defaults; the master port
-    alone without a config), then compared and an all-reduce measured against the hostfile's network fact."""
+    """`pipeline doctor`: every host of `hostfile` (this machine without one; with `slurm`, every node of this
+    Slurm allocation, reached as job steps) checked for what the config's run needs of it, planned for the
+    hostfile's cluster (its `# cluster:` facts, else the planner's defaults; the master port alone without a
+    config), then compared and an all-reduce measured against the hostfile's network fact."""
     from pipeline.plan.hostfile import hostfile_hosts
 
+    if slurm:
+        return _in_slurm(config, sets, master_port, timeout, say)
     needs, note = Needs(master_port=master_port), None
     if config:
         needs, note = needs_for_config(config, sets, cluster_from_flags(hostfile, 1, 1, {})[0], master_port)
@@ -413,6 +433,23 @@ def run(
     net = hostfile_facts(hostfile).get("network") if hostfile else None
     expected = parse_gbps(net) * 1e9 / 8 if net else None
     return doctor(list(slots) if slots else None, needs, timeout=timeout, expected_bus_bytes=expected, slots=slots)
+
+
+def _in_slurm(config: str | None, sets: list[str], master_port: int, timeout: float, say: Any) -> list[Report]:
+    """`pipeline doctor --slurm`, inside an allocation (`salloc`, or a job script): its nodes reached as job steps
+    (`srun --overlap`), one rank each in the all-reduce."""
+    nodes = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodes:
+        raise PipelineError(
+            "--slurm: no SLURM_JOB_NODELIST here: run it inside the allocation (`salloc -N 8` then `pipeline doctor "
+            "--slurm ...`, or as a line of the job script)"
+        )
+    needs, note = Needs(master_port=master_port), None
+    if config:
+        needs, note = needs_for_config(config, sets, cluster_from_flags(None, 1, 1, {})[0], master_port)
+    if note:
+        say(f"note: {note}")
+    return doctor(expand_hostlist(nodes), needs, timeout=timeout, reach=slurm_step)
 
 
 def write_found_env(reports: list[Report]) -> list[str]:

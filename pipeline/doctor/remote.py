@@ -1,6 +1,7 @@
 """Reaching the hosts of a hostfile as DeepSpeed's launcher does: ssh without a password prompt, with the
 launcher's environment exports and .deepspeed_env, in this folder, with this Python; each call with a timeout, many
-hosts at once. Used by `pipeline doctor` and by the launcher's check for lost hosts before a relaunch."""
+hosts at once. Or, inside a Slurm allocation, the allocation's nodes through `srun` (`slurm_step`). Used by
+`pipeline doctor` and by the launcher's check for lost hosts before a relaunch."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,10 +37,29 @@ def ssh(host: str, command: str, timeout: float, ssh_port: int | None = None) ->
         return subprocess.CompletedProcess(cmd, 124, "", f"no answer within {timeout:g} s")
 
 
-def ask_every(hosts: list[str], command: str, timeout: float) -> dict[str, subprocess.CompletedProcess]:
-    """`command` on every host at once over ssh (`ssh`), each answer by host."""
+Reach = Callable[[str, str, float], subprocess.CompletedProcess]
+"""How a command runs on a host: `ssh` or `slurm_step` (host, shell command, timeout)."""
+
+
+def slurm_step(host: str, command: str, timeout: float) -> subprocess.CompletedProcess:
+    """`command` on `host`, a node of this Slurm allocation, as a job step beside the others (`srun --overlap`),
+    with this environment; no ssh between the nodes needed."""
+    cmd = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", "--quiet", "--export=ALL"]
+    cmd += [f"--jobid={os.environ['SLURM_JOB_ID']}"] if "SLURM_JOB_ID" in os.environ else []
+    try:
+        return subprocess.run([*cmd, "bash", "-c", command], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, 124, "", f"no answer within {timeout:g} s")
+    except FileNotFoundError:
+        return subprocess.CompletedProcess(cmd, 127, "", "srun is not on PATH: run this inside a Slurm allocation")
+
+
+def ask_every(
+    hosts: list[str], command: str, timeout: float, reach: Reach = ssh
+) -> dict[str, subprocess.CompletedProcess]:
+    """`command` on every host at once (over ssh, or `reach`), each answer by host."""
     with ThreadPoolExecutor(min(32, len(hosts))) as pool:
-        return dict(zip(hosts, pool.map(lambda h: ssh(h, command, timeout), hosts), strict=True))
+        return dict(zip(hosts, pool.map(lambda h: reach(h, command, timeout), hosts), strict=True))
 
 
 def last_line(res: subprocess.CompletedProcess) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pipeline.atomic import write_json
 from pipeline.errors import PipelineError
+from pipeline.plan.hostfile import expand_hostlist
 
 DEFAULT_PORT = 29500
 SHARED_WAIT_S = float(os.environ.get("PIPELINE_SHARED_WAIT_S", "600"))
@@ -52,65 +53,23 @@ class Scheduled:
             return (
                 "--hostfile launches over ssh from here; a scheduler's nodes (--from-env, --sbatch) need none: drop it"
             )
-        if self.from_env and (max_restarts or min_nodes):
+        if (self.from_env or self.sbatch) and max_restarts:
             return (
-                "under a scheduler the relaunch is the scheduler's: drop --max-restarts/--min-nodes and use the job "
-                "script's --requeue (`pipeline pretrain --sbatch FILE --requeue --min-nodes N`)"
+                "under a scheduler the relaunch is the scheduler's: drop --max-restarts and use the job script's "
+                "--requeue (`pipeline pretrain --sbatch FILE --requeue --min-nodes N`: Slurm requeues it when a "
+                "node fails, and it requeues itself at the time limit)"
             )
+        if self.from_env and min_nodes is not None and self.nodes is None:
+            return "--min-nodes with --from-env needs --nodes N: the nodes the run was planned for"
         if self.sbatch and self.nodes is None:
             return "--sbatch needs --nodes N: how many nodes the job asks for"
-        if self.sbatch and min_nodes is not None and self.nodes is not None and min_nodes > self.nodes:
+        if min_nodes is not None and self.nodes is not None and min_nodes > self.nodes:
             return f"--min-nodes {min_nodes} is more than --nodes {self.nodes}"
-        if not self.sbatch and (script_only or (min_nodes is not None and self.from_env)):
+        if not self.sbatch and script_only:
             return f"{', '.join(script_only)} only go(es) with --sbatch FILE (the job script they shape)"
         if not (self.from_env or self.sbatch) and self.nodes is not None:
             return "--nodes goes with --sbatch or --from-env; a hostfile says its nodes itself"
         return None
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """Slurm's compressed host list, expanded in order: `node[01-03,7],gpu-a[1-2]-x` -> node01 node02 node03 node7
-    gpu-a1-x gpu-a2-x (zero padding kept; several bracket groups in one name give their product)."""
-    names: list[str] = []
-    for item in _split_top(text.strip()):
-        parts = re.split(r"(\[[^\]]*\])", item)
-        choices: list[list[str]] = []
-        for part in parts:
-            if part.startswith("["):
-                choices.append(_range_values(part[1:-1], text))
-            elif part:
-                choices.append([part])
-        names += ["".join(p) for p in itertools.product(*choices)]
-    if not names:
-        raise PipelineError(f"the node list {text!r} names no node")
-    return names
-
-
-def _split_top(text: str) -> list[str]:
-    """Split at the commas outside brackets."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if depth:
-        raise PipelineError(f"the node list {text!r} has an unclosed '['")
-    return [x for x in [*out, cur] if x]
-
-
-def _range_values(spec: str, text: str) -> list[str]:
-    values = []
-    for piece in spec.split(","):
-        lo, _, hi = piece.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise PipelineError(f"the node list {text!r}: [{spec}] is not a list of numbers and ranges")
-        width = len(lo)
-        values += [str(n).zfill(width) for n in range(int(lo), int(hi or lo) + 1)]
-    return values
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -349,7 +308,8 @@ def job_script(
         f"# Written by `pipeline pretrain --sbatch` for {config}. Submit: sbatch THIS_FILE",
         "#SBATCH --job-name=pretrain",
         f"#SBATCH --nodes={span}",
-        "#SBATCH --ntasks-per-node=1",
+        # The whole node (its CPUs for CPU Adam and the loaders). No --ntasks-per-node here: with it Slurm gives a
+        # node range its smallest count; srun below starts one task per node.
         "#SBATCH --exclusive",
         f"#SBATCH --output={output}",
         "#SBATCH --open-mode=append",  # a requeued job adds to its log
@@ -363,6 +323,7 @@ def job_script(
         lines.append(f"#SBATCH --partition={partition}")
     lines.append("#SBATCH --requeue" if requeue else "#SBATCH --no-requeue")
     args = ["pretrain", "--from-env", "--config", config, *itertools.chain(*(("--set", s) for s in sets))]
+    args += ["--nodes", str(nodes)] + (["--min-nodes", str(min_nodes)] if min_nodes and min_nodes < nodes else [])
     if gpus_per_node:
         args += ["--num-gpus", str(gpus_per_node)]
     run = " ".join(q(a) for a in [str(python_bin / "pipeline"), *args])

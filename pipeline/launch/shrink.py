@@ -38,6 +38,57 @@ def micro_batch_for(global_batch: int, micro: int, replicas: int) -> int | None:
     return next((m for m in range(micro, 0, -1) if global_batch % (m * replicas) == 0), None)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KeptBatch:
+    """The run's batch carried to another world size (a lost host, a requeued job on fewer nodes): the global batch
+    kept, with the largest micro-batch up to the run's own that splits it exactly; where none does, the global
+    batch nearest the run's that the run's micro-batch splits (said: the steps then hold slightly more or fewer
+    sequences)."""
+
+    global_batch: int
+    micro_batch: int
+    sequence_parallel: int
+    seq_len: int
+    in_tokens: bool
+    """The config gives batch.global_batch_tokens (a changed global batch is given the same way)."""
+
+    def on(self, world: int, who: str = "the ranks", fix: str = "") -> tuple[int, int]:
+        """(micro-batch, global batch) on `world` ranks; PipelineError where sequence parallelism cannot split
+        them (`who` and `fix` word it)."""
+        sp = self.sequence_parallel
+        if found := sequence_parallel_divides(sp, world):
+            raise PipelineError(f"{who}: {found[0]}; not continuing on them. {fix}".rstrip())
+        replicas = world // sp
+        micro = micro_batch_for(self.global_batch, self.micro_batch, replicas)
+        if micro is not None:
+            return micro, self.global_batch
+        per_step = self.micro_batch * replicas
+        return self.micro_batch, max(per_step, round(self.global_batch / per_step) * per_step)
+
+    def sets(self, world: int, who: str = "the ranks", fix: str = "") -> list[str]:
+        """The config `--set`s that give this batch on `world` ranks (none when the run's own does)."""
+        micro, global_batch = self.on(world, who, fix)
+        sets = [f"batch.micro_batch_size={micro}"] if micro != self.micro_batch else []
+        if global_batch != self.global_batch:
+            sets.append(
+                f"batch.global_batch_tokens={global_batch * self.seq_len}"
+                if self.in_tokens
+                else f"batch.global_batch_size={global_batch}"
+            )
+        return sets
+
+    def said(self, world: int) -> str:
+        micro, global_batch = self.on(world)
+        if global_batch != self.global_batch:
+            return (
+                f", {global_batch} sequences per step instead of {self.global_batch}: the nearest that "
+                f"{world // self.sequence_parallel} data-parallel ranks split"
+            )
+        if micro != self.micro_batch:
+            return f", micro-batch {micro} instead of {self.micro_batch}, the same {global_batch} sequences per step"
+        return f", the same {global_batch} sequences per step"
+
+
 @dataclass(kw_only=True)
 class Survivors:
     """The launch command for the hosts of `hostfile` that answer (`command`), or why the run must stop."""
@@ -63,6 +114,16 @@ class Survivors:
     def __post_init__(self) -> None:
         self.hosts = hostfile_hosts(self.hostfile)
         self.current = [h for h, _ in self.hosts]
+
+    @property
+    def batch(self) -> KeptBatch:
+        return KeptBatch(
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            sequence_parallel=self.sequence_parallel,
+            seq_len=self.seq_len,
+            in_tokens=self.batch_in_tokens,
+        )
 
     def command(self, lost: list[tuple[str, str]], say: Callable[[str], None] | None = None) -> list[str]:
         """The launch on every host that answers (`lost`: (host, why) of those that do not); raises PipelineError
@@ -93,44 +154,11 @@ class Survivors:
         self.current = names
         return cmd
 
-    def _batch(self, world: int) -> tuple[int, int]:
-        """(micro-batch, global batch) on `world` ranks: the global batch kept, with the largest micro-batch up to
-        the run's own that splits it exactly; where none does, the global batch nearest the run's that the run's
-        micro-batch splits (said: the steps then hold slightly more or fewer sequences)."""
-        sp = self.sequence_parallel
-        if found := sequence_parallel_divides(sp, world):
-            raise PipelineError(
-                f"the hosts that answer: {found[0]}; not continuing on them. Bring the lost hosts back and run the "
-                "same command"
-            )
-        replicas = world // sp
-        micro = micro_batch_for(self.global_batch, self.micro_batch, replicas)
-        if micro is not None:
-            return micro, self.global_batch
-        per_step = self.micro_batch * replicas
-        return self.micro_batch, max(per_step, round(self.global_batch / per_step) * per_step)
-
     def _batch_sets(self, world: int) -> list[str]:
-        micro, global_batch = self._batch(world)
-        sets = [f"batch.micro_batch_size={micro}"] if micro != self.micro_batch else []
-        if global_batch != self.global_batch:
-            sets.append(
-                f"batch.global_batch_tokens={global_batch * self.seq_len}"
-                if self.batch_in_tokens
-                else f"batch.global_batch_size={global_batch}"
-            )
-        return sets
+        return self.batch.sets(world, "the hosts that answer", "Bring the lost hosts back and run the same command")
 
     def _said_batch(self, world: int) -> str:
-        micro, global_batch = self._batch(world)
-        if global_batch != self.global_batch:
-            return (
-                f", {global_batch} sequences per step instead of {self.global_batch}: the nearest that "
-                f"{world // self.sequence_parallel} data-parallel ranks split"
-            )
-        if micro != self.micro_batch:
-            return f", micro-batch {micro} instead of {self.micro_batch}, the same {global_batch} sequences per step"
-        return f", the same {global_batch} sequences per step"
+        return self.batch.said(world)
 
     def _cmd_for(self, answering: list[tuple[str, int]]) -> list[str]:
         if len(answering) == len(self.hosts):
@@ -189,24 +217,27 @@ class Survivors:
         return prepared
 
     def _record(self, names: list[str], lost: list[tuple[str, str]], world: int) -> None:
-        """The change of hosts in the run's launch log and metrics.jsonl (a record with no step: a resume keeps
-        it)."""
-        from pipeline.train.checkpoint.files import latest_complete, read_marker
+        record_hosts(self.run_dir, names, {h: why for h, why in lost}, world)
 
-        tag = latest_complete(self.run_dir)
-        record = {
-            "event": "hosts",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "hosts": names,
-            "lost": {h: why for h, why in lost},
-            "world_size": world,
-            "from_step": int(read_marker(self.run_dir, tag)["step"]) if tag else 0,
-        }
-        line = json.dumps(record) + "\n"
-        for path in (self.run_dir / "metrics.jsonl", self.run_dir / "logs" / "launch.log"):
-            if path.parent.is_dir():
-                with open(path, "a") as f:
-                    f.write(line)
+
+def record_hosts(run_dir: Path, names: list[str], lost: dict[str, str], world: int) -> None:
+    """A change of hosts in the run's launch log and metrics.jsonl (a record with no step: a resume keeps it)."""
+    from pipeline.train.checkpoint.files import latest_complete, read_marker
+
+    tag = latest_complete(run_dir)
+    record = {
+        "event": "hosts",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "hosts": names,
+        "lost": lost,
+        "world_size": world,
+        "from_step": int(read_marker(run_dir, tag)["step"]) if tag else 0,
+    }
+    line = json.dumps(record) + "\n"
+    for path in (run_dir / "metrics.jsonl", run_dir / "logs" / "launch.log"):
+        if path.parent.is_dir():
+            with open(path, "a") as f:
+                f.write(line)
 
 
 def _plan_fits(config: str, sets: list[str], hostfile: str) -> tuple[bool, str]:

@@ -53,7 +53,13 @@ def pretrain(
         raise PipelineError(problem)
     if scheduled.from_env:
         return pretrain_from_env(
-            config_path, sets, where.num_gpus, nodes=scheduled.nodes, dry_run=dry_run, skip_doctor=skip_doctor
+            config_path,
+            sets,
+            where.num_gpus,
+            nodes=scheduled.nodes,
+            min_nodes=min_nodes,
+            dry_run=dry_run,
+            skip_doctor=skip_doctor,
         )
     if scheduled.sbatch:
         return write_job_script(config_path, sets, where.num_gpus, scheduled, min_nodes)
@@ -119,14 +125,23 @@ def pretrain(
 
 
 def pretrain_from_env(
-    config_path: str, sets: list[str], num_gpus: int | None, *, nodes: int | None, dry_run: bool, skip_doctor: bool
+    config_path: str,
+    sets: list[str],
+    num_gpus: int | None,
+    *,
+    nodes: int | None,
+    min_nodes: int | None,
+    dry_run: bool,
+    skip_doctor: bool,
 ) -> int:
     """`pipeline pretrain --from-env`, run by a scheduler on every node alike (pipeline.launch.scheduler): the world
     from the environment; the first node makes the launch's checks and says in the run folder that they passed,
     the others wait for that word (which proves the folder is shared); then each node starts DeepSpeed's launcher
     for its own ranks. A relaunch is the scheduler's (`sbatch --requeue`): the run resumes from its latest complete
-    checkpoint, on whatever nodes the job was given."""
+    checkpoint, on whatever nodes the job was given. `nodes`: the nodes the run was planned for; with `min_nodes`
+    it goes on with as few, with the same global batch (pipeline.launch.shrink.KeptBatch), else refuses fewer."""
     from pipeline.launch.scheduler import Handshake, from_environment, node_command
+    from pipeline.launch.shrink import KeptBatch, record_hosts
     from pipeline.train.main import describe
     from pipeline.train.preflight import before_launch
     from pipeline.train.runtime.dist import accelerator_name, visible_gpus
@@ -136,13 +151,34 @@ def pretrain_from_env(
     cfg = load(config_path, sets)
     world = from_environment(os.environ, num_gpus, visible_gpus() if accelerator_name() == "cuda" else 0)
     click.echo(f"launched by a scheduler: {world.describe()}", err=True)
-    if nodes is not None and nodes != world.nnodes:
+    planned, fewest = nodes or world.nnodes, min_nodes or nodes or world.nnodes
+    if not fewest <= world.nnodes <= planned:
+        asked = f"--min-nodes {fewest}" if world.nnodes < fewest and min_nodes else f"--nodes {planned}"
         raise PipelineError(
-            f"--nodes {nodes}, but {world.source} has {world.nnodes} node(s) ({', '.join(world.hosts)}): ask the "
-            f"scheduler for {nodes}, or give --nodes {world.nnodes} (the run resumes on another world size through "
-            "the universal checkpoint)"
+            f"{world.source} has {world.nnodes} node(s) ({', '.join(world.hosts)}), and the run asks {asked}: "
+            f"ask the scheduler for {planned} (`#SBATCH --nodes`), or give --nodes {world.nnodes} to run on these "
+            "(a resume converts the checkpoint to the new world size)"
         )
     Where(num_gpus=world.per_node).check_local_gpus()
+    sets = list(sets)
+    if world.nnodes < planned:  # a job started or requeued on fewer nodes: the run's batch kept
+        whole = prepare(cfg, planned * world.per_node, world.per_node).plan
+        kept = KeptBatch(
+            global_batch=whole.global_batch_size,
+            micro_batch=whole.micro_batch_size,
+            sequence_parallel=whole.sequence_parallel,
+            seq_len=whole.seq_len,
+            in_tokens=cfg.batch.global_batch_tokens is not None,
+        )
+        fix = f"Ask the scheduler for {planned} nodes"
+        sets += kept.sets(world.world_size, f"the {world.nnodes} node(s) of {world.source}", fix)
+        cfg = load(config_path, sets)
+        click.echo(
+            f"{world.source} has {world.nnodes} of the {planned} nodes the run was planned for (--min-nodes "
+            f"{fewest}): going on with {world.world_size} ranks{kept.said(world.world_size)}, from the latest "
+            "complete checkpoint",
+            err=True,
+        )
     prepared = prepare(cfg, world.world_size, world.per_node)
     handshake = Handshake(Path(cfg.run_dir), world)
     if world.node_rank == 0:
@@ -159,6 +195,8 @@ def pretrain_from_env(
         click.echo(describe(prepared))
         return 0
     if world.node_rank == 0:
+        if world.nnodes < planned:
+            record_hosts(Path(cfg.run_dir), list(world.hosts), {}, world.world_size)
         handshake.say(True)
     else:
         handshake.wait(lambda line: click.echo(line, err=True))

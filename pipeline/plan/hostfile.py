@@ -1,8 +1,10 @@
 """DeepSpeed hostfiles (`HOST slots=N` lines) and this project's `# cluster: key=value ...` line in them, which
-says what each node has (see hostfiles/). Read by the planner, the launcher and the doctor."""
+says what each node has (see hostfiles/); and Slurm's compressed host lists (`node[01-08]`), the other way nodes
+are named. Read by the planner, the launcher and the doctor."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -78,3 +80,48 @@ def hostfile_facts(path: str) -> dict[str, str]:
                     parse_packages(value, f"{path}:{n}: packages=")
                 facts[key] = value
     return facts
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed host list, expanded in order: `node[01-03,7],gpu-a[1-2]-x` -> node01 node02 node03 node7
+    gpu-a1-x gpu-a2-x (zero padding kept; several bracket groups in one name give their product)."""
+    names: list[str] = []
+    for item in _split_top(text.strip()):
+        parts = re.split(r"(\[[^\]]*\])", item)
+        choices: list[list[str]] = []
+        for part in parts:
+            if part.startswith("["):
+                choices.append(_range_values(part[1:-1], text))
+            elif part:
+                choices.append([part])
+        names += ["".join(p) for p in itertools.product(*choices)]
+    if not names:
+        raise PipelineError(f"the node list {text!r} names no node")
+    return names
+
+
+def _split_top(text: str) -> list[str]:
+    """Split at the commas outside brackets."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise PipelineError(f"the node list {text!r} has an unclosed '['")
+    return [x for x in [*out, cur] if x]
+
+
+def _range_values(spec: str, text: str) -> list[str]:
+    values = []
+    for piece in spec.split(","):
+        lo, _, hi = piece.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise PipelineError(f"the node list {text!r}: [{spec}] is not a list of numbers and ranges")
+        width = len(lo)
+        values += [str(n).zfill(width) for n in range(int(lo), int(hi or lo) + 1)]
+    return values

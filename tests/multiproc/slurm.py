@@ -72,11 +72,11 @@ SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
-SlurmdTimeout=30
+SlurmdTimeout=10
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-KillWait=60
+KillWait=10
 {node_lines}PartitionName=debug Nodes={",".join(names)} Default=YES MaxTime=INFINITE State=UP
 """
     )
@@ -90,16 +90,43 @@ KillWait=60
         _wait(lambda: sock.exists(), 20, "munged did not make its socket", work)
         procs.append(_daemon([_sbin("slurmctld"), "-D", "-f", str(conf)], env))
         _wait(lambda: _ok(["scontrol", "ping"], env), 30, "slurmctld did not answer", work)
-        for n in names:
-            procs.append(_daemon([_sbin("slurmd"), "-D", "-f", str(conf), "-N", n], env))
+        slurmds = {n: _daemon([_sbin("slurmd"), "-D", "-f", str(conf), "-N", n], env) for n in names}
+        procs += slurmds.values()
         _wait(lambda: _idle(env) >= nodes, 60, f"the {nodes} slurmd did not come up idle", work)
     except BaseException:
         _stop(procs, env)
         raise
     try:
-        yield {"env": env, "conf": conf, "work": work, "nodes": names}
+        yield {"env": env, "conf": conf, "work": work, "nodes": names, "slurmd": slurmds, "procs": procs}
     finally:
         _stop(procs, env)
+
+
+def lose_node(cluster: dict, name: str) -> list[int]:
+    """Node `name` lost as a power loss loses it: its slurmd and every process of a job on it (its tasks carry
+    SLURMD_NODENAME=name; their slurmstepd is their parent) SIGKILLed. Returns the pids killed."""
+    import psutil
+
+    cluster["slurmd"][name].kill()
+    victims: set[int] = {cluster["slurmd"][name].pid}
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if f"SLURMD_NODENAME={name}".encode() in Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0"):
+                victims.add(p.pid)
+                if "slurmstepd" in p.parent().name():
+                    victims.add(p.parent().pid)
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return sorted(victims)
+
+
+def restart_node(cluster: dict, name: str) -> None:
+    """Start node `name`'s slurmd again (ReturnToService=2: it comes back idle when it registers)."""
+    daemon = _daemon([_sbin("slurmd"), "-D", "-f", str(cluster["conf"]), "-N", name], cluster["env"])
+    cluster["slurmd"][name] = daemon
+    cluster["procs"].append(daemon)
+    _wait(lambda: _idle(cluster["env"]) >= len(cluster["nodes"]), 90, f"{name} did not come back idle", cluster["work"])
 
 
 def _daemon(cmd: list[str | None], env: dict[str, str]) -> subprocess.Popen:

@@ -16,7 +16,7 @@ import pytest
 from pipeline.train.checkpoint import files as ckpt
 from tests.multiproc import launch, netns, slurm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("scheduler")]  # one Slurm cluster, one reference
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = str(Path(sys.executable).parent / "pipeline")
 KW = dict(ds_config="zero2.json", micro=1, global_batch=4, steps=16, ckpt_interval=8)
@@ -123,6 +123,64 @@ def test_near_the_time_limit_a_requeue_job_saves_requeues_itself_and_resumes(
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", said[-5000:]
     assert "requeueing job" in said and "requeued 1x" in said
     _same(run_dir, reference)
+
+
+def test_a_node_lost_mid_run_requeues_the_job_onto_the_node_left_and_the_run_goes_on(
+    cluster: dict, shards: Path, reference: dict[int, float]
+) -> None:
+    """A job written with `--requeue --min-nodes 1` (`#SBATCH --nodes=1-2`): node2 is lost mid-run (its slurmd and
+    every process of the job on it killed). Slurm marks it down and requeues the job; the job starts on node1
+    alone, says so, resumes the checkpoint of 2 ranks on 1 through the universal checkpoint with the same 4
+    sequences per step, and every loss equals the one-machine launch's."""
+    work, env = cluster["work"], cluster["env"]
+    run_dir = work / "shrunk"
+    cfg = launch.write_config(work / "s.yaml", run_dir=run_dir, shards=shards, **KW)  # type: ignore[arg-type]
+    script = _job_script(cluster, cfg, "shrink", "--requeue", "--min-nodes", "1")
+    assert "#SBATCH --nodes=1-2" in script.read_text()
+    # Each micro-step 0.3 s longer: node2 is lost between the checkpoint of step 8 and the end (losses unchanged).
+    job_id = slurm.submit(script, env | {"PIPELINE_FAULT_SLOW_MICRO_STEP": "0.3"})
+    try:
+        _wait_step(run_dir, 9, cluster, job_id)
+        assert ckpt.latest_complete(run_dir) == "step00000008"
+        assert len(slurm.lose_node(cluster, "node2")) > 1, "no process of the job found on node2"
+        t0 = time.time()
+        while slurm.job(job_id, env).get("Restarts") != "1" and time.time() - t0 < 300:
+            time.sleep(0.3)
+        fields = slurm.wait_job(job_id, env, ("COMPLETED", "FAILED", "CANCELLED"))
+    finally:
+        slurm.restart_node(cluster, "node2")
+    said = _output(script, job_id)
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", said[-5000:]
+    assert "has 1 of the 2 nodes the run was planned for (--min-nodes 1): going on with 1 ranks, the same 4" in said
+    assert "saved by 2 ranks, now 1: through the universal checkpoint" in said
+    assert ckpt.read_marker(run_dir, "step00000016")["world_size"] == 1
+    _same(run_dir, reference)
+
+
+def test_the_doctor_checks_the_nodes_of_a_slurm_allocation_through_srun(cluster: dict, shards: Path) -> None:
+    """`pipeline doctor --slurm --config C --json` as a line of a 2-node job script: both nodes reached as job
+    steps (no ssh, no pdsh check), their checks run there, and an all-reduce measured between them."""
+    import json
+
+    work, env = cluster["work"], cluster["env"]
+    cfg = launch.write_config(work / "d.yaml", run_dir=work / "doctor_run", shards=shards, **KW)  # type: ignore[arg-type]
+    result = work / "doctor.json"
+    script = work / "doctor.sh"
+    script.write_text(
+        f"#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --exclusive\n#SBATCH --output={work}/doctor-%j.out\n"
+        f"cd {ROOT}\n{PIPELINE} doctor --slurm --config {cfg} --json --timeout 120 > {result}\necho doctor exit $?\n"
+    )
+    job_id = slurm.submit(script, env)
+    slurm.wait_job(job_id, env, ("COMPLETED", "FAILED", "CANCELLED"))
+    said = (work / f"doctor-{job_id}.out").read_text()
+    reports = {r["host"]: {c["name"]: c for c in r["checks"]} for r in json.loads(result.read_text())}
+    assert set(reports) == {"launcher (this machine)", "node1", "node2"}, said
+    assert "pdsh" not in reports["launcher (this machine)"]
+    for node in ("node1", "node2"):
+        assert reports[node]["srun"]["status"] == "PASS", reports[node]
+        assert reports[node]["versions"]["status"] == "PASS", reports[node]["versions"]
+    reduce = reports["node1"]["all-reduce"]
+    assert reduce["status"] == "PASS" and "over 2 hosts, 2 ranks" in reduce["detail"], reduce
 
 
 def test_two_nodes_started_by_hand_without_ssh_train_as_one_machine_does(

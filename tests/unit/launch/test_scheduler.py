@@ -1,5 +1,5 @@
 """pipeline.launch.scheduler: the world a scheduler's variables describe (Slurm under srun, torchrun's, a JobSet's,
-SkyPilot's), each inconsistency refused in one line naming the variable and the fix; Slurm's host lists; the first
+SkyPilot's), each inconsistency refused in one line naming the variable and the fix; the first
 node's word to the others in the run folder; the Slurm job script `pipeline pretrain --sbatch` writes."""
 
 from __future__ import annotations
@@ -12,23 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.launch.scheduler import Handshake, Scheduled, expand_hostlist, from_environment, job_script, node_command
-
-
-def test_slurm_host_lists_expand_in_order_with_their_padding() -> None:
-    assert expand_hostlist("node[01-03,7],gpu-a[1-2]-x") == [
-        "node01",
-        "node02",
-        "node03",
-        "node7",
-        "gpu-a1-x",
-        "gpu-a2-x",
-    ]
-    assert expand_hostlist("rack[1-2]-n[1-2]") == ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]
-    assert expand_hostlist("solo") == ["solo"]
-    for bad, said in (("node[1-", "unclosed"), ("node[a-b]", "not a list of numbers"), ("", "names no node")):
-        with pytest.raises(PipelineError, match=said):
-            expand_hostlist(bad)
+from pipeline.launch.scheduler import Handshake, Scheduled, from_environment, job_script, node_command
 
 
 def _step(**more: str) -> dict[str, str]:
@@ -110,6 +94,8 @@ def test_torchrun_jobset_and_skypilot_variables_give_the_same_world() -> None:
         (Scheduled(from_env=True, sbatch="j.sh"), None, 0, None, "give one of them"),
         (Scheduled(from_env=True), "hostfiles/8node", 0, None, "need none: drop it"),
         (Scheduled(from_env=True), None, 3, None, "the relaunch is the scheduler's"),
+        (Scheduled(sbatch="j.sh", nodes=2), None, 3, None, "drop --max-restarts and use the job script's --requeue"),
+        (Scheduled(from_env=True), None, 0, 2, "--min-nodes with --from-env needs --nodes N"),
         (Scheduled(sbatch="j.sh"), None, 0, None, "--sbatch needs --nodes N"),
         (Scheduled(sbatch="j.sh", nodes=2), None, 0, 3, "--min-nodes 3 is more than --nodes 2"),
         (Scheduled(requeue=True, time_limit="1:00"), None, 0, None, "--time, --requeue only go(es) with --sbatch"),
@@ -126,6 +112,7 @@ def test_plain_and_scheduler_options_that_go_together_pass() -> None:
     assert Scheduled().problem("hostfiles/8node", 3, 7) is None
     assert Scheduled(sbatch="j.sh", nodes=8, requeue=True, time_limit="2-00:00:00").problem(None, 0, 6) is None
     assert Scheduled(from_env=True, nodes=2).problem(None, 0, None) is None
+    assert Scheduled(from_env=True, nodes=8).problem(None, 0, 6) is None
 
 
 def test_the_first_nodes_word_reaches_the_others_and_a_refusal_or_silence_is_one_line(tmp_path: Path) -> None:
@@ -166,7 +153,6 @@ def test_the_job_script_asks_for_the_nodes_and_runs_one_from_env_task_per_node(t
     )
     for line in (
         "#SBATCH --nodes=6-8",
-        "#SBATCH --ntasks-per-node=1",
         "#SBATCH --gpus-per-node=1",
         "#SBATCH --time=2-00:00:00",
         "#SBATCH --partition=gpu",
@@ -177,9 +163,10 @@ def test_the_job_script_asks_for_the_nodes_and_runs_one_from_env_task_per_node(t
         assert line in text.splitlines(), line
     assert (
         "srun --ntasks-per-node=1 --kill-on-bad-exit=0 /venv/bin/pipeline pretrain --from-env --config "
-        "configs/70b_8node.yaml --set train.max_steps=100 --num-gpus 1 &" in text
+        "configs/70b_8node.yaml --set train.max_steps=100 --nodes 8 --min-nodes 6 --num-gpus 1 &" in text
     )
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert "#SBATCH --ntasks-per-node" not in text  # with it Slurm starts a 6-8 node job on 6
     script = tmp_path / "job.sh"
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
@@ -199,3 +186,63 @@ def test_the_job_script_asks_for_the_nodes_and_runs_one_from_env_task_per_node(t
     )
     assert "#SBATCH --nodes=2" in plain and "--gpus-per-node" not in plain and "scontrol requeue" not in plain
     assert "#SBATCH --no-requeue" in plain
+
+
+def test_an_allocation_unlike_the_run_is_one_line_before_anything_starts(shards: Path, tmp_path: Path) -> None:
+    """`pipeline pretrain --from-env` on a job with fewer nodes than the run asks for, and `--sbatch` for a node
+    count the config's batch cannot be split over: exit 2, one line naming the fix, no run folder, no script."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+    from tests.multiproc import launch
+
+    run_dir = tmp_path / "run"
+    cfg = launch.write_config(tmp_path / "c.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", micro=1)
+    env = {"NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu"}
+    out = CliRunner().invoke(main, ["pretrain", "--from-env", "--nodes", "2", "--config", str(cfg)], env=env)
+    lines = [x for x in out.output.splitlines() if x.startswith("error:")]
+    assert out.exit_code == 2 and len(lines) == 1, out.output
+    assert "NNODES/NODE_RANK/MASTER_ADDR has 1 node(s) (node0), and the run asks --nodes 2" in lines[0]
+    assert "ask the scheduler for 2" in lines[0] and not run_dir.exists()
+    # 8 sequences per step on 3 nodes: no micro-batch splits them
+    script = tmp_path / "job.sh"
+    out = CliRunner().invoke(main, ["pretrain", "--config", str(cfg), "--sbatch", str(script), "--nodes", "3"])
+    assert out.exit_code == 2 and "on 3 node(s) x 1 rank(s):" in out.output and not script.exists(), out.output
+    out = CliRunner().invoke(
+        main, ["pretrain", "--config", str(cfg), "--sbatch", str(script), "--nodes", "2", "--time", "1:00:00"]
+    )
+    assert out.exit_code == 0 and f"submit it with: sbatch {script}" in out.output, out.output
+    assert "#SBATCH --time=1:00:00" in script.read_text() and "no --num-gpus: the job asks for no GPUs" in out.output
+
+
+def _doc_block(after: str) -> dict:
+    """The first ```yaml block after the line starting with `after` in docs/multinode.md, parsed."""
+    import yaml
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "multinode.md").read_text()
+    block = text[text.index(after) :].split("```yaml\n", 1)[1].split("```", 1)[0]
+    return yaml.safe_load(block)
+
+
+def test_the_kubernetes_and_skypilot_examples_give_each_node_its_place() -> None:
+    """docs/multinode.md's JobSet and SkyPilot task, parsed: what each sets on its second node is read by
+    `--from-env` as node 1 of the nodes asked for, the rendezvous at the first pod's DNS name."""
+    jobset = _doc_block("**Kubernetes**")
+    assert jobset["kind"] == "JobSet" and jobset["spec"]["network"]["enableDNSHostnames"] is True
+    rjob = jobset["spec"]["replicatedJobs"][0]
+    job = rjob["template"]["spec"]
+    assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"]
+    container = job["template"]["spec"]["containers"][0]
+    assert container["command"][:3] == ["pipeline", "pretrain", "--from-env"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    name = jobset["metadata"]["name"]
+    assert env["MASTER_ADDR"] == f"{name}-{rjob['name']}-0-0.{name}"  # JobSet's pod hostname and subdomain
+    world = from_environment(env | {"JOB_COMPLETION_INDEX": "1"}, None, 1)
+    assert (world.nnodes, world.node_rank, world.per_node) == (job["parallelism"], 1, 1)
+    sky = _doc_block("**SkyPilot**")
+    assert "--from-env" in sky["run"]
+    ips = "\n".join(f"10.0.0.{i}" for i in range(sky["num_nodes"]))
+    world = from_environment(
+        {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": ips, "SKYPILOT_NUM_GPUS_PER_NODE": "1"}, None, 0
+    )
+    assert (world.nnodes, world.node_rank, world.master_addr, world.per_node) == (sky["num_nodes"], 1, "10.0.0.0", 1)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
+from pipeline.errors import PipelineError
+from pipeline.plan.hostfile import expand_hostlist
 
 
 def test_reference_hostfiles_carry_their_clusters() -> None:
@@ -30,3 +33,19 @@ def test_reference_hostfiles_carry_their_clusters() -> None:
     b = CliRunner().invoke(main, ["plan", "--model", "70b", "--nodes", "8", "--gpus-per-node", "1", *flags, "--json"])
     assert json.loads(a)["best"]["label"] == json.loads(b.output)["best"]["label"]
     assert json.loads(a)["best"]["label"].startswith("ZeRO-3 + cpu offload (opt, params) + ckpt (offloaded), micro")
+
+
+def test_slurm_host_lists_expand_in_order_with_their_padding() -> None:
+    assert expand_hostlist("node[01-03,7],gpu-a[1-2]-x") == [
+        "node01",
+        "node02",
+        "node03",
+        "node7",
+        "gpu-a1-x",
+        "gpu-a2-x",
+    ]
+    assert expand_hostlist("rack[1-2]-n[1-2]") == ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]
+    assert expand_hostlist("solo") == ["solo"]
+    for bad, said in (("node[1-", "unclosed"), ("node[a-b]", "not a list of numbers"), ("", "names no node")):
+        with pytest.raises(PipelineError, match=said):
+            expand_hostlist(bad)
