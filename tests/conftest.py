@@ -49,6 +49,28 @@ def shards(tokenized: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def two_sources(tokenized: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shards of a blend of two sources, `first` (the corpus's first half) and `second` (its other half), with
+    the fixture tokenizer, 32-token samples, train/val/test 80/10/10."""
+    from pipeline.data.config import ShardConfig
+
+    work = tmp_path_factory.mktemp("two_sources")
+    lines = CORPUS.read_text().splitlines(keepends=True)
+    half = len(lines) // 2
+    for name, part in (("first", lines[:half]), ("second", lines[half:])):
+        (work / f"{name}.jsonl").write_text("".join(part))
+        tokenize_with(work / name, [str(work / f"{name}.jsonl")], Path(f"{tokenized}.tokenizer.model"))
+    out = work / "blend"
+    srcs = ((str(work / "first"), 0.5), (str(work / "second"), 0.5))
+    shard_stage.run(
+        ShardConfig(
+            sources=srcs, output=str(out), seq_len=32, split=(80.0, 10.0, 10.0), weights_given=True, progress=False
+        )
+    )
+    return out
+
+
 def tokenize_with(prefix: Path, inputs: list[str], tokenizer: Path, **kw: Any) -> Any:
     """`pipeline tokenize` of `inputs` into `prefix` with an existing tokenizer, quietly."""
     from pipeline.data import tokenize as tokenizing

@@ -38,6 +38,7 @@ class ShardedDataset:
         self._files = self.manifest["splits"][split]["shards"]
         self._rows: list[np.ndarray] = []
         self._lens: list[np.ndarray | None] = []
+        self._src: list[np.ndarray | None] = []
         self._starts: list[int] = []
         total = 0
         for f in self._files:
@@ -59,6 +60,10 @@ class ShardedDataset:
             lens = f.get("lengths_file")
             self._lens.append(
                 np.memmap(self.path / lens, np.int32, "r", shape=(f["samples"],)) if lens and f["samples"] else None
+            )
+            src = f.get("sources_file")
+            self._src.append(
+                np.memmap(self.path / src, np.uint16, "r", shape=(f["samples"],)) if src and f["samples"] else None
             )
         self._n = total
         self.has_loss_mask = not self.manifest["cross_document"]
@@ -92,12 +97,37 @@ class ShardedDataset:
         valid = int(lens[j]) if lens is not None else self.width
         return np.arange(self.width) < valid
 
+    @property
+    def source_names(self) -> list[str]:
+        """The names of the split's sources, by index: each `pipeline shard` input's file name (its whole prefix
+        where two share a name)."""
+        prefixes = [str(s["prefix"]) for s in self.manifest["splits"][self.split].get("sources", [])]
+        names = [Path(p).name for p in prefixes]
+        return prefixes if len(set(names)) < len(names) else names
+
+    def sources_of(self, ids: list[int]) -> np.ndarray | None:
+        """The source index of each sample of `ids` (None for shards written before samples recorded theirs, unless
+        the shards have one source)."""
+        out = np.empty(len(ids), np.int64)
+        for n, i in enumerate(ids):
+            k, j = self._locate(i)
+            src = self._src[k]
+            if src is None:
+                if len(self.source_names) != 1:
+                    return None
+                out[n] = 0
+            else:
+                out[n] = int(src[j])
+        return out
+
     def verify(self) -> None:
         """Checksums of every shard against the manifest (reads all bytes; sizes are checked at open)."""
         for f in self._files:
             checks = [(f["file"], f["sha256"])]
             if "lengths_file" in f:
                 checks.append((f["lengths_file"], f["lengths_sha256"]))
+            if "sources_file" in f:
+                checks.append((f["sources_file"], f["sources_sha256"]))
             for name, expected in checks:
                 if sha256_file(self.path / name) != expected:
                     raise PipelineError(

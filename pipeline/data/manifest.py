@@ -38,6 +38,9 @@ class ShardFile(TypedDict, total=False):
     sha256: str
     lengths_file: str
     lengths_sha256: str
+    sources_file: str
+    """Each sample's source (the index of its `pipeline shard` input) as uint16; absent before 2026-12-08."""
+    sources_sha256: str
 
 
 class SplitInfo(TypedDict, total=False):

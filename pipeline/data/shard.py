@@ -385,11 +385,18 @@ def _write_split(
 def _write_shard(
     cfg: ShardConfig, stem: Path, packed: list[Packed], src_ids: np.ndarray, row_ids: np.ndarray, dtype: np.dtype
 ) -> dict[str, Any]:
-    """One shard file STEM.bin (and its valid lengths, STEM.len, where samples are padded): the rows named by
-    (packed group, row) in order, gathered a block at a time; returns its manifest entry."""
+    """One shard file STEM.bin (and its valid lengths, STEM.len, where samples are padded; each sample's source,
+    the index of its `pipeline shard` input, in STEM.src as uint16): the rows named by (packed group, row) in
+    order, gathered a block at a time; returns its manifest entry."""
     width = cfg.seq_len + 1
     name = stem.name
-    with open(stem.with_name(f"{name}.bin"), "wb") as fb, open(stem.with_name(f"{name}.len"), "wb") as fl:
+    sources = np.array([p.source for p in packed], np.uint16)
+    with (
+        open(stem.with_name(f"{name}.bin"), "wb") as fb,
+        open(stem.with_name(f"{name}.len"), "wb") as fl,
+        open(stem.with_name(f"{name}.src"), "wb") as fs,
+    ):
+        fs.write(sources[src_ids].tobytes())
         for c in range(0, len(src_ids), _GATHER_ROWS):
             s_ids, r_ids = src_ids[c : c + _GATHER_ROWS], row_ids[c : c + _GATHER_ROWS]
             block = np.empty((len(s_ids), width), dtype)
@@ -407,6 +414,8 @@ def _write_shard(
         "samples": len(src_ids),
         "bytes": len(src_ids) * width * dtype.itemsize,
         "sha256": sha256_file(stem.with_name(f"{name}.bin")),
+        "sources_file": f"{name}.src",
+        "sources_sha256": sha256_file(stem.with_name(f"{name}.src")),
     }
     if cfg.cross_document:
         stem.with_name(f"{name}.len").unlink()

@@ -31,8 +31,9 @@ def perplexity(
     rank: int = 0,
     world_size: int = 1,
 ) -> dict[str, Any]:
-    """Loss (nats/token), perplexity and bits per byte over the split's samples in order; bytes are those of
-    the decoded label tokens, so the figure is comparable across tokenizers. The loss comes from the model's
+    """Loss (nats/token), perplexity and bits per byte over the split's samples in order, in total and by source
+    (each `pipeline shard` input: a blend's component, a domain); bytes are those of the decoded label tokens, so
+    the figure is comparable across tokenizers. The loss comes from the model's
     chunked per-token path, so no full (B, T, V) fp32 logits are built.
 
     Across ranks (ZeRO-3, `world_size` > 1) rank r takes batches r, r + W, ...; every rank runs the same number
@@ -43,7 +44,10 @@ def perplexity(
     batches = math.ceil(n / batch_size) if max_batches is None else min(max_batches, math.ceil(n / batch_size))
     seq_len = int(dataset.manifest["seq_len"])
     edges = position_buckets(seq_len)
-    sums = [0.0, 0.0, 0.0] + [0.0] * (2 * (len(edges) - 1))  # nats, tokens, bytes; nats and tokens per bucket
+    names = dataset.source_names if n and dataset.sources_of([0]) is not None else []
+    by_source = 3 + 2 * (len(edges) - 1)  # where the nats, tokens and bytes of each source start
+    # nats, tokens, bytes; nats and tokens per bucket; nats, tokens and bytes per source
+    sums = [0.0, 0.0, 0.0] + [0.0] * (2 * (len(edges) - 1)) + [0.0] * (3 * len(names))
     for round_start in range(0, batches, world_size):
         b = round_start + rank
         mine = b < batches
@@ -67,8 +71,16 @@ def perplexity(
         for k, (lo, hi) in enumerate(itertools.pairwise(edges)):
             sums[3 + 2 * k] += float(per_position[lo:hi].sum())
             sums[4 + 2 * k] += int(counted[lo:hi].sum())
-        for row in labels.tolist():
-            sums[2] += len(tokenizer.decode([t for t in row if t >= 0]).encode("utf-8"))
+        row_bytes = [len(tokenizer.decode([t for t in row if t >= 0]).encode("utf-8")) for row in labels.tolist()]
+        sums[2] += sum(row_bytes)
+        if names and (of := dataset.sources_of(ids)) is not None:
+            row_nats = losses.detach().double().cpu().reshape(labels.shape).sum(dim=1).tolist()
+            row_tokens = (labels != -100).sum(dim=1).tolist()
+            for src, nats, count, nbytes in zip(of.tolist(), row_nats, row_tokens, row_bytes, strict=True):
+                at = by_source + 3 * src
+                sums[at] += nats
+                sums[at + 1] += count
+                sums[at + 2] += nbytes
     if world_size > 1:
         import torch.distributed as dist
 
@@ -88,6 +100,20 @@ def perplexity(
             {"from": lo, "to": hi, "loss": sums[3 + 2 * k] / max(sums[4 + 2 * k], 1), "tokens": int(sums[4 + 2 * k])}
             for k, (lo, hi) in enumerate(itertools.pairwise(edges))
         ],
+        "by_source": [_figures(name, *sums[by_source + 3 * k : by_source + 3 * k + 3]) for k, name in enumerate(names)],
+    }
+
+
+def _figures(source: str, nats: float, tokens: float, nbytes: float) -> dict[str, Any]:
+    """One source's loss, perplexity and bits per byte, with the tokens and bytes they are over."""
+    loss = nats / max(tokens, 1)
+    return {
+        "source": source,
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "bits_per_byte": nats / math.log(2) / max(nbytes, 1),
+        "tokens": int(tokens),
+        "bytes": int(nbytes),
     }
 
 
@@ -235,6 +261,17 @@ def table(result: dict[str, Any]) -> str:
             (
                 "loss by position",
                 "  ".join(f"{_tokens(b['from'])}-{_tokens(b['to'])}: {b['loss']:.3f}" for b in buckets),
+            )
+        )
+    sources = result.get("by_source") or []
+    if len(sources) > 1:
+        rows.append(
+            (
+                "by source",
+                "  ".join(
+                    f"{b['source']}: {b['loss']:.4f} ({b['bits_per_byte']:.3f} bpb, {b['tokens']:,} tok)"
+                    for b in sources
+                ),
             )
         )
     width = max(len(k) for k, _ in rows)

@@ -48,6 +48,16 @@ def micro_step_loss(
     """Forward one micro-batch through the engine with the model's chunked loss (no full logits): (the loss to
     backpropagate, this rank's summed token loss, its token count, the micro-batch's token count). Under sequence
     parallelism this rank forwards its share of the tokens (`sequence`), and the counts differ."""
+    per_token, labels, sample_tokens = forward_token_losses(engine, batch, device, sequence)
+    return (*reduce_token_losses(per_token, labels, sample_tokens), sample_tokens)
+
+
+def forward_token_losses(
+    engine: Any, batch: dict[str, torch.Tensor], device: torch.device, sequence: SequenceShard | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Forward one micro-batch (this rank's share of its tokens under sequence parallelism): (the per-token
+    losses, 0 where labels are -100, or a fused loss's 0-dim sum; the labels they are over, on the host; the
+    micro-batch's token count)."""
     sample_tokens = int((batch["labels"] != -100).sum())
     mine = sequence.shard(batch) if sequence is not None else batch
     labels = mine["labels"]
@@ -57,7 +67,7 @@ def micro_step_loss(
         loss_labels=labels.to(device, non_blocking=True),
         **extra,
     )
-    return (*reduce_token_losses(per_token, labels, sample_tokens), sample_tokens)
+    return per_token, labels, sample_tokens
 
 
 def train_step(

@@ -374,3 +374,21 @@ def test_bf16_runs_accumulate_gradients_in_fp32_train_resume_and_evaluate(
         EvalConfig(checkpoint=str(run_dir), max_batches=2, max_new_tokens=4, output=str(tmp_path / "e.json"))
     )
     assert res["tokens"] > 0 and res["loss"] < got[1]
+
+
+def test_validation_on_a_blend_logs_each_sources_loss(two_sources: Path, tmp_path: Path) -> None:
+    """On shards of two sources every validation also logs each source's loss over its own samples
+    (`val_loss/first`, `val_loss/second` in metrics.jsonl and TensorBoard, both on the log line); the total lies
+    between them, as a token-weighted mean does."""
+    run_dir = tmp_path / "run"
+    cfg = launch.write_config(
+        tmp_path / "c.yaml", run_dir=run_dir, shards=two_sources, ds_config="zero2.json", steps=4, ckpt_interval=100
+    )
+    out = launch.run(cfg, sets=("eval.interval=2", "eval.batches=3"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    val = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+    assert [v["step"] for v in val] == [2, 4]
+    for v in val:
+        first, second = v["val_loss/first"], v["val_loss/second"]
+        assert first != second and min(first, second) <= v["val_loss"] <= max(first, second), v
+    assert "val loss" in out.stdout + out.stderr and " | first " in out.stdout + out.stderr

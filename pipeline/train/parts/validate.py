@@ -1,5 +1,5 @@
 """Validation during training: the mean token loss over the first `eval.batches` micro-batches per rank of the
-val split, in a fixed order, every `eval.interval` steps and at the last."""
+val split, in a fixed order, every `eval.interval` steps and at the last; on a blend, each source's too."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from pipeline.data.loader import ShardedDataset, collate_samples, rank_batches
 from pipeline.train.parts.metrics import MetricsSink
-from pipeline.train.step import micro_step_loss
+from pipeline.train.step import forward_token_losses, reduce_token_losses
 
 if TYPE_CHECKING:
     from pipeline.train.setup.prepare import Run
@@ -46,28 +46,55 @@ class Validator:
             return
         if state.step % cfg.interval and state.step != self.max_steps:
             return
-        val_loss = validate(engine, self.val_data, self.run, self.progress)
+        val_loss, by_source = validate(engine, self.val_data, self.run, self.progress)
         if self.run.dist.rank == 0:
-            log.info("step %d | val loss %.4f | val ppl %.2f", state.step, val_loss, math.exp(min(val_loss, 50)))
-        self.sink.emit({"step": state.step, "val_loss": val_loss})
+            each = "".join(f" | {name} {loss:.4f}" for name, loss in by_source.items())
+            log.info(
+                "step %d | val loss %.4f | val ppl %.2f%s", state.step, val_loss, math.exp(min(val_loss, 50)), each
+            )
+        self.sink.emit(
+            {"step": state.step, "val_loss": val_loss, **{f"val_loss/{name}": v for name, v in by_source.items()}}
+        )
 
 
 @torch.no_grad()
-def validate(engine: Any, val_data: ShardedDataset, run: Run, progress: Callable[[], None] | None = None) -> float:
-    """Mean token loss over the first `eval.batches` micro-batches per rank of the val split (fixed order)."""
+def validate(
+    engine: Any, val_data: ShardedDataset, run: Run, progress: Callable[[], None] | None = None
+) -> tuple[float, dict[str, float]]:
+    """Mean token loss over the first `eval.batches` micro-batches per rank of the val split (fixed order), and
+    each source's over its samples among them where the val split holds several (not under a fused loss, which
+    returns only a sum: then {})."""
     import deepspeed.comm as dist
 
     device, plan = run.dist.device, run.plan
     engine.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    names = val_data.source_names if len(val_data) and val_data.sources_of([0]) is not None else []
+    names = names if len(names) > 1 else []
+    totals = torch.zeros(2 + 2 * len(names), dtype=torch.float64)
+    fused = False
     # a sequence-parallel group reads one replica's batches and each of its ranks forwards its share of the tokens
     it = rank_batches(len(val_data), run.cfg.train.seed, plan.micro_batch_size, plan.data_parallel_size, run.replica, 0)
     for _ in range(run.cfg.eval.batches):
-        _, loss_total, tokens, _ = micro_step_loss(engine, collate_samples(val_data, next(it)), device, run.sequence)
-        totals[0] += loss_total
-        totals[1] += tokens
+        ids = next(it)
+        per_token, labels, _ = forward_token_losses(engine, collate_samples(val_data, ids), device, run.sequence)
+        _, total, count = reduce_token_losses(per_token, labels)  # the sum in a fixed order: resumes log alike
+        totals[0] += float(total)
+        totals[1] += count
+        losses = per_token.detach().double().cpu()
+        fused = fused or losses.dim() == 0
+        if names and not fused:
+            rows = losses.reshape(labels.shape).sum(dim=1)
+            counts = (labels != -100).sum(dim=1).double()
+            of = torch.as_tensor(val_data.sources_of(ids))
+            totals[2::2].index_add_(0, of, rows)
+            totals[3::2].index_add_(0, of, counts)
         if progress is not None:
             progress()
+    totals = totals.to(device)
     dist.all_reduce(totals)
     engine.train()
-    return float(totals[0] / totals[1].clamp(min=1))
+    totals = totals.cpu()
+    mean = float(totals[0] / totals[1].clamp(min=1))
+    if fused or not names:
+        return mean, {}
+    return mean, {n: float(totals[2 + 2 * k] / totals[3 + 2 * k].clamp(min=1)) for k, n in enumerate(names)}

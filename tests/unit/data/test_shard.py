@@ -87,6 +87,43 @@ def test_blend_draws_in_proportion_and_repeats_small_sources(tokenized: Path, tm
     assert blend_counts([100, 10], None) == [100, 10]
 
 
+def test_each_sample_records_its_source_and_a_changed_record_is_refused(two_sources: Path) -> None:
+    """Every shard keeps each sample's source (the index of its `pipeline shard` input) beside it: in each split
+    as many samples of each source as the manifest says were drawn, each sample's tokens among its source's, and
+    a record altered after sharding fails the checksum."""
+    for split in ("train", "val", "test"):
+        ds = ShardedDataset(two_sources, split)
+        assert ds.source_names == ["first", "second"]
+        of = ds.sources_of(list(range(len(ds))))
+        assert of is not None
+        drawn = [s["drawn_samples"] for s in ds.manifest["splits"][split]["sources"]]
+        assert np.bincount(of, minlength=2).tolist() == drawn and min(drawn) > 0, (split, drawn)
+    # a sample's first tokens occur in its own source's tokens (the two halves of the corpus differ)
+    train = ShardedDataset(two_sources, "train")
+    readers = [IndexedReader(two_sources.parent / name) for name in ("first", "second")]
+    streams = [np.concatenate([r[i] for i in range(len(r))]).tobytes() for r in readers]
+    eos, checked = train.eos_id, 0
+    for i in range(len(train)):
+        row = train[i]
+        head = row[: int(np.argmax(row == eos)) if (row == eos).any() else len(row)]  # within one document
+        if len(head) < 8:
+            continue
+        src = int(train.sources_of([i])[0])  # type: ignore[index]
+        assert head.astype(readers[0].dtype).tobytes() in streams[src], i
+        checked += 1
+    assert checked > 20
+    shard = next(two_sources.glob("val-*.src"))
+    record = bytearray(shard.read_bytes())
+    record[0] ^= 1
+    shard.write_bytes(bytes(record))
+    try:
+        with pytest.raises(PipelineError, match=r"val-00000\.src: checksum differs from the manifest"):
+            ShardedDataset(two_sources, "val").verify()
+    finally:
+        record[0] ^= 1
+        shard.write_bytes(bytes(record))
+
+
 def test_a_split_without_validation_is_said(tokenized: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("WARNING"):
         res = shard_into([(tokenized, 1.0)], tmp_path / "s", seq_len=32, split=(100.0, 0.0, 0.0))

@@ -53,3 +53,30 @@ def test_the_loss_by_position_adds_up_to_the_loss(shards: Path) -> None:
     assert "weights" not in table({**result, "output": "x.json"})
     mean = table({**result, "output": "x.json", "averaged": ["step00000010", "step00000012"]})
     assert "the mean of 2 checkpoints: step00000010, step00000012" in mean and "1 (the newest averaged)" in mean
+
+
+def test_the_loss_by_source_adds_up_to_the_loss(two_sources: Path) -> None:
+    """On a blend of two sources `pipeline evaluate` reports each source's loss, perplexity and bits per byte over
+    its own samples: the sources' tokens and bytes are the total's, their token-weighted loss is the loss and
+    their byte-weighted bits per byte the bits per byte (within 1e-9); the table names both."""
+    from pipeline.data.loader import ShardedDataset
+    from pipeline.data.tokenizer import Tokenizer
+    from pipeline.evaluate.run import perplexity, table
+    from pipeline.model import build_model, resolve_shape
+
+    val = ShardedDataset(two_sources, "val")
+    tok = Tokenizer(val.tokenizer_path)
+    torch.manual_seed(0)
+    model = build_model(resolve_shape("tiny", {}, tok.vocab_size)).eval()
+    got = perplexity(model, val, tok, batch_size=3)
+    sources = got["by_source"]
+    assert [s["source"] for s in sources] == ["first", "second"] and all(s["tokens"] > 0 for s in sources)
+    assert sum(s["tokens"] for s in sources) == got["tokens"] and sum(s["bytes"] for s in sources) == got["bytes"]
+    assert sum(s["loss"] * s["tokens"] for s in sources) / got["tokens"] == pytest.approx(got["loss"], rel=1e-9)
+    assert sum(s["bits_per_byte"] * s["bytes"] for s in sources) / got["bytes"] == pytest.approx(
+        got["bits_per_byte"], rel=1e-9
+    )
+    assert sources[0]["loss"] != pytest.approx(sources[1]["loss"], rel=1e-6)  # two sources, two figures
+    result = {**got, "checkpoint": "c", "step": 1, "consumed_tokens": 1, "split": "val", "samples_generated": []}
+    shown = table({**result, "output": "x.json"})
+    assert "by source" in shown and "first: " in shown and "second: " in shown
