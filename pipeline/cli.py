@@ -192,6 +192,11 @@ def evaluate(launched: bool, **options: Any) -> None:
     if not (where.num_gpus or where.hostfile):
         click.echo(stage.table(stage.run(cfg)))
         return
+    if cfg.baseline:
+        raise PipelineError(
+            "--baseline evaluates the base and the continued model one after the other in one process (--device); "
+            "across GPUs (--num-gpus, --hostfile) it is not built yet: evaluate the base's export separately"
+        )
     from pipeline import launch
 
     click.echo(stage.table(launch.evaluate(cfg, where)))

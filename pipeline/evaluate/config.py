@@ -35,6 +35,9 @@ class EvalConfig:
     """Seeds the sampled continuations."""
     device: str = "auto"
     """cpu, cuda, cuda:1, or auto (cuda when torch sees a GPU)."""
+    baseline: bool = False
+    """Also evaluate the model the run started from (its model.init_from) on the same samples, and report the
+    change in loss in total and by source, each with its standard error (paired over the samples)."""
 
     def __post_init__(self) -> None:
         if problems := field_problems(self):

@@ -103,6 +103,33 @@ def load_model(run: RunFolder, device: torch.device, tok: TokenizerInfo) -> torc
     return model.to(device).eval()  # type: ignore[arg-type]
 
 
+def base_model_path(run: RunFolder) -> Path:
+    """The model the run started from (`model.init_from`), for `--baseline`; one line where there is none."""
+    init_from = (run.config.get("model") or {}).get("init_from")
+    if not init_from:
+        raise PipelineError(
+            f"--baseline: {run.run_dir} has no model.init_from in its config: it trained from scratch, so there is no "
+            "base model to compare with (compare checkpoints instead: evaluate each)"
+        )
+    path = run.path(str(init_from))
+    if not path.exists():
+        raise PipelineError(f"--baseline: the run's model.init_from {init_from} is not here; put it back to compare")
+    return path
+
+
+def load_base_model(run: RunFolder, device: torch.device, tok: TokenizerInfo) -> torch.nn.Module:
+    """The run's base model (`model.init_from`) in the run's model class and shape, as the trainer loaded it at
+    step 0 (a base whose names or shapes differ, another vocabulary among them, is refused in one line)."""
+    from pipeline.train.runtime.weights import load_initial_weights
+
+    path = base_model_path(run)
+    model = build_model(run.shape, skip_init=True, **model_token_ids(tok))
+    load_initial_weights(model, str(path), 0, False)
+    if device.type == "cuda":
+        model.to(torch.bfloat16)
+    return model.to(device).eval()  # type: ignore[arg-type]
+
+
 def device_for(name: str) -> torch.device:
     if name == "auto":
         if problem := unusable_gpu():  # evaluating on the CPU by accident: say why; --device cpu means it
@@ -192,6 +219,8 @@ class Inputs(NamedTuple):
 def open_inputs(cfg: EvalConfig) -> Inputs:
     prompts = _check_arguments(cfg)
     r = open_run(cfg.checkpoint, cfg.average)
+    if cfg.baseline:
+        base_model_path(r)  # before any weight is read
     dataset = _dataset(r, cfg.data, cfg.split)
     tok_path = dataset.tokenizer_path
     if tok_path is None:

@@ -16,7 +16,17 @@ import torch
 from pipeline.atomic import tmp_path_for, write_json
 from pipeline.data.loader import ShardedDataset, collate_samples
 from pipeline.data.tokenizer import Tokenizer
-from pipeline.evaluate.inputs import EvalConfig, Inputs, RunFolder, batch_for_card, device_for, load_model, open_inputs
+from pipeline.evaluate.inputs import (
+    EvalConfig,
+    Inputs,
+    RunFolder,
+    base_model_path,
+    batch_for_card,
+    device_for,
+    load_base_model,
+    load_model,
+    open_inputs,
+)
 
 
 @torch.no_grad()
@@ -30,6 +40,7 @@ def perplexity(
     device: torch.device | None = None,
     rank: int = 0,
     world_size: int = 1,
+    rows: list[tuple[int, float, int]] | None = None,
 ) -> dict[str, Any]:
     """Loss (nats/token), perplexity and bits per byte over the split's samples in order, in total and by source
     (each `pipeline shard` input: a blend's component, a domain); bytes are those of the decoded label tokens, so
@@ -38,7 +49,8 @@ def perplexity(
 
     Across ranks (ZeRO-3, `world_size` > 1) rank r takes batches r, r + W, ...; every rank runs the same number
     of forwards (a rank without a batch in the last round repeats batch 0 and discards it), since each forward
-    gathers parameters collectively; the sums are all-reduced in fp64."""
+    gathers parameters collectively; the sums are all-reduced in fp64. `rows` (one process): each evaluated
+    sample's (source, nats, tokens) appended, in order, for a paired comparison of two models."""
     device = device or torch.device("cpu")
     n = len(dataset)
     batches = math.ceil(n / batch_size) if max_batches is None else min(max_batches, math.ceil(n / batch_size))
@@ -73,14 +85,19 @@ def perplexity(
             sums[4 + 2 * k] += int(counted[lo:hi].sum())
         row_bytes = [len(tokenizer.decode([t for t in row if t >= 0]).encode("utf-8")) for row in labels.tolist()]
         sums[2] += sum(row_bytes)
-        if names and (of := dataset.sources_of(ids)) is not None:
+        if names or rows is not None:
             row_nats = losses.detach().double().cpu().reshape(labels.shape).sum(dim=1).tolist()
             row_tokens = (labels != -100).sum(dim=1).tolist()
-            for src, nats, count, nbytes in zip(of.tolist(), row_nats, row_tokens, row_bytes, strict=True):
-                at = by_source + 3 * src
-                sums[at] += nats
-                sums[at + 1] += count
-                sums[at + 2] += nbytes
+            of = dataset.sources_of(ids) if names else None
+            sources = of.tolist() if of is not None else [0] * len(ids)
+            for src, nats, count, nbytes in zip(sources, row_nats, row_tokens, row_bytes, strict=True):
+                if rows is not None:
+                    rows.append((src, nats, count))
+                if names:
+                    at = by_source + 3 * src
+                    sums[at] += nats
+                    sums[at + 1] += count
+                    sums[at + 2] += nbytes
     if world_size > 1:
         import torch.distributed as dist
 
@@ -202,11 +219,45 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
         inputs.run.shape, dataset.seq_len, cfg.batch_size, device, free, total, dataset.document_masks
     )
     model = load_model(inputs.run, device, dataset.manifest["tokenizer"])
-    metrics = perplexity(model, dataset, inputs.tokenizer, batch_size=batch, max_batches=cfg.max_batches, device=device)
+    rows: list[tuple[int, float, int]] = []
+    kw: dict[str, Any] = {"batch_size": batch, "max_batches": cfg.max_batches, "device": device}
+    metrics = perplexity(model, dataset, inputs.tokenizer, rows=rows, **kw)
     samples = generate(
         model, inputs.tokenizer, inputs.prompts, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, device=device
     )
+    if cfg.baseline:
+        del model
+        base_rows: list[tuple[int, float, int]] = []
+        base = load_base_model(inputs.run, device, dataset.manifest["tokenizer"])
+        against = perplexity(base, dataset, inputs.tokenizer, rows=base_rows, **kw)
+        names = [b["source"] for b in metrics["by_source"]]
+        metrics["baseline"] = {
+            "model": str(base_model_path(inputs.run)),
+            **{k: against[k] for k in ("loss", "perplexity", "bits_per_byte", "by_source", "loss_by_position")},
+        }
+        metrics["change"] = paired_change(rows, base_rows, names)
     return write_result(cfg, inputs, metrics, samples, t0)
+
+
+def paired_change(
+    rows: list[tuple[int, float, int]], base_rows: list[tuple[int, float, int]], names: list[str]
+) -> list[dict[str, Any]]:
+    """The change in loss (nats/token) from the base model to this one over the same samples, in total and by
+    source, each with its standard error: the samples are paired (both models on each), so the noise is that of
+    the per-sample differences, as a ratio estimate (sum of nats over sum of tokens). A change within about two
+    standard errors of 0 is not told from noise."""
+    assert [(s, t) for s, _, t in rows] == [(s, t) for s, _, t in base_rows], "the two models saw other samples"
+    groups = [("total", None)] + [(name, k) for k, name in enumerate(names)]
+    out = []
+    for name, src in groups:
+        pairs = [(n - b, t) for (s, n, t), (_, b, _) in zip(rows, base_rows, strict=True) if src is None or s == src]
+        tokens = sum(t for _, t in pairs)
+        change = sum(d for d, _ in pairs) / max(tokens, 1)
+        count = len(pairs)
+        spread = sum((d - change * t) ** 2 for d, t in pairs)
+        stderr = math.sqrt(count / max(count - 1, 1) * spread) / max(tokens, 1) if count > 1 else float("nan")
+        out.append({"source": name, "loss_change": change, "stderr": stderr, "samples": count, "tokens": tokens})
+    return out
 
 
 def write_result(
@@ -272,6 +323,19 @@ def table(result: dict[str, Any]) -> str:
                     f"{b['source']}: {b['loss']:.4f} ({b['bits_per_byte']:.3f} bpb, {b['tokens']:,} tok)"
                     for b in sources
                 ),
+            )
+        )
+    if base := result.get("baseline"):
+        rows.append(
+            ("base model", f"{base['model']}: loss {base['loss']:.4f}, bits per byte {base['bits_per_byte']:.4f}")
+        )
+        rows.append(
+            (
+                "change from base",
+                "  ".join(
+                    f"{c['source']}: {c['loss_change']:+.4f} ± {c['stderr']:.4f}" for c in result.get("change", [])
+                )
+                + "  (nats/token, ± one standard error over the samples)",
             )
         )
     width = max(len(k) for k, _ in rows)

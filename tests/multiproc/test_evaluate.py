@@ -304,3 +304,69 @@ def test_an_export_into_a_full_disk_is_one_line_naming_it(zero_runs: dict[int, P
         "Nothing half-written was left under a final name"
     ]
     assert not out.exists()
+
+
+def test_a_continuation_on_a_domain_is_compared_with_its_base_by_source_over_the_same_samples(
+    two_sources: Path, tmp_path: Path
+) -> None:
+    """A tiny model continued from a base (`model.init_from`, a safetensors file) on one source of a blend only,
+    the domain ("second"); `pipeline evaluate --baseline --data BLEND` evaluates the base on exactly the samples
+    the continued model was evaluated on: both sources' losses for both models, and the change by source with its
+    standard error: the domain's loss falls by far more than its noise. A run without init_from is one line."""
+    from safetensors.torch import save_model
+
+    from pipeline.data.tokenizer import Tokenizer
+    from pipeline.evaluate.run import table
+    from pipeline.model import build_model, resolve_shape
+    from tests.conftest import shard_into
+
+    tok = Tokenizer(ShardedDataset(two_sources, "val").tokenizer_path)
+    torch.manual_seed(7)
+    base = tmp_path / "base.safetensors"
+    save_model(build_model(resolve_shape("tiny", {}, tok.vocab_size)), str(base))
+    domain = tmp_path / "domain"
+    shard_into([(two_sources.parent / "second", 1.0)], domain, seq_len=32, split=(90.0, 5.0, 5.0))
+    run_dir = tmp_path / "run"
+    cfg = launch.write_config(
+        tmp_path / "c.yaml",
+        run_dir=run_dir,
+        shards=domain,
+        ds_config="zero2.json",
+        steps=12,
+        ckpt_interval=12,
+        model=f"{{preset: tiny, init_from: {base}}}",
+    )
+    out = launch.run(cfg, num_gpus=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = evaluate_run(
+        EvalConfig(
+            checkpoint=str(run_dir), data=str(two_sources), baseline=True, device="cpu", max_new_tokens=0, batch_size=4
+        )
+    )
+    assert [s["source"] for s in result["by_source"]] == ["first", "second"]
+    assert [s["source"] for s in result["baseline"]["by_source"]] == ["first", "second"]
+    change = {c["source"]: c for c in result["change"]}
+    assert set(change) == {"total", "first", "second"}
+    assert change["second"]["samples"] + change["first"]["samples"] == change["total"]["samples"]
+    base_loss = {s["source"]: s["loss"] for s in result["baseline"]["by_source"]}
+    for s in result["by_source"]:  # the change is the continued model's loss less the base's, on the same tokens
+        assert change[s["source"]]["loss_change"] == pytest.approx(s["loss"] - base_loss[s["source"]], abs=1e-9)
+    domain_change = change["second"]
+    assert domain_change["loss_change"] < -4 * domain_change["stderr"] < 0, domain_change
+    assert change["first"]["stderr"] > 0
+    shown = table(result)
+    assert "change from base" in shown and "second: -" in shown and "± one standard error" in shown
+    # no base to compare with: one line, before any weight is read
+    r = CliRunner().invoke(main, ["evaluate", "--checkpoint", str(launch_plain(tmp_path, two_sources)), "--baseline"])
+    assert r.exit_code == 2 and "has no model.init_from in its config: it trained from scratch" in r.output
+
+
+def launch_plain(tmp_path: Path, shards: Path) -> Path:
+    """A 2-step run from scratch (no init_from)."""
+    run_dir = tmp_path / "scratch"
+    cfg = launch.write_config(
+        tmp_path / "s.yaml", run_dir=run_dir, shards=shards, ds_config="zero2.json", steps=2, ckpt_interval=2
+    )
+    out = launch.run(cfg, num_gpus=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir
