@@ -35,6 +35,10 @@ class EvalConfig:
     """Seeds the sampled continuations."""
     device: str = "auto"
     """cpu, cuda, cuda:1, or auto (cuda when torch sees a GPU)."""
+    needle: str | None = None
+    """Prompt lengths in tokens (e.g. 8192,32768) for a needle-in-a-haystack test on the split's own text: each
+    length's share of prompts whose greedy answer is the needle's, and the answer's loss (beside the base's with
+    --baseline)."""
     baseline: bool = False
     """Also evaluate the model the run started from (its model.init_from) on the same samples, and report the
     change in loss in total and by source, each with its standard error (paired over the samples)."""

@@ -221,6 +221,10 @@ def open_inputs(cfg: EvalConfig) -> Inputs:
     r = open_run(cfg.checkpoint, cfg.average)
     if cfg.baseline:
         base_model_path(r)  # before any weight is read
+    if cfg.needle:
+        from pipeline.evaluate.needle import parse_lengths
+
+        parse_lengths(cfg.needle, r.shape.max_seq_len)
     dataset = _dataset(r, cfg.data, cfg.split)
     tok_path = dataset.tokenizer_path
     if tok_path is None:

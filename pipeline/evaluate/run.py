@@ -225,6 +225,13 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     samples = generate(
         model, inputs.tokenizer, inputs.prompts, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, device=device
     )
+    prompts = []
+    if cfg.needle:
+        from pipeline.evaluate.needle import needle_prompts, parse_lengths, score
+
+        lengths = parse_lengths(cfg.needle, inputs.run.shape.max_seq_len)
+        prompts = needle_prompts(dataset, inputs.tokenizer, lengths, seed=cfg.seed)
+        metrics["needle"] = score(model, prompts, device)
     if cfg.baseline:
         del model
         base_rows: list[tuple[int, float, int]] = []
@@ -236,6 +243,8 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
             **{k: against[k] for k in ("loss", "perplexity", "bits_per_byte", "by_source", "loss_by_position")},
         }
         metrics["change"] = paired_change(rows, base_rows, names)
+        if prompts:
+            metrics["baseline"]["needle"] = score(base, prompts, device)
     return write_result(cfg, inputs, metrics, samples, t0)
 
 
@@ -325,7 +334,8 @@ def table(result: dict[str, Any]) -> str:
                 ),
             )
         )
-    if base := result.get("baseline"):
+    base = result.get("baseline")
+    if base:
         rows.append(
             ("base model", f"{base['model']}: loss {base['loss']:.4f}, bits per byte {base['bits_per_byte']:.4f}")
         )
@@ -338,6 +348,17 @@ def table(result: dict[str, Any]) -> str:
                 + "  (nats/token, ± one standard error over the samples)",
             )
         )
+    for who, found in (("needle", result.get("needle")), ("base's needle", (base or {}).get("needle"))):
+        if found:
+            rows.append(
+                (
+                    who,
+                    "  ".join(
+                        f"{_tokens(b['length'])}: found {b['found']:.0%}, answer loss {b['answer_loss']:.3f}"
+                        for b in found["by_length"]
+                    ),
+                )
+            )
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for s in result["samples_generated"]:

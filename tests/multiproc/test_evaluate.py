@@ -312,7 +312,8 @@ def test_a_continuation_on_a_domain_is_compared_with_its_base_by_source_over_the
     """A tiny model continued from a base (`model.init_from`, a safetensors file) on one source of a blend only,
     the domain ("second"); `pipeline evaluate --baseline --data BLEND` evaluates the base on exactly the samples
     the continued model was evaluated on: both sources' losses for both models, and the change by source with its
-    standard error: the domain's loss falls by far more than its noise. A run without init_from is one line."""
+    standard error: the domain's loss falls by far more than its noise; the needle at two lengths for both models.
+    A run without init_from is one line."""
     from safetensors.torch import save_model
 
     from pipeline.data.tokenizer import Tokenizer
@@ -340,9 +341,19 @@ def test_a_continuation_on_a_domain_is_compared_with_its_base_by_source_over_the
     assert out.returncode == 0, out.stderr[-3000:]
     result = evaluate_run(
         EvalConfig(
-            checkpoint=str(run_dir), data=str(two_sources), baseline=True, device="cpu", max_new_tokens=0, batch_size=4
+            checkpoint=str(run_dir),
+            data=str(two_sources),
+            baseline=True,
+            needle="64,128",
+            device="cpu",
+            max_new_tokens=0,
+            batch_size=4,
         )
     )
+    # the needle at two lengths, for both models, on the same prompts
+    for found in (result["needle"], result["baseline"]["needle"]):
+        assert [(b["length"], b["prompts"]) for b in found["by_length"]] == [(64, 3), (128, 3)]
+        assert all(0.0 <= b["found"] <= 1.0 and b["answer_loss"] > 0 for b in found["by_length"])
     assert [s["source"] for s in result["by_source"]] == ["first", "second"]
     assert [s["source"] for s in result["baseline"]["by_source"]] == ["first", "second"]
     change = {c["source"]: c for c in result["change"]}
@@ -356,6 +367,7 @@ def test_a_continuation_on_a_domain_is_compared_with_its_base_by_source_over_the
     assert change["first"]["stderr"] > 0
     shown = table(result)
     assert "change from base" in shown and "second: -" in shown and "± one standard error" in shown
+    assert "needle" in shown and "base's needle" in shown and "128: found " in shown
     # no base to compare with: one line, before any weight is read
     r = CliRunner().invoke(main, ["evaluate", "--checkpoint", str(launch_plain(tmp_path, two_sources)), "--baseline"])
     assert r.exit_code == 2 and "has no model.init_from in its config: it trained from scratch" in r.output
