@@ -203,6 +203,20 @@ def evaluate(launched: bool, **options: Any) -> None:
 
 
 @command()
+@click.argument("run_dir", type=PATH)
+@click.option("--output", type=PATH, default=None, help="The HTML page to write (default RUN_DIR/report.html).")
+def report(run_dir: str, output: str | None) -> None:
+    """One self-contained HTML page for RUN_DIR (inline SVG plots, opens offline) and its figures as JSON beside
+    it: the training curves (loss, each source's validation loss, learning rate, tokens/s, MFU), every evaluation
+    of the run in RUN_DIR/eval (by source, against the base model with --baseline, the needle test), the config
+    and the environment."""
+    from pipeline.evaluate.report import write_report
+
+    page, figures = write_report(run_dir, output)
+    click.echo(f"wrote {page} (figures: {figures})")
+
+
+@command()
 @config_options(ExportConfig)
 def export(**options: Any) -> None:
     """Export a checkpoint (or the mean of several, --average) to a Hugging Face model folder (safetensors,

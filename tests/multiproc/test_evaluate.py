@@ -306,21 +306,16 @@ def test_an_export_into_a_full_disk_is_one_line_naming_it(zero_runs: dict[int, P
     assert not out.exists()
 
 
-def test_a_continuation_on_a_domain_is_compared_with_its_base_by_source_over_the_same_samples(
-    two_sources: Path, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def continued(two_sources: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """A tiny model continued from a base (`model.init_from`, a safetensors file) on one source of a blend only,
-    the domain ("second"); `pipeline evaluate --baseline --data BLEND` evaluates the base on exactly the samples
-    the continued model was evaluated on: both sources' losses for both models, and the change by source with its
-    standard error: the domain's loss falls by far more than its noise; the needle at two lengths for both models.
-    A run without init_from is one line."""
+    the domain ("second"), 12 steps; evaluated with `--baseline --needle 64,128 --data BLEND`: (run, result)."""
     from safetensors.torch import save_model
 
-    from pipeline.data.tokenizer import Tokenizer
-    from pipeline.evaluate.run import table
     from pipeline.model import build_model, resolve_shape
     from tests.conftest import shard_into
 
+    tmp_path = tmp_path_factory.mktemp("continued")
     tok = Tokenizer(ShardedDataset(two_sources, "val").tokenizer_path)
     torch.manual_seed(7)
     base = tmp_path / "base.safetensors"
@@ -337,7 +332,7 @@ def test_a_continuation_on_a_domain_is_compared_with_its_base_by_source_over_the
         ckpt_interval=12,
         model=f"{{preset: tiny, init_from: {base}}}",
     )
-    out = launch.run(cfg, num_gpus=1)
+    out = launch.run(cfg, num_gpus=1, sets=("eval.interval=4",))
     assert out.returncode == 0, out.stderr[-3000:]
     result = evaluate_run(
         EvalConfig(
@@ -350,6 +345,19 @@ def test_a_continuation_on_a_domain_is_compared_with_its_base_by_source_over_the
             batch_size=4,
         )
     )
+    return run_dir, result
+
+
+def test_a_continuation_on_a_domain_is_compared_with_its_base_by_source_over_the_same_samples(
+    continued: tuple[Path, dict], tmp_path: Path, two_sources: Path
+) -> None:
+    """`pipeline evaluate --baseline --data BLEND` on a model continued on one source of the blend evaluates the
+    base on exactly the samples the continued model was evaluated on: both sources' losses for both models, and
+    the change by source with its standard error: the domain's loss falls by far more than its noise; the needle
+    at two lengths for both models. A run without init_from is one line."""
+    from pipeline.evaluate.run import table
+
+    _, result = continued
     # the needle at two lengths, for both models, on the same prompts
     for found in (result["needle"], result["baseline"]["needle"]):
         assert [(b["length"], b["prompts"]) for b in found["by_length"]] == [(64, 3), (128, 3)]
@@ -371,6 +379,61 @@ def test_a_continuation_on_a_domain_is_compared_with_its_base_by_source_over_the
     # no base to compare with: one line, before any weight is read
     r = CliRunner().invoke(main, ["evaluate", "--checkpoint", str(launch_plain(tmp_path, two_sources)), "--baseline"])
     assert r.exit_code == 2 and "has no model.init_from in its config: it trained from scratch" in r.output
+
+
+def test_the_run_report_opens_offline_in_a_browser_with_every_plot_drawn_and_the_jsons_numbers(
+    continued: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """`pipeline report RUN_DIR` on the continued run: one HTML page, checked in a real Chromium (Debian's, driven
+    by Playwright; .ci/run installs it): it loads from a file with no console error and no request beyond it, every
+    plot the JSON lists is drawn (not blank), and each number shown is the JSON's at the precision shown. Not a run
+    folder: one line."""
+    import io
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra: make install")
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does this)")
+    from PIL import Image
+
+    run_dir, _ = continued
+    r = CliRunner().invoke(main, ["report", str(run_dir)])
+    assert r.exit_code == 0, r.output
+    page_path, data = run_dir / "report.html", json.loads((run_dir / "report.json").read_text())
+    assert data["plots"] == ["loss", "learning_rate", "throughput"]  # no MFU on a CPU
+    assert "val_loss/second" not in data["curves"]  # the run's own shards have one source
+    assert len(data["evaluations"]) == 1 and data["evaluations"][0]["baseline"]["needle"]
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking"]
+    flags += ["--disable-component-update", "--disable-sync"]
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=flags)
+        page = browser.new_page()
+        errors: list[str] = []
+        requests: list[str] = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("request", lambda q: requests.append(q.url))
+        page.goto(page_path.as_uri())
+        figures = page.query_selector_all("figure.plot")
+        assert [f.get_attribute("data-plot") for f in figures] == data["plots"]
+        for f in figures:
+            image = Image.open(io.BytesIO(f.screenshot())).convert("L")
+            inked = sum(1 for v in image.tobytes() if v < 200)
+            assert inked > 0.01 * image.width * image.height, f.get_attribute("data-plot")
+        cells = page.query_selector_all("td.num")
+        assert len(cells) > 20
+        for cell in cells:
+            value: object = data
+            for part in (cell.get_attribute("data-key") or "").split("."):
+                value = value[int(part)] if isinstance(value, list) else value[part]  # type: ignore[index]
+            shown = cell.inner_text().replace(",", "")
+            digits = len(shown.split(".")[1]) if "." in shown else 0
+            assert float(shown) == pytest.approx(value, abs=0.51 * 10**-digits), (cell.get_attribute("data-key"), shown)
+        browser.close()
+    assert not errors, errors
+    assert requests == [page_path.as_uri()], requests
+    r = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert r.exit_code == 2 and "no metrics.jsonl: not a training run folder" in r.output
 
 
 def launch_plain(tmp_path: Path, shards: Path) -> Path:
