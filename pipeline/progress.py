@@ -10,7 +10,8 @@ from typing import Any
 class Progress:
     """Tracks bytes (for the bar and ETA) plus named counters shown as rates, e.g. docs/s and tok/s."""
 
-    def __init__(self, total_bytes: int | None, desc: str, enabled: bool | None = None):
+    def __init__(self, total_bytes: int | None, desc: str, enabled: bool | None = None, unit: str = "B"):
+        """`unit`: what the total counts ("B", bytes, by default; "tok" for tokens, shown in thousands)."""
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self.start = time.perf_counter()
         self.counts: dict[str, int] = {}
@@ -22,9 +23,9 @@ class Progress:
             self._bar = tqdm(
                 total=total_bytes,
                 desc=desc,
-                unit="B",
+                unit=unit,
                 unit_scale=True,
-                unit_divisor=1024,
+                unit_divisor=1024 if unit == "B" else 1000,
                 dynamic_ncols=True,
                 file=sys.stderr,
             )

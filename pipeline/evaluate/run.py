@@ -27,6 +27,7 @@ from pipeline.evaluate.inputs import (
     load_model,
     open_inputs,
 )
+from pipeline.progress import Progress
 
 
 @torch.no_grad()
@@ -41,6 +42,7 @@ def perplexity(
     rank: int = 0,
     world_size: int = 1,
     rows: list[tuple[int, float, int]] | None = None,
+    desc: str = "evaluate",
 ) -> dict[str, Any]:
     """Loss (nats/token), perplexity and bits per byte over the split's samples in order, in total and by source
     (each `pipeline shard` input: a blend's component, a domain); bytes are those of the decoded label tokens, so
@@ -60,6 +62,8 @@ def perplexity(
     by_source = 3 + 2 * (len(edges) - 1)  # where the nats, tokens and bytes of each source start
     # nats, tokens, bytes; nats and tokens per bucket; nats, tokens and bytes per source
     sums = [0.0, 0.0, 0.0] + [0.0] * (2 * (len(edges) - 1)) + [0.0] * (3 * len(names))
+    # rate and ETA on a terminal (rank 0's), silent in a log
+    progress = Progress(min(n, batches * batch_size) * seq_len, desc, None if rank == 0 else False, unit="tok")
     for round_start in range(0, batches, world_size):
         b = round_start + rank
         mine = b < batches
@@ -70,6 +74,7 @@ def perplexity(
         losses = model(input_ids=batch["input_ids"].to(device), loss_labels=labels.to(device), **extra)
         if not mine:
             continue
+        progress.update(len(ids) * seq_len * world_size)
         sums[0] += float(losses.double().sum())
         sums[1] += int((labels != -100).sum())
         # nats and counted tokens at each position: in the document where samples hold whole documents
@@ -98,6 +103,7 @@ def perplexity(
                     sums[at] += nats
                     sums[at + 1] += count
                     sums[at + 2] += nbytes
+    progress.close()
     if world_size > 1:
         import torch.distributed as dist
 
@@ -236,7 +242,7 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
         del model
         base_rows: list[tuple[int, float, int]] = []
         base = load_base_model(inputs.run, device, dataset.manifest["tokenizer"])
-        against = perplexity(base, dataset, inputs.tokenizer, rows=base_rows, **kw)
+        against = perplexity(base, dataset, inputs.tokenizer, rows=base_rows, desc="evaluate the base", **kw)
         names = [b["source"] for b in metrics["by_source"]]
         metrics["baseline"] = {
             "model": str(base_model_path(inputs.run)),
