@@ -169,6 +169,9 @@ def _stop(procs: list[subprocess.Popen], env: dict[str, str]) -> None:
 
 
 def submit(script: Path, env: dict[str, str]) -> str:
+    """`sbatch SCRIPT` with `env` exported to the job, and a rendezvous port of this test worker's own (the job's
+    default, derived from its id, could be one another worker's launch holds)."""
+    env = {**env, "MASTER_PORT": str(launch.free_port())}
     out = subprocess.run(["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
