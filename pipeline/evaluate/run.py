@@ -77,32 +77,12 @@ def perplexity(
         progress.update(len(ids) * seq_len * world_size)
         sums[0] += float(losses.double().sum())
         sums[1] += int((labels != -100).sum())
-        # nats and counted tokens at each position: in the document where samples hold whole documents
-        where = batch.get("position_ids", torch.arange(labels.size(1)).expand_as(labels)).reshape(-1)
-        per_position = torch.zeros(labels.size(1), dtype=torch.float64).index_add_(
-            0, where, losses.detach().double().cpu().reshape(-1)
-        )
-        counted = torch.zeros(labels.size(1), dtype=torch.long).index_add_(
-            0, where, (labels != -100).reshape(-1).long()
-        )
-        for k, (lo, hi) in enumerate(itertools.pairwise(edges)):
-            sums[3 + 2 * k] += float(per_position[lo:hi].sum())
-            sums[4 + 2 * k] += int(counted[lo:hi].sum())
+        _add_positions(sums, 3, edges, batch, losses)
         row_bytes = [len(tokenizer.decode([t for t in row if t >= 0]).encode("utf-8")) for row in labels.tolist()]
         sums[2] += sum(row_bytes)
         if names or rows is not None:
-            row_nats = losses.detach().double().cpu().reshape(labels.shape).sum(dim=1).tolist()
-            row_tokens = (labels != -100).sum(dim=1).tolist()
-            of = dataset.sources_of(ids) if names else None
-            sources = of.tolist() if of is not None else [0] * len(ids)
-            for src, nats, count, nbytes in zip(sources, row_nats, row_tokens, row_bytes, strict=True):
-                if rows is not None:
-                    rows.append((src, nats, count))
-                if names:
-                    at = by_source + 3 * src
-                    sums[at] += nats
-                    sums[at + 1] += count
-                    sums[at + 2] += nbytes
+            sources = dataset.sources_of(ids) if names else None
+            _add_rows(sums, by_source if names else None, rows, losses, labels, row_bytes, sources)
     progress.close()
     if world_size > 1:
         import torch.distributed as dist
@@ -125,6 +105,43 @@ def perplexity(
         ],
         "by_source": [_figures(name, *sums[by_source + 3 * k : by_source + 3 * k + 3]) for k, name in enumerate(names)],
     }
+
+
+def _add_positions(sums: list[float], at: int, edges: list[int], batch: dict[str, Any], losses: torch.Tensor) -> None:
+    """Nats and counted tokens by position bucket into `sums[at:]` (pairs): at each token's position in its
+    document where samples hold whole documents."""
+    labels = batch["labels"]
+    where = batch.get("position_ids", torch.arange(labels.size(1)).expand_as(labels)).reshape(-1)
+    per_position = torch.zeros(labels.size(1), dtype=torch.float64).index_add_(
+        0, where, losses.detach().double().cpu().reshape(-1)
+    )
+    counted = torch.zeros(labels.size(1), dtype=torch.long).index_add_(0, where, (labels != -100).reshape(-1).long())
+    for k, (lo, hi) in enumerate(itertools.pairwise(edges)):
+        sums[at + 2 * k] += float(per_position[lo:hi].sum())
+        sums[at + 1 + 2 * k] += int(counted[lo:hi].sum())
+
+
+def _add_rows(
+    sums: list[float],
+    at: int | None,
+    rows: list[tuple[int, float, int]] | None,
+    losses: torch.Tensor,
+    labels: torch.Tensor,
+    row_bytes: list[int],
+    sources: Any,
+) -> None:
+    """Each sample's nats, tokens and bytes: into its source's triple at `sums[at + 3 * source]` (with `at`), and
+    appended to `rows` as (source, nats, tokens) (with `rows`)."""
+    row_nats = losses.detach().double().cpu().reshape(labels.shape).sum(dim=1).tolist()
+    row_tokens = (labels != -100).sum(dim=1).tolist()
+    of = sources.tolist() if sources is not None else [0] * len(row_nats)
+    for src, nats, count, nbytes in zip(of, row_nats, row_tokens, row_bytes, strict=True):
+        if rows is not None:
+            rows.append((src, nats, count))
+        if at is not None:
+            sums[at + 3 * src] += nats
+            sums[at + 3 * src + 1] += count
+            sums[at + 3 * src + 2] += nbytes
 
 
 def _figures(source: str, nats: float, tokens: float, nbytes: float) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from pipeline.train.runtime.ops import use_project_cache
 
 if TYPE_CHECKING:  # the heavy modules are imported where they are used: `pipeline --help` stays fast
     from pipeline.evaluate.inputs import EvalConfig
+    from pipeline.launch.scheduler import NodeWorld
     from pipeline.plan.cluster import Layout
     from pipeline.train.setup.config import PretrainConfig
 
@@ -141,7 +142,7 @@ def pretrain_from_env(
     checkpoint, on whatever nodes the job was given. `nodes`: the nodes the run was planned for; with `min_nodes`
     it goes on with as few, with the same global batch (pipeline.launch.shrink.KeptBatch), else refuses fewer."""
     from pipeline.launch.scheduler import Handshake, from_environment, node_command
-    from pipeline.launch.shrink import KeptBatch, record_hosts
+    from pipeline.launch.shrink import record_hosts
     from pipeline.train.main import describe
     from pipeline.train.preflight import before_launch
     from pipeline.train.runtime.dist import accelerator_name, visible_gpus
@@ -162,23 +163,8 @@ def pretrain_from_env(
     Where(num_gpus=world.per_node).check_local_gpus()
     sets = list(sets)
     if world.nnodes < planned:  # a job started or requeued on fewer nodes: the run's batch kept
-        whole = prepare(cfg, planned * world.per_node, world.per_node).plan
-        kept = KeptBatch(
-            global_batch=whole.global_batch_size,
-            micro_batch=whole.micro_batch_size,
-            sequence_parallel=whole.sequence_parallel,
-            seq_len=whole.seq_len,
-            in_tokens=cfg.batch.global_batch_tokens is not None,
-        )
-        fix = f"Ask the scheduler for {planned} nodes"
-        sets += kept.sets(world.world_size, f"the {world.nnodes} node(s) of {world.source}", fix)
+        sets += _kept_batch_sets(cfg, world, planned, fewest)
         cfg = load(config_path, sets)
-        click.echo(
-            f"{world.source} has {world.nnodes} of the {planned} nodes the run was planned for (--min-nodes "
-            f"{fewest}): going on with {world.world_size} ranks{kept.said(world.world_size)}, from the latest "
-            "complete checkpoint",
-            err=True,
-        )
     prepared = prepare(cfg, world.world_size, world.per_node)
     handshake = Handshake(Path(cfg.run_dir), world)
     if world.node_rank == 0:
@@ -208,6 +194,31 @@ def pretrain_from_env(
     click.echo("+ " + " ".join(a if not a.startswith("--world_info=") else "--world_info=..." for a in cmd), err=True)
     log = "launch.log" if world.node_rank == 0 else f"launch-node{world.node_rank}.log"
     return run_with_restarts(cmd, 0, Path(cfg.run_dir), log_name=log)
+
+
+def _kept_batch_sets(cfg: PretrainConfig, world: NodeWorld, planned: int, fewest: int) -> list[str]:
+    """The `--set`s that keep the run's global batch (planned for `planned` nodes) on the fewer nodes of `world`
+    (pipeline.launch.shrink.KeptBatch), said on the terminal."""
+    from pipeline.launch.shrink import KeptBatch
+    from pipeline.train.setup.prepare import prepare
+
+    whole = prepare(cfg, planned * world.per_node, world.per_node).plan
+    kept = KeptBatch(
+        global_batch=whole.global_batch_size,
+        micro_batch=whole.micro_batch_size,
+        sequence_parallel=whole.sequence_parallel,
+        seq_len=whole.seq_len,
+        in_tokens=cfg.batch.global_batch_tokens is not None,
+    )
+    fix = f"Ask the scheduler for {planned} nodes"
+    sets = kept.sets(world.world_size, f"the {world.nnodes} node(s) of {world.source}", fix)
+    click.echo(
+        f"{world.source} has {world.nnodes} of the {planned} nodes the run was planned for (--min-nodes "
+        f"{fewest}): going on with {world.world_size} ranks{kept.said(world.world_size)}, from the latest "
+        "complete checkpoint",
+        err=True,
+    )
+    return sets
 
 
 def write_job_script(
